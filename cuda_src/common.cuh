@@ -1,0 +1,196 @@
+// common.cuh: memory-order helpers, the one spin-wait helper (with timeout and diagnostics), warp and
+// bf16 utilities. Included by every kernel file; it needs no CUDA header, so NVRTC compiles it alone.
+#pragma once
+
+namespace ep {
+
+constexpr int kWarpSize = 32;
+constexpr int kMaxNvlRanks = 8;          // ranks of one NVLink domain (mirrors config.MAX_NVL_RANKS)
+constexpr int kMaxLocalExperts = 1024;   // experts per rank (mirrors config.MAX_LOCAL_EXPERTS)
+constexpr int kMaxTopk = 32;             // mirrors config.MAX_TOPK
+
+// ---------------------------------------------------------------------------------------------------
+// Diagnostics: who waited for what. Python (cupy_ep/buffer.py) names the numbers.
+// ---------------------------------------------------------------------------------------------------
+enum KernelId : int {
+    kKernelLayout = 1, kKernelNotifyDispatch = 2, kKernelCachedNotifyDispatch = 3, kKernelDispatch = 4,
+    kKernelCachedNotifyCombine = 5, kKernelCombine = 6, kKernelBarrier = 7,
+};
+enum Role : int { kRoleBarrier = 0, kRoleSender = 1, kRoleReceiver = 2, kRoleNotify = 3 };
+
+// Written once (by the first thread that times out) into host-mapped memory; the host turns it into
+// cupy_ep.CommTimeoutError. Layout mirrored by buffer.py (_RECORD_FIELDS).
+struct TimeoutRecord {
+    int flag;  // 0: nothing happened; 1: record valid
+    int rank, kernel, role, channel, peer;
+    long long head, tail, expected, elapsed_ns;
+};
+
+// Per-buffer context in device memory, filled once by the host.
+struct DeviceCtx {
+    unsigned long long timeout_ns;
+    TimeoutRecord* record;  // host-mapped
+    int* abort_flag;        // device memory: set by the first timeout; every later wait gives up at once
+    int rank;
+    int num_ranks;
+};
+
+struct WaitSite {
+    int kernel, role, channel, peer;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Memory-order helpers. Peer-written data is never read with ld.global.nc (its cache is not coherent
+// with NVLink writes); use ld_volatile*/ld_acquire_* for it. ld_nc_v4 is for this rank's own inputs only.
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+    int v;
+    asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int ld_relaxed_sys(const int* p) {
+    int v;
+    asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int ld_volatile(const int* p) {
+    int v;
+    asm volatile("ld.volatile.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ float ld_volatile(const float* p) {
+    float v;
+    asm volatile("ld.volatile.global.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int4 ld_volatile_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+    asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys(int* p, int v) {
+    asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_volatile(int* p, int v) {
+    asm volatile("st.volatile.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Named barrier for a group of warps (id 0 is __syncthreads).
+__device__ __forceinline__ void group_sync(int id, int num_threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The one spin-wait helper. Spins until done() is true; returns false on timeout or when another wait
+// of this buffer already timed out (abort flag), after writing the diagnostic record once. Callers must
+// then leave their loops together (share the result through shared memory / a barrier).
+// observe(head, tail, expected) fills the record's numbers; it is only called on failure.
+// ---------------------------------------------------------------------------------------------------
+template <typename Done, typename Observe>
+__device__ __forceinline__ bool wait_until(const DeviceCtx* ctx, WaitSite site, Done done, Observe observe) {
+    if (done()) return true;
+    const unsigned long long start = globaltimer_ns();
+    for (unsigned iter = 1;; ++iter) {
+        if (done()) return true;
+        if ((iter & 63) == 0) {
+            const unsigned long long elapsed = globaltimer_ns() - start;
+            const bool aborted = ld_volatile(ctx->abort_flag) != 0;
+            if (aborted || elapsed > ctx->timeout_ns) {
+                if (!aborted && atomicCAS(ctx->abort_flag, 0, 1) == 0) {
+                    long long head = -1, tail = -1, expected = -1;
+                    observe(head, tail, expected);
+                    TimeoutRecord* r = ctx->record;
+                    r->rank = ctx->rank; r->kernel = site.kernel; r->role = site.role;
+                    r->channel = site.channel; r->peer = site.peer;
+                    r->head = head; r->tail = tail; r->expected = expected;
+                    r->elapsed_ns = (long long)elapsed;
+                    __threadfence_system();
+                    st_volatile(&r->flag, 1);
+                    __threadfence_system();
+                }
+                return false;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Warp helpers
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
+
+__device__ __forceinline__ int warp_reduce_sum(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ int warp_reduce_max(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Lane index of the n-th (0-based) set bit of mask (n < popc(mask)).
+__device__ __forceinline__ int nth_set_bit(unsigned mask, int n) {
+    for (int i = 0; i < n; ++i) mask &= mask - 1u;
+    return __ffs(mask) - 1;
+}
+
+// Contiguous token range of a channel: blocks of ceil(T / C) (mirrors reference.channel_ranges).
+__device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int channel, int& begin, int& end) {
+    const int per = (num_tokens + num_channels - 1) / num_channels;
+    begin = min(per * channel, num_tokens);
+    end = min(begin + per, num_tokens);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// bf16 <-> fp32 without cuda_bf16.h (round to nearest even; NaN -> quiet NaN with its sign, like ml_dtypes)
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float bf16_lo(unsigned int pair) { return __uint_as_float(pair << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned int pair) { return __uint_as_float(pair & 0xffff0000u); }
+__device__ __forceinline__ unsigned int float_to_bf16_bits(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) & 0x8000u) | 0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return u >> 16;
+}
+__device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
+    return float_to_bf16_bits(lo) | (float_to_bf16_bits(hi) << 16);
+}
+__device__ __forceinline__ void accumulate_bf16x8(float (&acc)[8], int4 v) {
+    const unsigned int w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] += bf16_lo(w[i]);
+        acc[2 * i + 1] += bf16_hi(w[i]);
+    }
+}
+
+}  // namespace ep

@@ -1,0 +1,546 @@
+// intranode.cu: the normal (high-throughput) path inside one NVLink domain, over CUDA-IPC buffers.
+//
+// Kernels (all templated on kNumRanks, 2..8):
+//   barrier               all ranks meet (signal counters in every rank's buffer)
+//   notify_dispatch       count exchange -> rank/channel prefix matrices, per-expert counts to the host
+//   cached_notify_dispatch  reuse a handle: only reset the rings
+//   dispatch              channels = SM pairs: even block sends channel c, odd block receives it
+//   cached_notify_combine reset the combine rings
+//   combine               reverse direction, reduced on the token's owner
+//   carve_probe           writes the layout sums (tests compare them with cupy_ep/config.py)
+//
+// Flow control per (channel, peer) ring: the producer waits until Q - (tail - head) >= chunk, writes
+// the payload, then publishes tail with a release store; the consumer acquires tail, reads, returns head.
+#include "common.cuh"
+#include "buffer.cuh"
+
+namespace ep {
+
+// Warps of a dispatch/combine block, grouped per peer rank (24 warps, or the largest multiple of R below).
+template <int kNumRanks>
+struct Groups {
+    static constexpr int kWarpsPerRank = 24 / kNumRanks;
+    static constexpr int kWarps = kWarpsPerRank * kNumRanks;
+    static constexpr int kThreads = kWarps * kWarpSize;
+    static constexpr int kThreadsPerRank = kWarpsPerRank * kWarpSize;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// barrier: thread i < R adds 1 to its own slot i and subtracts 1 from peer i's slot `rank`; slot i then
+// reads (my arrivals - i's arrivals), and we wait until it is <= 0. Reusable without any reset.
+// Returns false (for the whole block) if the wait timed out.
+// ---------------------------------------------------------------------------------------------------
+template <int kNumRanks>
+__device__ bool barrier_block(void** buffer_ptrs, int rank, const DeviceCtx* ctx, int kernel) {
+    __syncthreads();
+    bool ok = true;
+    const int i = threadIdx.x;
+    if (i < kNumRanks) {
+        fence_acq_rel_sys();  // everything this block wrote before is visible to the peers
+        int* mine = barrier_signals(buffer_ptrs[rank]) + i;
+        atomicAdd_system(mine, 1);
+        atomicSub_system(barrier_signals(buffer_ptrs[i]) + rank, 1);
+        ok = wait_until(ctx, WaitSite{kernel, kRoleBarrier, -1, i}, [&] { return ld_volatile(mine) <= 0; },
+                        [&](long long& head, long long& tail, long long& expected) {
+                            head = ld_volatile(mine);
+                            expected = 0;
+                        });
+        fence_acq_rel_sys();
+    }
+    return __syncthreads_and(ok) != 0;
+}
+
+template <int kNumRanks>
+__global__ void barrier(void** buffer_ptrs, int rank, const DeviceCtx* ctx) {
+    barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kKernelBarrier);
+}
+
+__device__ __forceinline__ void zero_ints(int* p, long long n) {
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) p[i] = 0;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// notify_dispatch: grid 1 + R blocks of 128 threads.
+// Block 0: barrier; write my row of token counts and my per-expert counts into every peer; barrier;
+//   prefix over sources -> rank_prefix_matrix; aligned per-expert sums and the receive count -> host;
+//   zero my dispatch ring meta; barrier.
+// Block 1 + dst: channel_prefix_matrix[dst][c] = inclusive prefix over channels of my tokens to dst.
+// ---------------------------------------------------------------------------------------------------
+template <int kNumRanks>
+__global__ void notify_dispatch(const int* num_tokens_per_rank, const int* num_tokens_per_expert,
+                                int num_experts, const bool* is_token_in_rank, int num_tokens, int num_channels,
+                                int expert_alignment, int* rank_prefix_matrix, int* channel_prefix_matrix,
+                                int* host_recv_counter, int* host_expert_counters, void** buffer_ptrs,
+                                int rank, int num_slots, int hidden_int4, int num_topk, int num_scales,
+                                const DeviceCtx* ctx) {
+    if (blockIdx.x == 0) {
+        const NotifyArea notify;
+        const int experts_per_rank = num_experts / kNumRanks;
+        if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kKernelNotifyDispatch)) return;
+        for (int i = threadIdx.x; i < kNumRanks * kNumRanks; i += blockDim.x) {
+            const int peer = i / kNumRanks, dst = i % kNumRanks;
+            notify.rank_matrix.on(buffer_ptrs[peer])[rank * kNumRanks + dst] = num_tokens_per_rank[dst];
+        }
+        for (int i = threadIdx.x; i < num_experts; i += blockDim.x) {
+            const int peer = i / experts_per_rank, e = i % experts_per_rank;
+            notify.expert_counts.on(buffer_ptrs[peer])[rank * kMaxLocalExperts + e] = num_tokens_per_expert[i];
+        }
+        if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kKernelNotifyDispatch)) return;
+
+        void* mine = buffer_ptrs[rank];
+        const int* matrix = notify.rank_matrix.on(mine);
+        if (threadIdx.x < kNumRanks) {
+            const int dst = threadIdx.x;
+            int sum = 0;
+            for (int src = 0; src < kNumRanks; ++src) {
+                sum += ld_volatile(&matrix[src * kNumRanks + dst]);
+                rank_prefix_matrix[src * kNumRanks + dst] = sum;
+            }
+        }
+        if (host_expert_counters != nullptr) {
+            const int* counts = notify.expert_counts.on(mine);
+            for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
+                int sum = 0;
+                for (int src = 0; src < kNumRanks; ++src) sum += ld_volatile(&counts[src * kMaxLocalExperts + e]);
+                host_expert_counters[e] = (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
+            }
+        }
+        const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
+        zero_ints(at_offset<int>(mine, layout.begin), (layout.meta_end - layout.begin) / 4);
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0 && host_recv_counter != nullptr) {
+            int total = 0;
+            for (int src = 0; src < kNumRanks; ++src) total += ld_volatile(&matrix[src * kNumRanks + rank]);
+            st_volatile(host_recv_counter, total);
+            __threadfence_system();
+        }
+        barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kKernelNotifyDispatch);
+    } else {
+        const int dst = blockIdx.x - 1;
+        const int num_warps = blockDim.x / kWarpSize;
+        for (int c = warp_id(); c < num_channels; c += num_warps) {
+            int begin, end;
+            channel_range(num_tokens, num_channels, c, begin, end);
+            int count = 0;
+            for (int t = begin + lane_id(); t < end; t += kWarpSize)
+                count += is_token_in_rank[(long long)t * kNumRanks + dst];
+            count = warp_reduce_sum(count);
+            if (lane_id() == 0) channel_prefix_matrix[dst * num_channels + c] = count;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int c = 1; c < num_channels; ++c)
+                channel_prefix_matrix[dst * num_channels + c] += channel_prefix_matrix[dst * num_channels + c - 1];
+        }
+    }
+}
+
+// Zero a layout's ring meta (start/end/head/tail) in my buffer between two barriers.
+template <int kNumRanks>
+__device__ void reset_rings(void** buffer_ptrs, int rank, long long begin, long long meta_end,
+                            const DeviceCtx* ctx, int kernel) {
+    if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kernel)) return;
+    zero_ints(at_offset<int>(buffer_ptrs[rank], begin), (meta_end - begin) / 4);
+    barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kernel);
+}
+
+template <int kNumRanks>
+__global__ void cached_notify_dispatch(void** buffer_ptrs, int rank, int num_channels, int num_slots,
+                                       int hidden_int4, int num_topk, int num_scales, const DeviceCtx* ctx) {
+    const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
+    reset_rings<kNumRanks>(buffer_ptrs, rank, layout.begin, layout.meta_end, ctx, kKernelCachedNotifyDispatch);
+}
+
+template <int kNumRanks>
+__global__ void cached_notify_combine(void** buffer_ptrs, int rank, int num_channels, int num_slots,
+                                      int hidden_int4, int num_topk, const DeviceCtx* ctx) {
+    const CombineLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk);
+    reset_rings<kNumRanks>(buffer_ptrs, rank, layout.begin, layout.meta_end, ctx, kKernelCachedNotifyCombine);
+}
+
+// Copy one row of int4 with a warp: several independent loads in flight before the stores.
+template <bool kSrcVolatile>
+__device__ __forceinline__ void warp_copy_row(int4* dst, const int4* src, int n) {
+    constexpr int kUnroll = 6;  // 6 x 16 B in flight per lane: the copy is load-latency bound
+    int i = lane_id();
+    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            v[u] = kSrcVolatile ? ld_volatile_v4(src + i + u * kWarpSize) : ld_nc_v4(src + i + u * kWarpSize);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) dst[i + u * kWarpSize] = v[u];
+    }
+    for (; i < n; i += kWarpSize) dst[i] = kSrcVolatile ? ld_volatile_v4(src + i) : ld_nc_v4(src + i);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// dispatch: grid 2C, Groups<R>::kThreads threads. Even block = sender of channel blockIdx/2, odd block =
+// its receiver. Warps are grouped per peer rank (destination for senders, source for receivers).
+// ---------------------------------------------------------------------------------------------------
+template <int kNumRanks, typename IdxT>
+__global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
+dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights,
+         int* recv_channel_prefix_matrix, int* send_head,
+         const int4* x, const float* x_scales, const IdxT* topk_idx, const float* topk_weights,
+         const bool* is_token_in_rank, const int* channel_prefix_matrix, const int* rank_prefix_matrix,
+         int num_tokens, int num_worst_tokens, int hidden_int4, int num_topk, int num_experts, int num_scales,
+         long long scale_token_stride, long long scale_hidden_stride,
+         void** buffer_ptrs, int rank, int num_max_send_tokens, int num_slots, const DeviceCtx* ctx) {
+    using G = Groups<kNumRanks>;
+    const int num_channels = gridDim.x / 2;
+    const int channel = blockIdx.x / 2;
+    const bool is_sender = (blockIdx.x % 2) == 0;
+    const int peer = warp_id() / G::kWarpsPerRank;       // destination (sender) or source (receiver)
+    const int warp_in_group = warp_id() % G::kWarpsPerRank;
+    const bool leader = warp_in_group == 0 && lane_id() == 0;
+    const int bar_id = 1 + peer;
+    __shared__ int s_value[kNumRanks];
+    __shared__ int s_abort[kNumRanks];
+    __shared__ int s_start[kNumRanks];
+    __shared__ int s_count[kNumRanks];
+
+    const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
+    if (is_sender) {
+        void* dst_base = buffer_ptrs[peer];
+        int* tail_ptr = layout.tail.on(dst_base, channel, rank);
+        const int* head_ptr = layout.head.on(dst_base, channel, rank);
+        int4* ring_x = layout.x.on(dst_base, channel, rank);
+        int* ring_src = layout.src_idx.on(dst_base, channel, rank);
+        int* ring_topk = layout.topk_idx.on(dst_base, channel, rank);
+        float* ring_weights = layout.topk_weights.on(dst_base, channel, rank);
+        float* ring_scales = layout.scales.on(dst_base, channel, rank);
+        const int experts_per_rank = num_experts / kNumRanks;
+        int begin, end;
+        channel_range(num_tokens, num_channels, channel, begin, end);
+
+        if (leader) {  // -v-1 so that 0 keeps meaning "not written yet"
+            const int prev = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
+            st_relaxed_sys(layout.start.on(dst_base, channel, rank), -prev - 1);
+            st_relaxed_sys(layout.end.on(dst_base, channel, rank), -channel_prefix_matrix[peer * num_channels + channel] - 1);
+        }
+        // Tokens are scanned in windows of 32: one coalesced load + ballot gives the window's selected
+        // tokens and their ring counters; the k-th selected token goes to warp (counter % warps).
+        int cached_tail = 0, cached_head = 0, published = 0;  // cached_head: leader only
+        for (int w0 = begin, window = 0; w0 < end; w0 += kWarpSize, ++window) {
+            if (leader) {
+                bool ok = true;
+                if (num_slots - (cached_tail - cached_head) < kWarpSize) {
+                    ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleSender, channel, peer},
+                                    [&] {
+                                        cached_head = ld_volatile(head_ptr);
+                                        return num_slots - (cached_tail - cached_head) >= kWarpSize;
+                                    },
+                                    [&](long long& h, long long& tl, long long& ex) {
+                                        h = cached_head; tl = cached_tail; ex = kWarpSize;
+                                    });
+                }
+                s_abort[peer] = !ok;
+            }
+            group_sync(bar_id, G::kThreadsPerRank);
+            if (s_abort[peer]) break;
+            const int t_lane = w0 + lane_id();
+            const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + peer];
+            const unsigned mask = __ballot_sync(0xffffffffu, selected);
+            const int num_selected = __popc(mask);
+            if (send_head != nullptr && window % G::kWarpsPerRank == warp_in_group && t_lane < end)
+                send_head[(long long)t_lane * kNumRanks + peer] =
+                    selected ? cached_tail + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
+            int j = (warp_in_group - cached_tail % G::kWarpsPerRank + G::kWarpsPerRank) % G::kWarpsPerRank;
+            for (; j < num_selected; j += G::kWarpsPerRank) {
+                const int t = w0 + nth_set_bit(mask, j);
+                const int slot = (cached_tail + j) % num_slots;
+                warp_copy_row<false>(ring_x + (long long)slot * hidden_int4, x + (long long)t * hidden_int4,
+                                     hidden_int4);
+                if (lane_id() == 0) ring_src[slot] = t;
+                if (topk_idx != nullptr) {
+                    for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+                        const long long e = (long long)topk_idx[(long long)t * num_topk + k];
+                        const long long local = e - (long long)peer * experts_per_rank;
+                        const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
+                        ring_topk[slot * num_topk + k] = owned ? (int)local : -1;
+                        ring_weights[slot * num_topk + k] =
+                            owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
+                    }
+                }
+                for (int i = lane_id(); i < num_scales; i += kWarpSize)
+                    ring_scales[slot * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
+            }
+            cached_tail += num_selected;
+            // Publish once a chunk has accumulated (and at the end): all warps of the group wrote their rows.
+            if (cached_tail - published >= num_max_send_tokens || w0 + kWarpSize >= end) {
+                group_sync(bar_id, G::kThreadsPerRank);
+                if (leader) st_release_sys(tail_ptr, cached_tail);
+                published = cached_tail;
+            }
+        }
+    } else {
+        void* mine = buffer_ptrs[rank];
+        int* start_ptr = layout.start.on(mine, channel, peer);
+        int* end_ptr = layout.end.on(mine, channel, peer);
+        int* head_ptr = layout.head.on(mine, channel, peer);
+        const int* tail_ptr = layout.tail.on(mine, channel, peer);
+        const int4* ring_x = layout.x.on(mine, channel, peer);
+        const int* ring_src = layout.src_idx.on(mine, channel, peer);
+        const int* ring_topk = layout.topk_idx.on(mine, channel, peer);
+        const float* ring_weights = layout.topk_weights.on(mine, channel, peer);
+        const float* ring_scales = layout.scales.on(mine, channel, peer);
+
+        if (leader) {
+            int start = 0, stop = 0;
+            const bool ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
+                                       [&] {
+                                           start = ld_volatile(start_ptr);
+                                           stop = ld_volatile(end_ptr);
+                                           return start != 0 && stop != 0;
+                                       },
+                                       [&](long long& h, long long& tl, long long& ex) {
+                                           h = start; tl = stop; ex = -1;
+                                       });
+            s_abort[peer] = !ok;
+            s_start[peer] = -start - 1;
+            s_count[peer] = (-stop - 1) - (-start - 1);
+            if (ok && recv_channel_prefix_matrix != nullptr)
+                recv_channel_prefix_matrix[peer * num_channels + channel] = -start - 1;
+        }
+        group_sync(bar_id, G::kThreadsPerRank);
+        const bool aborted = s_abort[peer];
+        const int num_to_recv = s_count[peer];
+        int row = (peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + rank] : 0) + s_start[peer];
+        group_sync(bar_id, G::kThreadsPerRank);  // everyone has read s_abort before the leader reuses it
+        if (!aborted) {
+            int cached_head = 0;
+            while (cached_head < num_to_recv) {
+                if (leader) {
+                    int tail = cached_head;
+                    const bool ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
+                                               [&] { return (tail = ld_acquire_sys(tail_ptr)) != cached_head; },
+                                               [&](long long& h, long long& tl, long long& ex) {
+                                                   h = cached_head; tl = tail; ex = num_to_recv;
+                                               });
+                    s_abort[peer] = !ok;
+                    s_value[peer] = tail;
+                }
+                group_sync(bar_id, G::kThreadsPerRank);
+                if (s_abort[peer]) break;
+                const int tail = s_value[peer];
+                for (int i = warp_in_group; i < tail - cached_head; i += G::kWarpsPerRank) {
+                    const int slot = (cached_head + i) % num_slots;
+                    const long long out = row + i;
+                    warp_copy_row<true>(recv_x + out * hidden_int4, ring_x + (long long)slot * hidden_int4,
+                                        hidden_int4);
+                    if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = ld_volatile(&ring_src[slot]);
+                    if (recv_topk_idx != nullptr) {
+                        for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+                            recv_topk_idx[out * num_topk + k] = (IdxT)ld_volatile(&ring_topk[slot * num_topk + k]);
+                            recv_topk_weights[out * num_topk + k] = ld_volatile(&ring_weights[slot * num_topk + k]);
+                        }
+                    }
+                    for (int s = lane_id(); s < num_scales; s += kWarpSize)
+                        recv_x_scales[out * num_scales + s] = ld_volatile(&ring_scales[slot * num_scales + s]);
+                }
+                row += tail - cached_head;
+                cached_head = tail;
+                group_sync(bar_id, G::kThreadsPerRank);  // all reads of the slots are done
+                if (leader) st_release_sys(head_ptr, cached_head);
+            }
+        }
+    }
+
+    // num_worst_tokens: rows past the real count carry recv_topk_idx = -1 (the rest is left as is).
+    if (num_worst_tokens > 0 && recv_topk_idx != nullptr) {
+        const long long num_recv = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + rank];
+        const long long stride = (long long)gridDim.x * blockDim.x;
+        for (long long i = num_recv * num_topk + (long long)blockIdx.x * blockDim.x + threadIdx.x;
+             i < (long long)num_worst_tokens * num_topk; i += stride)
+            recv_topk_idx[i] = (IdxT)-1;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// combine: grid 2C, Groups<R>::kThreads threads. Even block c = sender: for every token owner `peer`,
+// the rows of x that came from peer in channel c go, in order, into peer's ring (c, rank); their ring
+// counters are exactly the owner's send_head values. Odd block c = receiver on the owner: batches of
+// tokens of channel c; wait until every ring holds the batch's rows, reduce in fp32 (0 + bias0 + bias1 +
+// contributions in ascending rank order: deterministic), round once to bf16, release the slots.
+// ---------------------------------------------------------------------------------------------------
+constexpr int kCombineTokensPerWarp = 2;
+
+template <int kNumRanks>
+__global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
+combine(int4* combined_x, float* combined_topk_weights, const int4* x, const float* topk_weights,
+        const int4* bias0, const int4* bias1, const int* rank_prefix_matrix,
+        const int* recv_channel_prefix_matrix, const int* send_head, int num_tokens, int hidden_int4,
+        int num_topk, void** buffer_ptrs, int rank, int num_max_send_tokens, int num_slots,
+        const DeviceCtx* ctx) {
+    using G = Groups<kNumRanks>;
+    const int num_channels = gridDim.x / 2;
+    const int channel = blockIdx.x / 2;
+    const bool is_sender = (blockIdx.x % 2) == 0;
+    const CombineLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk);
+    __shared__ int s_abort[kNumRanks];
+    __shared__ int s_need[kNumRanks];
+    __shared__ int s_slot[Groups<kNumRanks>::kWarps][kNumRanks];
+
+    if (is_sender) {
+        const int peer = warp_id() / G::kWarpsPerRank;
+        const int warp_in_group = warp_id() % G::kWarpsPerRank;
+        const bool leader = warp_in_group == 0 && lane_id() == 0;
+        const int bar_id = 1 + peer;
+        void* dst_base = buffer_ptrs[peer];
+        int* tail_ptr = layout.tail.on(dst_base, channel, rank);
+        const int* head_ptr = layout.head.on(dst_base, channel, rank);
+        int4* ring_x = layout.x.on(dst_base, channel, rank);
+        float* ring_weights = layout.topk_weights.on(dst_base, channel, rank);
+
+        const int block_begin = peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + rank] : 0;
+        const int row_begin = block_begin + recv_channel_prefix_matrix[peer * num_channels + channel];
+        const int row_end = channel + 1 < num_channels
+                                ? block_begin + recv_channel_prefix_matrix[peer * num_channels + channel + 1]
+                                : rank_prefix_matrix[peer * kNumRanks + rank];
+        int cached_tail = 0, cached_head = 0;
+        for (int row = row_begin; row < row_end;) {
+            const int n = min(num_max_send_tokens, row_end - row);
+            if (leader) {
+                bool ok = true;
+                if (num_slots - (cached_tail - cached_head) < n) {
+                    ok = wait_until(ctx, WaitSite{kKernelCombine, kRoleSender, channel, peer},
+                                    [&] {
+                                        cached_head = ld_volatile(head_ptr);
+                                        return num_slots - (cached_tail - cached_head) >= n;
+                                    },
+                                    [&](long long& h, long long& tl, long long& ex) {
+                                        h = cached_head; tl = cached_tail; ex = n;
+                                    });
+                }
+                s_abort[peer] = !ok;
+            }
+            group_sync(bar_id, G::kThreadsPerRank);
+            if (s_abort[peer]) break;
+            for (int i = warp_in_group; i < n; i += G::kWarpsPerRank) {
+                const int slot = (cached_tail + i) % num_slots;
+                warp_copy_row<false>(ring_x + (long long)slot * hidden_int4, x + (long long)(row + i) * hidden_int4,
+                                     hidden_int4);
+                if (topk_weights != nullptr)
+                    for (int k = lane_id(); k < num_topk; k += kWarpSize)
+                        ring_weights[slot * num_topk + k] = topk_weights[(long long)(row + i) * num_topk + k];
+            }
+            cached_tail += n;
+            row += n;
+            group_sync(bar_id, G::kThreadsPerRank);
+            if (leader) st_release_sys(tail_ptr, cached_tail);
+        }
+    } else {
+        void* mine = buffer_ptrs[rank];
+        int begin, end;
+        channel_range(num_tokens, num_channels, channel, begin, end);
+        const int batch = G::kWarps * kCombineTokensPerWarp;
+        int released = 0;  // thread r < R: slots of ring r already handed back
+        for (int b = begin; b < end; b += batch) {
+            const int b_end = min(b + batch, end);
+            // Thread r < R: the ring counter the batch needs, then wait for it.
+            bool ok = true;
+            if (threadIdx.x < kNumRanks) {
+                const int r = threadIdx.x;
+                int need = 0;
+                for (int t = b; t < b_end; ++t) need = max(need, send_head[(long long)t * kNumRanks + r] + 1);
+                s_need[r] = need;
+                if (need > 0) {
+                    const int* tail_ptr = layout.tail.on(mine, channel, r);
+                    int tail = 0;
+                    ok = wait_until(ctx, WaitSite{kKernelCombine, kRoleReceiver, channel, r},
+                                    [&] { return (tail = ld_acquire_sys(tail_ptr)) >= need; },
+                                    [&](long long& h, long long& tl, long long& ex) {
+                                        h = released; tl = tail; ex = need;
+                                    });
+                }
+            }
+            if (!__syncthreads_and(ok)) break;
+            for (int t = b + warp_id(); t < b_end; t += G::kWarps) {
+                // This token's slot in every source ring (-1: not sent there), kept in shared memory to
+                // leave the registers to the loads in flight.
+                volatile int* slot = s_slot[warp_id()];
+                if (lane_id() < kNumRanks) {
+                    const int h = send_head[(long long)t * kNumRanks + lane_id()];
+                    slot[lane_id()] = h >= 0 ? h % num_slots : -1;
+                }
+                __syncwarp();
+                int4* out = combined_x + (long long)t * hidden_int4;
+                // kUnroll int4 columns x kRankBatch sources in flight per lane before any arithmetic; sources
+                // are still added in ascending rank order (deterministic).
+                constexpr int kRankBatch = kNumRanks < 4 ? kNumRanks : 4;
+                constexpr int kUnroll = kNumRanks >= 3 ? 1 : 2;
+                for (int i0 = lane_id(); i0 < hidden_int4; i0 += kWarpSize * kUnroll) {
+                    float acc[kUnroll][8];
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const int i = i0 + u * kWarpSize;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
+                        if (i >= hidden_int4) continue;
+                        if (bias0 != nullptr) accumulate_bf16x8(acc[u], ld_nc_v4(bias0 + (long long)t * hidden_int4 + i));
+                        if (bias1 != nullptr) accumulate_bf16x8(acc[u], ld_nc_v4(bias1 + (long long)t * hidden_int4 + i));
+                    }
+#pragma unroll
+                    for (int r0 = 0; r0 < kNumRanks; r0 += kRankBatch) {
+                        int4 v[kUnroll][kRankBatch];
+#pragma unroll
+                        for (int u = 0; u < kUnroll; ++u) {
+                            const int i = i0 + u * kWarpSize;
+#pragma unroll
+                            for (int q = 0; q < kRankBatch; ++q) {
+                                const int r = r0 + q;
+                                if (i < hidden_int4 && r < kNumRanks && slot[r] >= 0)
+                                    v[u][q] = ld_volatile_v4(layout.x.on(mine, channel, r) + (long long)slot[r] * hidden_int4 + i);
+                            }
+                        }
+#pragma unroll
+                        for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                            for (int q = 0; q < kRankBatch; ++q)
+                                if (i0 + u * kWarpSize < hidden_int4 && r0 + q < kNumRanks && slot[r0 + q] >= 0)
+                                    accumulate_bf16x8(acc[u], v[u][q]);
+                    }
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const int i = i0 + u * kWarpSize;
+                        if (i < hidden_int4)
+                            out[i] = make_int4((int)pack_bf16x2(acc[u][0], acc[u][1]), (int)pack_bf16x2(acc[u][2], acc[u][3]),
+                                               (int)pack_bf16x2(acc[u][4], acc[u][5]), (int)pack_bf16x2(acc[u][6], acc[u][7]));
+                    }
+                }
+                if (combined_topk_weights != nullptr) {
+                    for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+                        float w = 0.0f;
+#pragma unroll
+                        for (int r = 0; r < kNumRanks; ++r) {
+                            if (slot[r] < 0) continue;
+                            w += ld_volatile(layout.topk_weights.on(mine, channel, r) + slot[r] * num_topk + k);
+                        }
+                        combined_topk_weights[(long long)t * num_topk + k] = w;
+                    }
+                }
+                __syncwarp();  // the lanes are done with `slot` before the next token overwrites it
+            }
+            __syncthreads();  // the batch's slots are read
+            if (threadIdx.x < kNumRanks && s_need[threadIdx.x] > released) {
+                released = s_need[threadIdx.x];
+                st_release_sys(layout.head.on(mine, channel, threadIdx.x), released);
+            }
+        }
+    }
+}
+
+// Layout sums for the size test: out[0] = dispatch carve bytes, out[1] = combine carve bytes,
+// out[2] = offset where the channel area starts.
+__global__ void carve_probe(int num_channels, int num_ranks, int num_slots, int hidden_int4, int num_topk,
+                            int num_scales, long long* out) {
+    const DispatchLayout d(num_channels, num_ranks, num_slots, hidden_int4, num_topk, num_scales);
+    const CombineLayout c(num_channels, num_ranks, num_slots, hidden_int4, num_topk);
+    out[0] = d.total_end - d.begin;
+    out[1] = c.total_end - c.begin;
+    out[2] = d.begin;
+}
+
+}  // namespace ep

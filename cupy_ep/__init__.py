@@ -1,0 +1,23 @@
+"""cupy_ep: expert-parallel (MoE) dispatch and combine for Python.
+
+DeepEP's V1 design (channels, SM pairs, ring buffers in CUDA-IPC memory) with kernels compiled at run
+time by NVRTC through CuPy, ranks started by mpirun and bootstrapped with mpi4py. Without a GPU the same
+API runs on numpy + MPI (the host backend).
+
+    from cupy_ep import Buffer, Config
+    buf = Buffer(comm, num_nvl_bytes=Buffer.get_nvl_buffer_size_hint(7168 * 2, comm.size))
+    layout = buf.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event = buf.dispatch(
+        x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=layout[0],
+        is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
+    combined_x, combined_weights, event = buf.combine(expert_out, handle, topk_weights=recv_topk_weights)
+"""
+from .buffer import Buffer, gpu_available
+from .config import Config
+from .errors import (BackendUnavailableError, BufferUnusableError, CommTimeoutError, CompileError,
+                     CupyEpError)
+from .event import EventOverlap
+
+__all__ = ["Buffer", "Config", "EventOverlap", "CupyEpError", "CompileError", "CommTimeoutError",
+           "BufferUnusableError", "BackendUnavailableError", "gpu_available"]
+__version__ = "0.1.0"

@@ -1,0 +1,490 @@
+"""``python -m cupy_ep.bench``: the main job. Run under mpirun, one rank per GPU (``scripts/bench.sh``).
+
+In ONE run it measures (GPU backend):
+  * the ceiling: an SM-driven copy where every GPU writes to all its peers at once (cuda_src/copy.cu);
+  * the baseline: NCCL grouped send/recv moving exactly the per-peer bytes our dispatch (combine) moves;
+  * ours: layout, dispatch, cached dispatch (BF16 and FP8) and combine (BF16) over several SM counts and
+    token counts, CUDA events, warm-up, median/min of --iters iterations, L2 flushed before each.
+Every result is checked against ``cupy_ep.reference`` before timing; a mismatch aborts the run.
+Writes JSON, a markdown table and a PNG plot into --out. Without a GPU it runs the host backend
+(verification and a small table; no ceiling, no NCCL).
+"""
+from __future__ import annotations
+
+import time
+
+_T_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+_T_IMPORTED_NUMPY = time.perf_counter()
+import cupy_ep  # noqa: E402
+from cupy_ep import Buffer, Config, reference  # noqa: E402
+from cupy_ep import config as cfgmod  # noqa: E402
+
+_T_IMPORTED = time.perf_counter()
+
+
+# ------------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------------
+def make_routing(rng, tokens: int, topk: int, experts: int, num_ranks: int, skew: float) -> np.ndarray:
+    """``[T, K] int64`` distinct experts per token, uniform; with probability ``skew`` a token's experts
+    are drawn from rank 0's range only (routing skew)."""
+    scores = rng.random((tokens, experts), dtype=np.float32)
+    if skew > 0:
+        hot = rng.random(tokens) < skew
+        scores[hot, experts // num_ranks:] -= 2.0
+    return np.argsort(-scores, axis=1)[:, :topk].astype(np.int64)
+
+
+def make_inputs(rank: int, num_ranks: int, tokens: int, hidden: int, topk: int, experts: int, skew: float,
+                seed: int = 1234):
+    rng = np.random.default_rng(seed + rank)
+    x = (rng.standard_normal((tokens, hidden), dtype=np.float32)).astype(reference.bfloat16)
+    x8 = rng.integers(0, 0x7f, size=(tokens, hidden), dtype=np.uint8)  # positive finite e4m3 bytes
+    scales = rng.random((tokens, -(-hidden // 128)), dtype=np.float32)
+    idx = make_routing(rng, tokens, topk, experts, num_ranks, skew)
+    w = rng.random((tokens, topk), dtype=np.float32)
+    return x, (x8, scales), idx, w
+
+
+# ------------------------------------------------------------------------------------------------------
+# timing helpers
+# ------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Timing:
+    median_us: float
+    min_us: float
+
+
+class GpuTimer:
+    """CUDA-event timing of ``fn`` on the current stream, L2 flushed before each iteration, ranks
+    aligned by an MPI barrier; per iteration the slowest rank counts."""
+
+    def __init__(self, comm, iters: int, warmup: int):
+        import cupy
+        self.comm, self.iters, self.warmup = comm, iters, warmup
+        self.flush = cupy.empty(256 << 20, dtype=cupy.uint8)
+
+    def __call__(self, fn) -> Timing:
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        times = []
+        for i in range(self.warmup + self.iters):
+            self.flush.fill(i & 0xff)
+            cupy.cuda.runtime.deviceSynchronize()
+            self.comm.Barrier()
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            fn()
+            end.record(stream)
+            end.synchronize()
+            if i >= self.warmup:
+                times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
+        per_iter = np.max(np.array(self.comm.allgather(times)), axis=0)
+        return Timing(float(np.median(per_iter)), float(np.min(per_iter)))
+
+
+class HostTimer:
+    def __init__(self, comm, iters: int, warmup: int):
+        self.comm, self.iters, self.warmup = comm, iters, warmup
+
+    def __call__(self, fn) -> Timing:
+        times = []
+        for i in range(self.warmup + self.iters):
+            self.comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            if i >= self.warmup:
+                times.append((time.perf_counter() - t0) * 1e6)
+        per_iter = np.max(np.array(self.comm.allgather(times)), axis=0)
+        return Timing(float(np.median(per_iter)), float(np.min(per_iter)))
+
+
+# ------------------------------------------------------------------------------------------------------
+# the ceiling and the NCCL baseline (GPU only)
+# ------------------------------------------------------------------------------------------------------
+def measure_ceiling(buf, timer, bytes_per_peer: int, sms_list) -> dict:
+    """GB/s (bytes leaving this GPU / time) of the plain P2P copy kernel at several SM counts."""
+    import cupy
+    from cupy_ep import jit
+    R = buf.num_ranks
+    n_int4 = max(1, bytes_per_peer // 16)
+    room = (buf.num_nvl_bytes - cfgmod.NOTIFY_BYTES) // (16 * R)
+    n_int4 = min(n_int4, room)
+    src = cupy.random.randint(0, 1 << 30, size=4 * n_int4, dtype=cupy.int32).view(cupy.int32)
+    kernel = jit.get_kernel("copy.cu", "ep::p2p_copy")
+    out = {}
+    for sms in sms_list:
+        def run():
+            kernel((sms,), (768,), (src, buf._nvl.ptr_table, np.int64(cfgmod.SIGNAL_BYTES + cfgmod.NOTIFY_BYTES),
+                                    np.int64(n_int4), np.int32(buf.rank), np.int32(R)))
+        t = timer(run)
+        out[sms] = n_int4 * 16 * (R - 1) / (t.median_us * 1e-6) / 1e9
+    return out
+
+
+class NcclAllToAll:
+    """Grouped send/recv (cupy.cuda.nccl) of given per-peer byte counts (self-send included)."""
+
+    def __init__(self, comm):
+        from cupy.cuda import nccl
+        self.nccl = nccl
+        uid = comm.bcast(nccl.get_unique_id() if comm.Get_rank() == 0 else None)
+        self.nc = nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())
+        self.R, self.rank = comm.Get_size(), comm.Get_rank()
+
+    def make(self, send_bytes, recv_bytes):
+        import cupy
+        send = [cupy.empty(max(1, int(b)), dtype=cupy.uint8) for b in send_bytes]
+        recv = [cupy.empty(max(1, int(b)), dtype=cupy.uint8) for b in recv_bytes]
+        nccl = self.nccl
+
+        def run():
+            stream = cupy.cuda.get_current_stream().ptr
+            nccl.groupStart()
+            for r in range(self.R):
+                if send_bytes[r]:
+                    self.nc.send(send[r].data.ptr, int(send_bytes[r]), nccl.NCCL_INT8, r, stream)
+                if recv_bytes[r]:
+                    self.nc.recv(recv[r].data.ptr, int(recv_bytes[r]), nccl.NCCL_INT8, r, stream)
+            nccl.groupEnd()
+        return run
+
+
+# ------------------------------------------------------------------------------------------------------
+# the benchmark
+# ------------------------------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, args, comm):
+        self.args, self.comm = args, comm
+        self.rank, self.R = comm.Get_rank(), comm.Get_size()
+        self.experts = args.experts
+        max_tokens = max([args.tokens] + args.token_sweep)
+        self.hidden_bytes = args.hidden * 2
+        max_sms = max(args.sms + [args.default_sms])
+        nvl = max(Config(max_sms, 6, 256).get_nvl_buffer_size_hint(self.hidden_bytes, self.R),
+                  # room for the ceiling copy of the largest batch
+                  cfgmod.NOTIFY_BYTES + 16 * self.R * (max_tokens * self.hidden_bytes // 16) + (1 << 20))
+        t0 = time.perf_counter()
+        self.buf = Buffer(comm, num_nvl_bytes=int(cfgmod.align_up(nvl)), check_values=False,
+                          backend=args.backend)
+        self.t_buffer = time.perf_counter() - t0
+        self.gpu = self.buf.backend == "cuda"
+        self.records: list[dict] = []
+        self.ceiling: dict = {}
+        self.startup: dict = {}
+
+    def log(self, *a):
+        if self.rank == 0:
+            print(*a, flush=True)
+
+    # -- array plumbing --
+    def dev(self, a):
+        if not self.gpu:
+            return a
+        import cupy
+        if isinstance(a, tuple):
+            return tuple(self.dev(v) for v in a)
+        if a.dtype == reference.bfloat16:
+            return cupy.asarray(a.view(np.uint16)).view(cupy_ep.interop.BF16)
+        return cupy.asarray(a)
+
+    @staticmethod
+    def host(a):
+        if a is None:
+            return None
+        if isinstance(a, tuple):
+            return tuple(Bench.host(v) for v in a)
+        return a.get() if hasattr(a, "get") else np.asarray(a)
+
+    def device_ctx(self):
+        import contextlib
+        if not self.gpu:
+            return contextlib.nullcontext()
+        import cupy
+        return cupy.cuda.Device(self.buf.device_id)
+
+    # -- one workload --
+    def run_workload(self, tokens: int, sms_list, verify: bool, with_baselines: bool):
+        a, R, rank = self.args, self.R, self.rank
+        x_np, x8_np, idx_np, w_np = make_inputs(rank, R, tokens, a.hidden, a.topk, self.experts, a.skew)
+        x, x8, idx, w = self.dev(x_np), self.dev(x8_np), self.dev(idx_np), self.dev(w_np)
+        timer = (GpuTimer if self.gpu else HostTimer)(self.comm, a.iters, a.warmup)
+        buf = self.buf
+
+        t0 = time.perf_counter()
+        layout = buf.get_dispatch_layout(idx, self.experts)
+        num_per_rank_np = np.asarray(self.host(layout[0]))
+
+        def dispatch(xx, cfg, handle=None):
+            if handle is not None:
+                return buf.dispatch(xx, handle=handle, config=cfg)
+            return buf.dispatch(xx, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                                num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w, config=cfg)
+
+        dcfg0 = dataclasses.replace(Buffer.get_dispatch_config(R, self.hidden_bytes), num_sms=a.default_sms)
+        out = dispatch(x, dcfg0)
+        if self.gpu:
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()
+        if not self.startup:
+            self.startup = {"import_s": _T_IMPORTED - _T_START, "buffer_s": self.t_buffer,
+                            "first_layout_dispatch_s": time.perf_counter() - t0}
+            self.startup["warm_start_s"] = (self.startup["import_s"] + self.startup["buffer_s"]
+                                            + self.startup["first_layout_dispatch_s"])
+        if verify:
+            self.verify(x_np, x8_np, idx_np, w_np, layout, dispatch, dcfg0)
+
+        # bytes: rows this rank sends to each peer (self included), and what it receives
+        row_bf16, row_fp8 = a.hidden * 2, a.hidden + 4 * (-(-a.hidden // 128))
+        recv_rows = np.array(self.comm.allgather(num_per_rank_np))[:, rank]  # rows from each source
+        sent_rows = num_per_rank_np
+        nvl_sent = int(sent_rows.sum() - sent_rows[rank])
+        nvl_back = int(recv_rows.sum() - recv_rows[rank])
+        num_recv = int(recv_rows.sum())
+
+        nccl = {}
+        if self.gpu and with_baselines:
+            nc = self.nccl
+            for name, rb in (("bf16", row_bf16), ("fp8", row_fp8)):
+                nccl[("dispatch", name)] = timer(nc.make(sent_rows * rb, recv_rows * rb)).median_us
+            nccl[("combine", "bf16")] = timer(nc.make(recv_rows * row_bf16, sent_rows * row_bf16)).median_us
+
+        def add(op, dtype, sms, t: Timing, row_bytes, logical_rows, nvl_rows):
+            rec = dict(op=op, dtype=dtype, num_sms=sms, tokens=tokens, hidden=a.hidden, topk=a.topk,
+                       experts=self.experts, time_us_median=t.median_us, time_us_min=t.min_us)
+            rec["logical_gbps"] = logical_rows * row_bytes / (t.median_us * 1e-6) / 1e9 if logical_rows else 0.0
+            rec["nvlink_gbps"] = nvl_rows * row_bytes / (t.median_us * 1e-6) / 1e9 if nvl_rows else 0.0
+            ceiling = self.ceiling.get("gbps")
+            rec["fraction_of_ceiling"] = rec["nvlink_gbps"] / ceiling if ceiling else None
+            rec["nccl_time_us"] = nccl.get((op.replace("cached_", ""), dtype))
+            rec["ratio_to_nccl"] = t.median_us / rec["nccl_time_us"] if rec["nccl_time_us"] else None
+            self.records.append(rec)
+            self.log(f"  {op:16s} {dtype:5s} sms={sms:3d} tokens={tokens:6d}  {t.median_us:9.1f} us  "
+                     f"logical {rec['logical_gbps']:7.1f} GB/s  nvlink {rec['nvlink_gbps']:7.1f} GB/s"
+                     + (f"  {rec['fraction_of_ceiling']:.2f}x ceiling" if rec['fraction_of_ceiling'] else "")
+                     + (f"  {rec['ratio_to_nccl']:.2f}x NCCL time" if rec['ratio_to_nccl'] else ""))
+
+        if with_baselines:
+            t = timer(lambda: buf.get_dispatch_layout(idx, self.experts))
+            add("layout", "-", 0, t, 0, 0, 0)
+        for sms in sms_list:
+            dcfg = dataclasses.replace(Buffer.get_dispatch_config(R, self.hidden_bytes), num_sms=sms)
+            ccfg = dataclasses.replace(Buffer.get_combine_config(R, self.hidden_bytes), num_sms=sms)
+            for name, xx, rb in (("bf16", x, row_bf16), ("fp8", x8, row_fp8)):
+                res = dispatch(xx, dcfg)
+                handle = res[4]
+                t = timer(lambda: dispatch(xx, dcfg))
+                add("dispatch", name, sms, t, rb, num_recv, nvl_sent)
+                t = timer(lambda: dispatch(xx, dcfg, handle))
+                add("cached_dispatch", name, sms, t, rb, num_recv, nvl_sent)
+                if name == "bf16":
+                    recv_x, handle_bf16 = res[0], handle
+            t = timer(lambda: buf.combine(recv_x, handle_bf16, config=ccfg))
+            add("combine", "bf16", sms, t, row_bf16, num_recv, nvl_back)  # DeepEP counts recv_x bytes
+        del out
+
+    def verify(self, x_np, x8_np, idx_np, w_np, layout, dispatch, cfg):
+        """Dispatch (BF16, FP8), cached dispatch and combine against the reference; abort on mismatch."""
+        comm, rank = self.comm, self.rank
+        gathered = comm.allgather((x_np, x8_np, idx_np, w_np))
+        errors = []
+        for name, xx_np, pick in (("bf16", x_np, 0), ("fp8", x8_np, 1)):
+            xx = self.dev(xx_np)
+            recv_x, recv_idx, recv_w, counts, handle, _ = dispatch(xx, cfg)
+            ref = reference.dispatch([g[pick][0] if pick else g[0] for g in gathered], [g[2] for g in gathered],
+                                     [g[3] for g in gathered], self.experts, rank, 1,
+                                     [g[1][1] for g in gathered] if pick else None, cfg.num_channels)
+            got = self.host(recv_x)
+            got_x = got[0] if pick else got
+            checks = [("recv_x", got_x, ref.recv_x), ("recv_topk_idx", self.host(recv_idx), ref.recv_topk_idx),
+                      ("recv_topk_weights", self.host(recv_w), ref.recv_topk_weights)]
+            if pick:
+                checks.append(("recv_x_scales", got[1], ref.recv_x_scales))
+            cached = self.host(dispatch(xx, cfg, handle)[0])
+            checks.append(("cached recv_x", cached[0] if pick else cached, ref.recv_x))
+            for label, g, r in checks:
+                if g.shape != r.shape or np.ascontiguousarray(g).tobytes() != np.ascontiguousarray(r).tobytes():
+                    errors.append(f"{name} {label}")
+            if counts != ref.num_recv_tokens_per_expert_list:
+                errors.append(f"{name} per-expert counts")
+            if pick == 0:
+                combined, _, _ = self.buf.combine(recv_x, handle)
+                all_recv = comm.allgather(ref.recv_x)
+                all_in_rank = comm.allgather(ref.is_token_in_rank)
+                ref_c, _ = reference.combine(all_recv, all_in_rank, rank)
+                if self.host(combined).tobytes() != ref_c.tobytes():
+                    errors.append("combine")
+        bad = comm.allgather(errors)
+        if any(bad):
+            self.log(f"VERIFICATION FAILED: {bad}")
+            comm.Abort(2)
+        self.log("  verified against cupy_ep.reference: dispatch bf16/fp8, cached dispatch, combine: OK")
+
+    def run(self):
+        a = self.args
+        self.log(f"cupy_ep.bench: backend={self.buf.backend} ranks={self.R} tokens={a.tokens} hidden={a.hidden} "
+                 f"topk={a.topk} experts={self.experts} skew={a.skew} iters={a.iters}")
+        with self.device_ctx():
+            if self.gpu:
+                self.nccl = NcclAllToAll(self.comm)
+                timer = GpuTimer(self.comm, a.iters, a.warmup)
+                per_peer = a.tokens * self.hidden_bytes
+                self.ceiling["by_sms"] = measure_ceiling(self.buf, timer, per_peer, [8, 16, 24, 32, 48])
+                self.ceiling["gbps"] = max(self.ceiling["by_sms"].values())
+                self.log("  ceiling (P2P copy, all GPUs writing to all peers): "
+                         + ", ".join(f"{s} SMs {g:.1f}" for s, g in self.ceiling["by_sms"].items())
+                         + f" GB/s -> {self.ceiling['gbps']:.1f} GB/s")
+            self.run_workload(a.tokens, a.sms, verify=True, with_baselines=True)
+            for tokens in a.token_sweep:
+                if tokens != a.tokens:
+                    self.run_workload(tokens, [a.default_sms], verify=False, with_baselines=True)
+        self.buf.destroy()
+        if self.rank == 0:
+            self.write()
+
+    # -- outputs --
+    def meta(self) -> dict:
+        meta = {"commit": _git_commit(), "backend": self.buf.backend, "num_ranks": self.R,
+                "ceiling_gbps": self.ceiling.get("gbps"), "ceiling_by_sms": self.ceiling.get("by_sms"),
+                "startup": self.startup, "args": vars(self.args)}
+        if self.gpu:
+            import cupy
+            props = cupy.cuda.runtime.getDeviceProperties(0)
+            meta["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            meta["driver"] = cupy.cuda.runtime.driverGetVersion()
+            try:
+                meta["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                                capture_output=True, text=True, timeout=20).stdout.split()[0]
+            except Exception:
+                pass
+        else:
+            meta["gpu"], meta["driver"] = None, None
+        return meta
+
+    def write(self):
+        out = Path(self.args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"bench_{'gpu' if self.gpu else 'host'}_ep{self.R}"
+        doc = dict(self.meta(), results=self.records)
+        (out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str))
+        md = markdown_table(doc)
+        (out / f"{stem}.md").write_text(md)
+        print(md)
+        if self.gpu:
+            try:
+                plot(doc, out / f"{stem}.png")
+            except Exception as e:  # matplotlib missing: say so, keep the numbers
+                print(f"cupy_ep.bench: no plot ({e})", file=sys.stderr)
+        print(f"cupy_ep.bench: wrote {out}/{stem}.json/.md" + ("/.png" if self.gpu else ""))
+
+
+def markdown_table(doc: dict) -> str:
+    lines = [f"# cupy_ep benchmark ({doc['backend']}, {doc['num_ranks']} ranks, {doc.get('gpu') or 'no GPU'})", "",
+             f"commit `{doc['commit']}`, driver {doc.get('driver')}, ceiling (P2P copy) "
+             f"{doc['ceiling_gbps'] and round(doc['ceiling_gbps'], 1)} GB/s per GPU; startup {doc['startup']}", "",
+             "| op | dtype | SMs | tokens | median us | min us | logical GB/s | NVLink GB/s | of ceiling | NCCL us | ours/NCCL |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    for r in doc["results"]:
+        lines.append(f"| {r['op']} | {r['dtype']} | {r['num_sms']} | {r['tokens']} | {r['time_us_median']:.1f} | "
+                     f"{r['time_us_min']:.1f} | {r['logical_gbps']:.1f} | {r['nvlink_gbps']:.1f} | "
+                     f"{f(r['fraction_of_ceiling'], '.2f')} | {f(r['nccl_time_us'], '.1f')} | {f(r['ratio_to_nccl'], '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = doc["results"]
+    args = doc["args"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    ax = axes[0]
+    for op, dtype in (("dispatch", "bf16"), ("cached_dispatch", "bf16"), ("cached_dispatch", "fp8"), ("combine", "bf16")):
+        pts = sorted((r["num_sms"], r["nvlink_gbps"]) for r in res
+                     if r["op"] == op and r["dtype"] == dtype and r["tokens"] == args["tokens"])
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{op} {dtype}")
+    if doc["ceiling_by_sms"]:
+        pts = sorted((int(k), v) for k, v in doc["ceiling_by_sms"].items())
+        ax.plot(*zip(*pts), "k--", label="P2P copy ceiling")
+    nccl = [r for r in res if r["op"] == "dispatch" and r["dtype"] == "bf16" and r["tokens"] == args["tokens"]
+            and r["nccl_time_us"]]
+    if nccl:
+        r = nccl[0]
+        ax.axhline(r["nvlink_gbps"] * r["time_us_median"] / r["nccl_time_us"], color="gray", ls=":",
+                   label="NCCL all-to-all (same bytes)")
+    ax.set(xlabel="SMs", ylabel="NVLink-crossing GB/s per GPU", title=f"EP{doc['num_ranks']}, {args['tokens']} tokens/rank")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for op in ("dispatch", "cached_dispatch", "combine"):
+        pts = sorted((r["tokens"], r["nvlink_gbps"]) for r in res
+                     if r["op"] == op and r["dtype"] == "bf16" and r["num_sms"] == args["default_sms"])
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{op} bf16")
+    pts = sorted((r["tokens"], r["nvlink_gbps"] * r["time_us_median"] / r["nccl_time_us"]) for r in res
+                 if r["op"] == "dispatch" and r["dtype"] == "bf16" and r["nccl_time_us"]
+                 and r["num_sms"] == args["default_sms"])
+    if pts:
+        ax.plot(*zip(*pts), "k:", marker="x", label="NCCL all-to-all (same bytes)")
+    if doc["ceiling_gbps"]:
+        ax.axhline(doc["ceiling_gbps"], color="k", ls="--", label="ceiling")
+    ax.set(xlabel="tokens per rank", ylabel="NVLink-crossing GB/s per GPU", xscale="log",
+           title=f"{args['default_sms']} SMs, hidden {args['hidden']}, top-{args['topk']} of {args['experts']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _git_commit() -> str:
+    try:
+        here = Path(__file__).resolve().parent.parent
+        return subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or os.environ.get("CUPY_EP_COMMIT", "unknown")
+    except Exception:
+        return os.environ.get("CUPY_EP_COMMIT", "unknown")
+
+
+def parse_args(argv=None, gpu: bool = True):
+    p = argparse.ArgumentParser(prog="python -m cupy_ep.bench", description=__doc__.split("\n")[0])
+    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--sms", type=ints, default=[8, 16, 24, 32] if gpu else [2], help="SM counts to sweep")
+    p.add_argument("--default-sms", type=int, default=24 if gpu else 2)
+    p.add_argument("--token-sweep", type=ints, default=[512, 1024, 2048, 8192] if gpu else [])
+    p.add_argument("--iters", type=int, default=50 if gpu else 3)
+    p.add_argument("--warmup", type=int, default=5 if gpu else 1)
+    p.add_argument("--skew", type=float, default=0.0, help="fraction of tokens routed to rank 0 only")
+    p.add_argument("--backend", choices=["cuda", "host"], default=None)
+    p.add_argument("--out", default="benchmarks/results")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    args = parse_args(argv, gpu=cupy_ep.gpu_available())
+    if not cupy_ep.gpu_available() and comm.Get_rank() == 0:
+        print("cupy_ep.bench: NO GPU visible -> host backend (numpy + MPI); the numbers are not GPU numbers",
+              flush=True)
+    Bench(args, comm).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""mpi4py bootstrap: ranks, node-local ranks, GPU choice, and the CUDA-IPC buffer every rank shares.
+
+Handles travel as bytes over MPI (the pip MPIs are not CUDA-aware, so no device buffer ever goes to MPI).
+IPC buffers are plain ``cudaMalloc`` allocations: a handle of a pooled sub-allocation would point at the
+pool's base allocation (research/cupy_mpi.md §3.1).
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Topology:
+    rank: int
+    num_ranks: int
+    local_rank: int
+    local_size: int
+    num_ranks_per_node: int
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_ranks // self.num_ranks_per_node
+
+
+def topology(comm, num_ranks_per_node: int | None = None) -> Topology:
+    """Rank, world size and node-local rank/size (``Split_type(COMM_TYPE_SHARED)``), overridable."""
+    from mpi4py import MPI
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    local_rank, local_size = local.Get_rank(), local.Get_size()
+    local.Free()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if num_ranks_per_node is None:
+        num_ranks_per_node = local_size
+    elif num_ranks_per_node <= 0 or size % num_ranks_per_node:
+        raise ValueError(f"num_ranks_per_node: must divide the world size {size}, got {num_ranks_per_node}")
+    else:
+        local_rank = rank % num_ranks_per_node
+    return Topology(rank, size, local_rank, local_size, num_ranks_per_node)
+
+
+def choose_device(local_rank: int, device: int | None = None) -> int:
+    """``device`` if given (or ``CUPY_EP_DEVICE``), else local rank modulo the visible GPUs."""
+    import cupy
+    count = cupy.cuda.runtime.getDeviceCount()
+    if device is None and os.environ.get("CUPY_EP_DEVICE"):
+        device = int(os.environ["CUPY_EP_DEVICE"])
+    if device is None:
+        return local_rank % count
+    if not 0 <= device < count:
+        raise ValueError(f"device: must be in [0, {count}), got {device}")
+    return device
+
+
+class IpcBuffer:
+    """One zeroed ``cudaMalloc`` of ``nbytes`` per rank, opened by every peer through CUDA IPC.
+
+    Attributes:
+        ptrs: list of every rank's base address as seen from this process (own pointer at ``rank``).
+        ptr_table: device ``uint64 [R]`` array of the same pointers (the kernels' ``buffer_ptrs``).
+    """
+
+    def __init__(self, comm, nbytes: int):
+        import cupy
+        rt = cupy.cuda.runtime
+        self.comm, self.nbytes = comm, nbytes
+        self.rank = comm.Get_rank()
+        self.ptr = rt.malloc(nbytes)
+        rt.memset(self.ptr, 0, nbytes)
+        rt.deviceSynchronize()
+        handles = comm.allgather(rt.ipcGetMemHandle(self.ptr))
+        self.ptrs = [self.ptr if r == self.rank else rt.ipcOpenMemHandle(h) for r, h in enumerate(handles)]
+        self.ptr_table = cupy.array(np.array(self.ptrs, dtype=np.uint64))
+        comm.Barrier()
+
+    def close(self) -> None:
+        """Collective: close the peers' mappings, wait for every rank, then free our allocation."""
+        import cupy
+        rt = cupy.cuda.runtime
+        try:
+            rt.deviceSynchronize()
+            for r, p in enumerate(self.ptrs):
+                if r != self.rank:
+                    rt.ipcCloseMemHandle(p)
+        finally:
+            self.comm.Barrier()  # every rank gets here, even after an error: no peer still maps our memory
+            rt.free(self.ptr)
+            self.ptrs, self.ptr = [], 0
+
+
+class HostMapped:
+    """Pinned, device-mapped host memory (``cudaHostAlloc(Mapped | Portable)``): the kernels write it,
+    the host reads it without a copy. ``view(dtype, offset, count)`` gives a numpy view."""
+
+    def __init__(self, nbytes: int):
+        import cupy
+        rt = cupy.cuda.runtime
+        self.nbytes = nbytes
+        self.ptr = rt.hostAlloc(nbytes, rt.hostAllocMapped | rt.hostAllocPortable)
+        ctypes.memset(self.ptr, 0, nbytes)
+
+    def view(self, dtype, offset: int, count: int) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        buf = (ctypes.c_char * (count * dtype.itemsize)).from_address(self.ptr + offset)
+        return np.frombuffer(buf, dtype=dtype)
+
+    def free(self) -> None:
+        if self.ptr:
+            import cupy
+            cupy.cuda.runtime.freeHost(self.ptr)
+            self.ptr = 0

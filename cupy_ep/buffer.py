@@ -1,0 +1,163 @@
+"""``Buffer``: the public entry point (DeepEP V1 API).
+
+``Buffer(...)`` picks a backend: the CUDA path (``CudaBuffer`` in this file: CUDA IPC buffers, a
+high-priority communication stream, kernels from ``cuda_src/``) when a GPU is present, the numpy + MPI
+``HostBuffer`` (host_backend.py) when not. ``backend="cuda"|"host"`` forces the choice and
+``buf.backend`` says which one runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import warnings
+
+from . import config as _config
+from .errors import BackendUnavailableError, BufferUnusableError
+
+
+def gpu_available() -> bool:
+    """True when CuPy can see at least one CUDA device."""
+    try:
+        import cupy
+        return cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no libcuda, no cupy: all mean "no GPU"
+        return False
+
+
+def _choose_backend(backend: str | None) -> str:
+    backend = backend or os.environ.get("CUPY_EP_BACKEND") or None
+    if backend not in (None, "cuda", "host"):
+        raise ValueError(f"backend: must be 'cuda', 'host' or None, got {backend!r}")
+    if backend == "cuda" and not gpu_available():
+        raise BackendUnavailableError("backend='cuda' was asked for, but CuPy sees no GPU here")
+    if backend is None:
+        backend = "cuda" if gpu_available() else "host"
+    return backend
+
+
+def default_timeout_s() -> float:
+    return float(os.environ.get("CUPY_EP_TIMEOUT_S", "100"))
+
+
+class Buffer:
+    """Expert-parallel communication buffer of one rank (DeepEP V1 compatible).
+
+    Args:
+        comm: mpi4py communicator of the expert-parallel group (default ``MPI.COMM_WORLD``).
+        num_nvl_bytes: bytes of the NVLink (CUDA IPC) buffer; size it with
+            ``Config.get_nvl_buffer_size_hint`` or :meth:`get_nvl_buffer_size_hint`.
+        num_rdma_bytes: bytes of the RDMA (NVSHMEM) buffer; 0 for a single node.
+        low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
+        explicitly_destroy, enable_shrink: as in DeepEP (low-latency mode is not implemented yet).
+        backend: ``"cuda"``, ``"host"`` or None (auto: cuda when a GPU is visible).
+        device: GPU ordinal; default local rank modulo the visible GPUs.
+        timeout_s: device-wait timeout in seconds (default ``CUPY_EP_TIMEOUT_S`` or 100).
+        num_ranks_per_node: GPUs per NVLink domain (default: the MPI shared-memory split).
+        check_values: check ``topk_idx`` values on the host (costs a device sync; off for benchmarks).
+    """
+
+    #: SMs used by dispatch/combine unless a Config says otherwise (even: one channel per SM pair).
+    num_sms: int = 20
+
+    def __new__(cls, *args, backend: str | None = None, **kwargs):
+        if cls is Buffer:
+            if _choose_backend(backend) == "host":
+                from .host_backend import HostBuffer
+                return super().__new__(HostBuffer)
+            return super().__new__(CudaBuffer)
+        return super().__new__(cls)
+
+    def __init__(self, comm=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, *,
+                 backend: str | None = None, device: int | None = None, timeout_s: float | None = None,
+                 num_ranks_per_node: int | None = None, check_values: bool = True):
+        if comm is None:
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.num_ranks = comm.Get_size()
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be a non-negative int, got {value!r}")
+        if low_latency_mode:
+            raise NotImplementedError("low_latency_mode: the low-latency kernels are not implemented yet")
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        try:
+            self.timeout_s = float(timeout_s) if timeout_s is not None else default_timeout_s()
+        except (TypeError, ValueError):
+            raise TypeError(f"timeout_s: must be a number of seconds, got {timeout_s!r}") from None
+        if not self.timeout_s > 0:  # also refuses NaN
+            raise ValueError(f"timeout_s: must be positive, got {self.timeout_s}")
+        self.check_values = check_values
+        self._destroyed = False
+        self._unusable_reason: str | None = None
+
+    # ---- class-level knobs (DeepEP API) -------------------------------------------------------------
+    @classmethod
+    def set_num_sms(cls, new_num_sms: int) -> None:
+        """Set the SMs dispatch/combine use by default (even, >= 2)."""
+        if not isinstance(new_num_sms, int) or new_num_sms < 2 or new_num_sms % 2:
+            raise ValueError(f"new_num_sms: must be an even int >= 2, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int, hidden_bytes: int | None = None) -> _config.Config:
+        return _config.get_dispatch_config(num_ranks, Buffer.num_sms, hidden_bytes)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int, hidden_bytes: int | None = None) -> _config.Config:
+        return _config.get_combine_config(num_ranks, Buffer.num_sms, hidden_bytes)
+
+    @staticmethod
+    def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int) -> int:
+        """``num_nvl_bytes`` that the default dispatch and combine configs need for this hidden size."""
+        return max(Buffer.get_dispatch_config(num_ranks, hidden_bytes).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+                   Buffer.get_combine_config(num_ranks, hidden_bytes).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+
+    # ---- lifetime -----------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._destroyed:
+            raise BufferUnusableError("this Buffer was destroyed; create a new one")
+        if self._unusable_reason:
+            raise BufferUnusableError(f"this Buffer is unusable: {self._unusable_reason}")
+
+    def destroy(self) -> None:
+        """Release everything (collective: every rank must call it)."""
+        self._destroyed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.destroy()
+        return False
+
+    def _resolve_config(self, config, kind: str, hidden_bytes: int, num_channels: int | None = None
+                        ) -> _config.Config:
+        """``config`` checked, or the default for ``kind``. A combine's default takes its channel count
+        from the dispatch handle (``num_channels``), which fixes it."""
+        if config is None:
+            getter = _config.get_dispatch_config if kind == "dispatch" else _config.get_combine_config
+            cfg = getter(self.num_ranks, Buffer.num_sms, hidden_bytes)
+            if num_channels is not None and cfg.num_channels != num_channels:
+                cfg = dataclasses.replace(cfg, num_sms=2 * num_channels)
+            return cfg
+        if not isinstance(config, _config.Config):
+            raise TypeError(f"config: must be a cupy_ep.Config, got {type(config).__name__}")
+        return config
+
+
+from .cuda_backend import CudaBuffer  # noqa: E402  (defined after Buffer, which it subclasses)
+
+
+def _warn_host_backend(rank: int) -> None:
+    if rank == 0:
+        warnings.warn("cupy_ep: no GPU visible, using the host (numpy + MPI) backend", stacklevel=3)
+        print("cupy_ep: no GPU visible -> host backend (numpy + MPI alltoallv)", file=sys.stderr)

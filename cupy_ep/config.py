@@ -1,0 +1,172 @@
+"""``Config`` (SM count and ring sizes), the default tables, buffer-size hints and tuned-config loading.
+
+The size arithmetic here mirrors ``cuda_src/buffer.cuh`` exactly: the NVLink buffer of every rank is
+
+    [signals: 128 B][notify area: NOTIFY_BYTES][channel area: max(dispatch carve, combine carve)]
+
+and each carve is a sequence of ``[channel][rank][elements]`` arrays, every array rounded up to 128 bytes.
+A GPU test checks :func:`dispatch_channel_bytes` / :func:`combine_channel_bytes` against the device's own
+carving.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+# Mirrors of the constants in cuda_src/buffer.cuh and cuda_src/common.cuh.
+MAX_NVL_RANKS = 8
+MAX_LOCAL_EXPERTS = 1024
+MAX_TOPK = 32
+MAX_HIDDEN_BYTES = 65536          # 32768 bf16 elements; the kernels loop, so this is only a sanity bound
+ALIGN = 128
+SIGNAL_BYTES = 128
+NOTIFY_BYTES = (MAX_NVL_RANKS * MAX_NVL_RANKS + MAX_NVL_RANKS * MAX_LOCAL_EXPERTS) * 4
+WORKSPACE_BYTES = 32 << 20
+
+
+def align_up(value: int, alignment: int = ALIGN) -> int:
+    return -(-value // alignment) * alignment
+
+
+def _asym(num_channels: int, num_ranks: int, bytes_per_slice: int) -> int:
+    """Bytes of one ``[channel][rank][bytes_per_slice]`` array, as buffer.cuh's AsymBuffer carves it."""
+    return align_up(num_channels * num_ranks * bytes_per_slice)
+
+
+def dispatch_channel_bytes(num_channels: int, num_ranks: int, num_recv_slots: int, hidden_bytes: int,
+                           num_topk: int, num_scales: int) -> int:
+    """Bytes of the intranode dispatch carve (receiver side): start, end, head, tail, x, src_idx,
+    topk_idx (int32 on the wire), topk_weights, x_scales."""
+    q = num_recv_slots
+    return (4 * _asym(num_channels, num_ranks, 4)
+            + _asym(num_channels, num_ranks, q * hidden_bytes)
+            + _asym(num_channels, num_ranks, q * 4)
+            + 2 * _asym(num_channels, num_ranks, q * num_topk * 4)
+            + _asym(num_channels, num_ranks, q * num_scales * 4))
+
+
+def combine_channel_bytes(num_channels: int, num_ranks: int, num_recv_slots: int, hidden_bytes: int,
+                          num_topk: int) -> int:
+    """Bytes of the intranode combine carve (token-owner side): head, tail, x, topk_weights."""
+    q = num_recv_slots
+    return (2 * _asym(num_channels, num_ranks, 4)
+            + _asym(num_channels, num_ranks, q * hidden_bytes)
+            + _asym(num_channels, num_ranks, q * num_topk * 4))
+
+
+@dataclasses.dataclass
+class Config:
+    """Launch and ring-buffer settings of the normal (high-throughput) kernels.
+
+    Attributes:
+        num_sms: SMs the dispatch/combine kernels occupy; even, one channel per SM pair.
+        num_max_nvl_chunked_send_tokens: tokens a sender writes before publishing its tail.
+        num_max_nvl_chunked_recv_tokens: ring slots per (channel, rank) queue.
+        num_max_rdma_chunked_send_tokens / num_max_rdma_chunked_recv_tokens: the same for the RDMA domain
+            (internode only).
+    """
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"Config.{field.name} must be an int, got {type(value).__name__}")
+        if self.num_sms < 2 or self.num_sms % 2:
+            raise ValueError(f"Config.num_sms must be an even number >= 2, got {self.num_sms}")
+        if self.num_max_nvl_chunked_send_tokens <= 0:
+            raise ValueError("Config.num_max_nvl_chunked_send_tokens must be positive, got "
+                             f"{self.num_max_nvl_chunked_send_tokens}")
+        if self.num_max_nvl_chunked_recv_tokens <= self.num_max_nvl_chunked_send_tokens:
+            raise ValueError(
+                "Config.num_max_nvl_chunked_recv_tokens must be larger than num_max_nvl_chunked_send_tokens "
+                f"(got {self.num_max_nvl_chunked_recv_tokens} <= {self.num_max_nvl_chunked_send_tokens})")
+        if self.num_max_rdma_chunked_send_tokens <= 0:
+            raise ValueError("Config.num_max_rdma_chunked_send_tokens must be positive")
+        if self.num_max_rdma_chunked_recv_tokens < 2 * self.num_max_rdma_chunked_send_tokens:
+            raise ValueError("Config.num_max_rdma_chunked_recv_tokens must be at least twice "
+                             "num_max_rdma_chunked_send_tokens (lazy head updates)")
+
+    @property
+    def num_channels(self) -> int:
+        return self.num_sms // 2
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of ``num_nvl_bytes`` that dispatch and combine with this config need.
+
+        ``hidden_bytes`` is ``hidden * max(element_size, 2)`` (size FP8 as BF16). Assumes the largest
+        top-k (32) and one float scale per 128 hidden elements."""
+        num_nvl_ranks = min(num_ranks, MAX_NVL_RANKS)
+        hidden_elems = hidden_bytes // 2
+        num_scales = -(-hidden_elems // 128)
+        channel = max(
+            dispatch_channel_bytes(self.num_channels, num_nvl_ranks, self.num_max_nvl_chunked_recv_tokens,
+                                   hidden_bytes, MAX_TOPK, num_scales),
+            combine_channel_bytes(self.num_channels, num_nvl_ranks, self.num_max_nvl_chunked_recv_tokens,
+                                  hidden_bytes, MAX_TOPK))
+        return align_up(NOTIFY_BYTES + channel)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """RDMA bytes (internode only): 0 while the job fits one NVLink domain."""
+        if num_ranks <= MAX_NVL_RANKS:
+            return 0
+        raise NotImplementedError("internode buffers are not implemented yet (issue 7)")
+
+
+# DeepEP's defaults (research/deepep.md §1.3): (nvl_send, nvl_recv, rdma_send, rdma_recv)
+_DEFAULT_DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128)}
+_DEFAULT_COMBINE = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128)}
+
+
+def _default_for(table: dict, num_ranks: int) -> tuple:
+    if num_ranks in table:
+        return table[num_ranks]
+    if 2 <= num_ranks <= MAX_NVL_RANKS:       # odd rank counts: take the next tabulated one
+        return table[min(k for k in table if k >= num_ranks)]
+    raise ValueError(f"num_ranks={num_ranks} has no default config (intranode supports 2..8 ranks)")
+
+
+def tuned_config_path() -> Path:
+    """Where ``python -m cupy_ep.tune`` writes, and ``Buffer`` reads, tuned configs
+    (``CUPY_EP_TUNED_CONFIG`` overrides)."""
+    env = os.environ.get("CUPY_EP_TUNED_CONFIG")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cupy_ep" / "tuned_configs.json"
+
+
+def load_tuned(kind: str, num_ranks: int, hidden_bytes: int | None) -> Config | None:
+    """The tuned ``Config`` for (kind, num_ranks, hidden_bytes) if the tuner wrote one, else None."""
+    path = tuned_config_path()
+    if hidden_bytes is None or not path.is_file():
+        return None
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    key = f"{kind}/{num_ranks}/{hidden_bytes}"
+    entry = entries.get(key)
+    if not entry:
+        return None
+    try:
+        return Config(**entry)
+    except TypeError as e:
+        raise ValueError(f"CUPY_EP_TUNED_CONFIG {path}: entry {key}: {e}") from None
+
+
+def get_dispatch_config(num_ranks: int, num_sms: int, hidden_bytes: int | None = None) -> Config:
+    """Default dispatch config for ``num_ranks`` (a tuned one if present for this hidden size)."""
+    tuned = load_tuned("dispatch", num_ranks, hidden_bytes)
+    return tuned or Config(num_sms, *_default_for(_DEFAULT_DISPATCH, num_ranks))
+
+
+def get_combine_config(num_ranks: int, num_sms: int, hidden_bytes: int | None = None) -> Config:
+    """Default combine config for ``num_ranks`` (a tuned one if present for this hidden size)."""
+    tuned = load_tuned("combine", num_ranks, hidden_bytes)
+    return tuned or Config(num_sms, *_default_for(_DEFAULT_COMBINE, num_ranks))

@@ -1,0 +1,481 @@
+"""``CudaBuffer``: the GPU path of ``Buffer`` (intranode: CUDA-IPC ring buffers in one NVLink domain).
+
+A call goes: argument checks (validate.py) -> the communication stream waits for the caller's stream (or
+``previous_event``) -> :meth:`CudaBuffer._launch` of one kernel from ``cuda_src/`` (jit.py) -> outputs
+wrapped as the caller's array kind, and either the caller's stream waits for the communication stream
+or an ``EventOverlap`` is returned (``async_finish=True``).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import bootstrap, interop, jit, validate
+from . import config as _config
+from .buffer import Buffer
+from .errors import CommTimeoutError
+from .event import EventOverlap
+
+_KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
+                 5: "cached_notify_combine", 6: "combine", 7: "barrier"}
+_ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify"}
+# Mirror of cuda_src/common.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64).
+_RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), ("role", "<i4"),
+                          ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
+                          ("expected", "<i8"), ("elapsed_ns", "<i8")])
+# Mirror of DeviceCtx (u64 timeout_ns, TimeoutRecord*, int* abort_flag, int rank, int num_ranks).
+_CTX_DTYPE = np.dtype([("timeout_ns", "<u8"), ("record", "<u8"), ("abort_flag", "<u8"),
+                       ("rank", "<i4"), ("num_ranks", "<i4")])
+_LAYOUT_THREADS = 128
+_NOTIFY_THREADS = 128
+_COMBINE_TOKENS_PER_WARP = 2  # mirrors kCombineTokensPerWarp in intranode.cu
+
+
+def _warps(num_ranks: int) -> int:
+    """Warps of a dispatch/combine block (mirrors Groups<kNumRanks> in intranode.cu)."""
+    return (24 // num_ranks) * num_ranks
+
+
+def _capturing() -> bool:
+    """True while CuPy's current stream is being captured into a CUDA graph (no host syncs allowed)."""
+    import cupy
+    try:
+        return bool(cupy.cuda.get_current_stream().is_capturing())
+    except Exception:
+        return False
+
+
+class CudaBuffer(Buffer):
+    """GPU backend of :class:`cupy_ep.Buffer`; see its docstring for the arguments."""
+
+    backend = "cuda"
+
+    def __init__(self, comm=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode=False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
+                 backend=None, device=None, timeout_s=None, num_ranks_per_node=None, check_values=True):
+        super().__init__(comm, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+                         allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, enable_shrink,
+                         backend=backend, device=device, timeout_s=timeout_s,
+                         num_ranks_per_node=num_ranks_per_node, check_values=check_values)
+        import cupy
+        self.topology = bootstrap.topology(self.comm, num_ranks_per_node)
+        if self.topology.num_nodes > 1:
+            raise NotImplementedError(
+                f"the job spans {self.topology.num_nodes} nodes; the internode path is not implemented yet")
+        if not 1 <= self.num_ranks <= _config.MAX_NVL_RANKS:
+            raise ValueError(f"comm: intranode supports 1..{_config.MAX_NVL_RANKS} ranks, got {self.num_ranks}")
+        if num_rdma_bytes:
+            raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain")
+        self.device_id = bootstrap.choose_device(self.topology.local_rank, device)
+        self._device = cupy.cuda.Device(self.device_id)
+        with self._device:
+            rt = cupy.cuda.runtime
+            self.num_device_sms = rt.getDeviceProperties(self.device_id)["multiProcessorCount"]
+            self._nvl = bootstrap.IpcBuffer(self.comm, num_nvl_bytes + _config.SIGNAL_BYTES)
+            self._workspace = cupy.zeros(_config.WORKSPACE_BYTES // 4, dtype=cupy.int32)
+            self._abort = cupy.zeros(4, dtype=cupy.int32)
+            # host-mapped: [0] receive counter, [4..] per-expert counters, then the timeout record
+            counters_bytes = 4 * (1 + _config.MAX_LOCAL_EXPERTS)
+            self._host = bootstrap.HostMapped(counters_bytes + 64 + _RECORD_DTYPE.itemsize)
+            self._recv_counter = self._host.view(np.int32, 0, 1)
+            self._expert_counters = self._host.view(np.int32, 4, _config.MAX_LOCAL_EXPERTS)
+            self._record_offset = counters_bytes + 64 - counters_bytes % 64
+            self._record = self._host.view(_RECORD_DTYPE, self._record_offset, 1)
+            ctx = np.zeros(1, dtype=_CTX_DTYPE)
+            ctx["timeout_ns"] = int(self.timeout_s * 1e9)
+            ctx["record"] = self._host.ptr + self._record_offset
+            ctx["abort_flag"] = self._abort.data.ptr
+            ctx["rank"], ctx["num_ranks"] = self.rank, self.num_ranks
+            self._ctx = cupy.array(ctx.view(np.uint8))
+            try:
+                _, high = rt.deviceGetStreamPriorityRange()
+            except AttributeError:
+                high = None
+            self.comm_stream = cupy.cuda.Stream(non_blocking=True, priority=high)
+            self._fork_event = cupy.cuda.Event(disable_timing=True)
+            self._join_event = cupy.cuda.Event(disable_timing=True)
+            self._kernels: dict = {}
+            self._device.synchronize()
+        self.comm.Barrier()
+
+    # ---- lifetime and health --------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Collective: wait for the device, close the IPC mappings, free everything."""
+        if self._destroyed:
+            return
+        with self._device:
+            self._device.synchronize()
+            self._nvl.close()
+            self._host.free()
+        self._workspace = self._ctx = self._abort = None
+        super().destroy()
+
+    def __del__(self):
+        pass  # release is explicit (destroy / context manager): a collective must not run in a finalizer
+
+    def check_health(self) -> None:
+        """Raise ``CommTimeoutError`` if a device wait of this buffer timed out (the buffer is then unusable)."""
+        if self._host.ptr and int(self._record["flag"][0]):
+            rec = {name: int(self._record[name][0]) for name in _RECORD_DTYPE.names if name != "flag"}
+            rec["kernel"] = _KERNEL_NAMES.get(rec["kernel"], rec["kernel"])
+            rec["role"] = _ROLE_NAMES.get(rec["role"], rec["role"])
+            self._unusable_reason = f"a device wait timed out: {rec}"
+            raise CommTimeoutError(f"rank {self.rank}: device wait timed out after {self.timeout_s} s", rec)
+
+    def _check_usable(self) -> None:
+        super()._check_usable()
+        self.check_health()
+
+    def capture(self) -> EventOverlap:
+        """An ``EventOverlap`` recorded on the current stream."""
+        import cupy
+        return EventOverlap(cupy.cuda.get_current_stream().record())
+
+    # ---- the one launch helper ------------------------------------------------------------------------
+    def _launch(self, filename: str, name: str, grid: int, block: int, args, shared_mem: int = 0) -> None:
+        kernel = self._kernels.get(name)
+        if kernel is None:
+            kernel = self._kernels[name] = jit.get_kernel(filename, name)
+        kernel((grid,), (block,), args, shared_mem=shared_mem, stream=self.comm_stream)
+
+    def _begin(self, kind: interop.Kind, previous_event):
+        """Make the communication stream wait for the caller; returns the caller's stream."""
+        compute = interop.current_stream(kind, self.device_id)
+        if previous_event is not None:
+            if not isinstance(previous_event, EventOverlap):
+                raise TypeError(f"previous_event: must be an EventOverlap, got {type(previous_event).__name__}")
+            if previous_event.event is not None:
+                self.comm_stream.wait_event(previous_event.event)
+        else:
+            self._fork_event.record(compute)  # reused: the wait is enqueued before the next record
+            self.comm_stream.wait_event(self._fork_event)
+        return compute
+
+    def _finish(self, compute, async_finish: bool, keep_alive) -> EventOverlap:
+        if async_finish:  # the caller holds this event: a fresh one
+            return EventOverlap(self.comm_stream.record(), keep_alive, on_wait=self.check_health)
+        self._join_event.record(self.comm_stream)
+        compute.wait_event(self._join_event)
+        return EventOverlap(None)
+
+    def _wait_recv_counter(self) -> int:
+        """Host wait for notify_dispatch's receive count (the only CPU sync of a non-cached dispatch)."""
+        deadline = time.monotonic() + self.timeout_s + 5.0
+        while True:
+            value = int(self._recv_counter[0])
+            if value >= 0:
+                return value
+            if int(self._record["flag"][0]):
+                self.check_health()
+            if time.monotonic() > deadline:
+                self._unusable_reason = "host wait for notify_dispatch timed out"
+                raise CommTimeoutError(f"rank {self.rank}: host wait for the receive count timed out after "
+                                       f"{self.timeout_s} s", {"rank": self.rank, "kernel": "notify_dispatch",
+                                                               "role": "host"})
+
+    def _check_sms(self, cfg: _config.Config, arg: str = "config") -> None:
+        ranks_per_gpu = max(1, -(-self.topology.local_size // max(1, _gpu_count())))
+        if cfg.num_sms * ranks_per_gpu > self.num_device_sms:
+            raise ValueError(f"{arg}: num_sms={cfg.num_sms} x {ranks_per_gpu} rank(s) per GPU exceeds the "
+                             f"{self.num_device_sms} SMs of GPU {self.device_id} (every block must be resident)")
+
+    # ---- layout -------------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """Routing counts of this rank's tokens.
+
+        Args:
+            topk_idx: ``[T, K]`` int64 or int32, -1 = no expert.
+            num_experts: E, a multiple of the rank count.
+
+        Returns:
+            ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank None, num_tokens_per_expert [E] int32,
+            is_token_in_rank [T, R] bool, EventOverlap)``, arrays of ``topk_idx``'s kind.
+        """
+        import cupy
+        self._check_usable()
+        validate.check_num_experts(num_experts, self.num_ranks)
+        num_tokens, num_topk = validate.check_topk_idx(topk_idx, num_experts, self.device_id,
+                                                        self.check_values and not _capturing())
+        validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        kind = interop.kind_of(topk_idx)
+        idx_name = interop.dtype_name(topk_idx)
+        with self._device:
+            raw_idx = interop.unwrap(topk_idx)
+            compute = self._begin(kind, previous_event)
+            with (self.comm_stream if allocate_on_comm_stream else compute):
+                per_rank = cupy.empty(self.num_ranks, dtype=cupy.int32)
+                per_expert = cupy.empty(num_experts, dtype=cupy.int32)
+                in_rank = cupy.empty((num_tokens, self.num_ranks), dtype=cupy.bool_)
+            columns = num_experts + self.num_ranks
+            grid = max(1, min(-(-num_tokens // _LAYOUT_THREADS), 2 * self.num_device_sms))
+            ctype = "long long" if idx_name == "int64" else "int"
+            self._launch("layout.cu", f"ep::get_dispatch_layout<{ctype}>", grid, _LAYOUT_THREADS,
+                         (raw_idx, np.int32(num_tokens), np.int32(num_topk), np.int32(num_experts),
+                          np.int32(self.num_ranks), np.int32(self.topology.num_ranks_per_node),
+                          per_rank, None, per_expert, in_rank, self._workspace), shared_mem=4 * columns)
+            event = self._finish(compute, async_finish, (raw_idx, per_rank, per_expert, in_rank))
+        return (interop.wrap(per_rank, kind, "int32"), None, interop.wrap(per_expert, kind, "int32"),
+                interop.wrap(in_rank, kind, "bool"), event)
+
+    # ---- dispatch -----------------------------------------------------------------------------------
+    def _unpack_handle(self, handle, num_tokens: int, num_channels: int):
+        if not isinstance(handle, (tuple, list)) or len(handle) != 6:
+            raise ValueError("handle: must be the 6-tuple returned by an intranode dispatch")
+        names = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                 "is_token_in_rank", "send_head")
+        dtypes = ("int32", "int32", "int32", "int32", "bool", "int32")
+        raws = []
+        for name, dt, a in zip(names, dtypes, handle):
+            validate.check_array(a, f"handle.{name}", (dt,), device=self.device_id)
+            raws.append(interop.unwrap(a))
+        rpm, cpm, rcpm, src_idx, in_rank, send_head = raws
+        R = self.num_ranks
+        expected = {"rank_prefix_matrix": (R, R), "channel_prefix_matrix": (R, num_channels),
+                    "recv_channel_prefix_matrix": (R, num_channels), "is_token_in_rank": (num_tokens, R),
+                    "send_head": (num_tokens, R)}
+        for name, a in zip(names, raws):
+            if name in expected and tuple(a.shape) != expected[name]:
+                raise ValueError(f"handle.{name}: expected shape {expected[name]} (this buffer, {num_tokens} tokens, "
+                                 f"config.num_sms={2 * num_channels}), got {tuple(a.shape)}; was the handle made "
+                                 "by another buffer, other inputs or another num_sms?")
+        if src_idx.ndim != 1:
+            raise ValueError(f"handle.recv_src_idx: must be 1-D, got shape {tuple(src_idx.shape)}")
+        return rpm, cpm, rcpm, src_idx, in_rank, send_head
+
+    def _check_nvl_bytes(self, needed: int, what: str) -> None:
+        if needed > self.num_nvl_bytes:
+            raise ValueError(f"num_nvl_bytes: this {what} needs at least {needed} bytes of NVLink buffer, the "
+                             f"buffer has {self.num_nvl_bytes} (use Buffer.get_nvl_buffer_size_hint)")
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Send every token to the ranks that own its experts.
+
+        Args:
+            x: BF16 ``[T, H]``, or the FP8 pair ``(x_e4m3 [T, H] float8_e4m3fn/uint8, scales [T, ceil(H/128)]
+                float32, any strides)``.
+            handle: a previous dispatch's handle for a cached dispatch (no CPU sync; topk must be None).
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from ``get_dispatch_layout``.
+            topk_idx, topk_weights: ``[T, K]`` int64/int32 and float32, both or neither.
+            expert_alignment: per-expert receive counts are rounded up to this.
+            num_worst_tokens: > 0 = no CPU sync: outputs have this many rows (CUDA-graph capturable).
+            config: ``Config``; default ``get_dispatch_config(R)``.
+
+        Returns:
+            ``(recv_x | (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
+            num_recv_tokens_per_expert_list, handle, EventOverlap)``; rows ordered by (source rank, source
+            token). Cached mode returns ``(recv_x[, scales], None, None, None, None, EventOverlap)``.
+        """
+        import cupy
+        self._check_usable()
+        info = validate.check_x(x, self.device_id)
+        cfg = self._resolve_config(config, "dispatch", max(info.hidden_bytes, 2 * info.hidden))
+        self._check_sms(cfg)
+        validate.check_expert_alignment(expert_alignment)
+        validate.check_num_worst_tokens(num_worst_tokens, self.num_ranks, info.num_tokens)
+        validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        R, C, T = self.num_ranks, cfg.num_channels, info.num_tokens
+        cached = handle is not None
+        num_topk, idx_name, num_experts = 0, "int64", 0
+        if cached:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("topk_idx/topk_weights: must be None in a cached dispatch (handle given)")
+            handle_raw = self._unpack_handle(handle, T, C)
+        else:
+            for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                                ("num_tokens_per_expert", num_tokens_per_expert)):
+                if value is None:
+                    raise ValueError(f"{name}: required for a non-cached dispatch (from get_dispatch_layout)")
+            validate.check_array(num_tokens_per_rank, "num_tokens_per_rank", ("int32",), ndim=1, device=self.device_id)
+            if tuple(num_tokens_per_rank.shape) != (R,):
+                raise ValueError(f"num_tokens_per_rank: expected shape ({R},), got {tuple(num_tokens_per_rank.shape)}")
+            validate.check_array(is_token_in_rank, "is_token_in_rank", ("bool",), ndim=2, device=self.device_id)
+            if tuple(is_token_in_rank.shape) != (T, R):
+                raise ValueError(f"is_token_in_rank: expected shape {(T, R)}, got {tuple(is_token_in_rank.shape)}")
+            validate.check_array(num_tokens_per_expert, "num_tokens_per_expert", ("int32",), ndim=1,
+                                 device=self.device_id)
+            num_experts = int(num_tokens_per_expert.shape[0])
+            validate.check_num_experts(num_experts, R)
+            if (topk_idx is None) != (topk_weights is None):
+                raise ValueError("topk_idx/topk_weights: give both or neither")
+            if topk_idx is not None:
+                t2, num_topk = validate.check_topk_idx(topk_idx, num_experts, self.device_id,
+                                                       self.check_values and not _capturing())
+                if t2 != T:
+                    raise ValueError(f"topk_idx: has {t2} rows but x has {T}")
+                validate.check_topk_weights(topk_weights, T, num_topk, self.device_id)
+                idx_name = interop.dtype_name(topk_idx)
+            if num_worst_tokens and topk_idx is None:
+                raise ValueError("num_worst_tokens: needs topk_idx and topk_weights")
+        S = info.num_scales
+        hidden_int4 = info.hidden_bytes // 16
+        self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.dispatch_channel_bytes(
+            C, R, cfg.num_max_nvl_chunked_recv_tokens, info.hidden_bytes, max(num_topk, 1), S), "dispatch")
+
+        kind = interop.kind_of(info.x)
+        with self._device:
+            raw_x = interop.unwrap(info.x, "bfloat16" if info.dtype == "bfloat16" else "float8_e4m3fn")
+            raw_scales = None
+            if info.scales is not None:
+                raw_scales = interop.unwrap(info.scales)
+            compute = self._begin(kind, previous_event)
+            alloc_stream = self.comm_stream if allocate_on_comm_stream else compute
+            layout_args = (np.int32(C), np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4),
+                           np.int32(max(num_topk, 1)), np.int32(S))
+            per_expert_list = None
+            if cached:
+                rpm, cpm, rcpm, src_idx, in_rank, send_head = handle_raw
+                num_recv = int(src_idx.shape[0])
+                self._launch("intranode.cu", f"ep::cached_notify_dispatch<{R}>", 1, _NOTIFY_THREADS,
+                             (self._nvl.ptr_table, np.int32(self.rank)) + layout_args + (self._ctx,))
+                raw_idx = raw_w = None
+            else:
+                in_rank = interop.unwrap(is_token_in_rank)
+                raw_idx = interop.unwrap(topk_idx) if topk_idx is not None else None
+                raw_w = interop.unwrap(topk_weights) if topk_weights is not None else None
+                with alloc_stream:
+                    rpm = cupy.empty((R, R), dtype=cupy.int32)
+                    cpm = cupy.empty((R, C), dtype=cupy.int32)
+                sync = num_worst_tokens == 0
+                if sync:
+                    self._recv_counter[0] = -1
+                self._launch("intranode.cu", f"ep::notify_dispatch<{R}>", 1 + R, _NOTIFY_THREADS,
+                             (interop.unwrap(num_tokens_per_rank), interop.unwrap(num_tokens_per_expert),
+                              np.int32(num_experts), in_rank, np.int32(T), np.int32(C), np.int32(expert_alignment),
+                              rpm, cpm, np.uint64(self._host.ptr) if sync else None,
+                              np.uint64(self._host.ptr + 4) if sync else None, self._nvl.ptr_table,
+                              np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
+                              np.int32(hidden_int4), np.int32(max(num_topk, 1)), np.int32(S), self._ctx))
+                if sync:
+                    num_recv = self._wait_recv_counter()
+                    per_expert_list = [int(v) for v in self._expert_counters[: num_experts // R]]
+                else:
+                    num_recv = num_worst_tokens
+                with alloc_stream:
+                    src_idx = cupy.empty(num_recv, dtype=cupy.int32)
+                    rcpm = cupy.empty((R, C), dtype=cupy.int32)
+                    send_head = cupy.empty((T, R), dtype=cupy.int32)
+            with alloc_stream:
+                recv_x = cupy.empty((num_recv, info.hidden), dtype=raw_x.dtype)
+                recv_scales = cupy.empty((num_recv, S), dtype=cupy.float32) if raw_scales is not None else None
+                recv_idx = recv_w = None
+                if raw_idx is not None:
+                    recv_idx = cupy.empty((num_recv, num_topk), dtype=raw_idx.dtype)
+                    recv_w = cupy.empty((num_recv, num_topk), dtype=cupy.float32)
+            ctype = "long long" if idx_name == "int64" else "int"
+            stride_t, stride_h = (0, 0)
+            if raw_scales is not None:
+                stride_t, stride_h = (s // 4 for s in raw_scales.strides)
+            threads = _warps(R) * 32
+            self._launch(
+                "intranode.cu", f"ep::dispatch<{R}, {ctype}>", 2 * C, threads,
+                (recv_x, recv_scales, None if cached else src_idx, recv_idx, recv_w, None if cached else rcpm,
+                 None if cached else send_head, raw_x, raw_scales, raw_idx, raw_w, in_rank,
+                 cpm, rpm, np.int32(T), np.int32(num_worst_tokens), np.int32(hidden_int4),
+                 np.int32(num_topk), np.int32(num_experts), np.int32(S), np.int64(stride_t), np.int64(stride_h),
+                 self._nvl.ptr_table, np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_send_tokens),
+                 np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx))
+            keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, rpm, cpm, rcpm,
+                    src_idx, send_head, in_rank)
+            event = self._finish(compute, async_finish, keep)
+
+        x_name = info.dtype if kind.lib != "cupy" or info.dtype == "bfloat16" else interop.dtype_name(info.x)
+        out_x = interop.wrap(recv_x, kind, x_name)
+        if recv_scales is not None:
+            out_x = (out_x, interop.wrap(recv_scales, kind, "float32"))
+        if cached:
+            return out_x, None, None, None, None, event
+        out_handle = (interop.wrap(rpm, kind, "int32"), interop.wrap(cpm, kind, "int32"),
+                      interop.wrap(rcpm, kind, "int32"), interop.wrap(src_idx, kind, "int32"),
+                      is_token_in_rank, interop.wrap(send_head, kind, "int32"))
+        return (out_x, interop.wrap(recv_idx, kind, idx_name), interop.wrap(recv_w, kind, "float32"),
+                per_expert_list if per_expert_list is not None else [], out_handle, event)
+
+    # ---- combine ------------------------------------------------------------------------------------
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Send expert outputs back to the tokens' owners and sum them there.
+
+        Args:
+            x: BF16 ``[N, H]``, one row per row of the dispatch output that made ``handle``.
+            handle: the dispatch handle (not modified).
+            topk_weights: ``[N, K]`` float32 or None; summed per token like x.
+            bias: None, a ``[T, H]`` bf16 array, or a pair; added first.
+
+        Returns:
+            ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, EventOverlap)``: an fp32
+            sum (0 + bias0 + bias1 + contributions in ascending rank order) rounded once to bf16.
+        """
+        import cupy
+        self._check_usable()
+        validate.check_array(x, "x", ("bfloat16",), ndim=2, device=self.device_id)
+        num_recv, hidden = x.shape
+        if (hidden * 2) % 16:
+            raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={hidden}")
+        if not isinstance(handle, (tuple, list)) or len(handle) != 6:
+            raise ValueError("handle: must be the 6-tuple returned by an intranode dispatch")
+        handle_channels = int(handle[2].shape[1]) if getattr(handle[2], "ndim", 0) == 2 else None
+        cfg = self._resolve_config(config, "combine", hidden * 2, handle_channels)
+        self._check_sms(cfg)
+        validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        num_tokens = int(handle[4].shape[0]) if hasattr(handle[4], "shape") else 0
+        R, C = self.num_ranks, cfg.num_channels
+        rpm, _, rcpm, src_idx, in_rank, send_head = self._unpack_handle(handle, num_tokens, C)
+        if int(src_idx.shape[0]) != num_recv:
+            raise ValueError(f"x: has {num_recv} rows but the handle's dispatch received {src_idx.shape[0]}")
+        num_topk = 1
+        if topk_weights is not None:
+            validate.check_array(topk_weights, "topk_weights", ("float32",), ndim=2, device=self.device_id)
+            if topk_weights.shape[0] != num_recv or not 1 <= topk_weights.shape[1] <= _config.MAX_TOPK:
+                raise ValueError(f"topk_weights: expected shape ({num_recv}, K<=32), got {tuple(topk_weights.shape)}")
+            num_topk = int(topk_weights.shape[1])
+        biases = validate.check_bias(bias, num_tokens, hidden, self.device_id)
+        batch = _warps(R) * _COMBINE_TOKENS_PER_WARP
+        if cfg.num_max_nvl_chunked_recv_tokens - cfg.num_max_nvl_chunked_send_tokens < batch:
+            raise ValueError(f"config: combine needs num_max_nvl_chunked_recv_tokens - num_max_nvl_chunked_send_tokens"
+                             f" >= {batch} (the receiver's batch), got {cfg.num_max_nvl_chunked_recv_tokens} - "
+                             f"{cfg.num_max_nvl_chunked_send_tokens}")
+        hidden_int4 = hidden * 2 // 16
+        self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.combine_channel_bytes(
+            C, R, cfg.num_max_nvl_chunked_recv_tokens, hidden * 2, num_topk), "combine")
+
+        kind = interop.kind_of(x)
+        with self._device:
+            raw_x = interop.unwrap(x)
+            raw_w = interop.unwrap(topk_weights) if topk_weights is not None else None
+            raw_b = [interop.unwrap(b) if b is not None else None for b in biases]
+            compute = self._begin(kind, previous_event)
+            with (self.comm_stream if allocate_on_comm_stream else compute):
+                out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
+                out_w = cupy.empty((num_tokens, num_topk), dtype=cupy.float32) if raw_w is not None else None
+            self._launch("intranode.cu", f"ep::cached_notify_combine<{R}>", 1, _NOTIFY_THREADS,
+                         (self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
+                          np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4), np.int32(num_topk),
+                          self._ctx))
+            self._launch("intranode.cu", f"ep::combine<{R}>", 2 * C, _warps(R) * 32,
+                         (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, rcpm, send_head, np.int32(num_tokens),
+                          np.int32(hidden_int4), np.int32(num_topk), self._nvl.ptr_table, np.int32(self.rank),
+                          np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
+                          self._ctx))
+            event = self._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, rcpm, send_head))
+        return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
+
+    # ---- tests / tools ------------------------------------------------------------------------------
+    def barrier(self) -> None:
+        """Device-side barrier of all ranks on the communication stream (tests and benchmarks)."""
+        self._check_usable()
+        with self._device:
+            self._launch("intranode.cu", f"ep::barrier<{self.num_ranks}>", 1, 32,
+                         (self._nvl.ptr_table, np.int32(self.rank), self._ctx))
+            self.comm_stream.synchronize()
+        self.check_health()
+
+
+def _gpu_count() -> int:
+    import cupy
+    return cupy.cuda.runtime.getDeviceCount()

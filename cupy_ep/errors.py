@@ -1,0 +1,35 @@
+"""Exception classes of cupy_ep.
+
+Every error the library raises on purpose is one of these (or a plain ``ValueError``/``TypeError`` for bad
+arguments, which always names the argument)."""
+
+
+class CupyEpError(RuntimeError):
+    """Base class of cupy_ep's own runtime errors."""
+
+
+class CompileError(CupyEpError):
+    """NVRTC could not compile a kernel; ``log`` holds the compiler's log."""
+
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(f"{message}\n--- NVRTC log ---\n{log}" if log else message)
+        self.log = log
+
+
+class CommTimeoutError(CupyEpError):
+    """A device-side wait (or the host wait on a device counter) ran past the configured timeout.
+
+    ``record`` is a dict with what the waiting thread saw: rank, kernel, role, channel, peer, head, tail,
+    expected. After this error the buffer is unusable (its ring state is unknown) and must be destroyed."""
+
+    def __init__(self, message: str, record: dict | None = None):
+        super().__init__(message if record is None else f"{message}: {record}")
+        self.record = record or {}
+
+
+class BufferUnusableError(CupyEpError):
+    """The buffer was destroyed, or a previous call timed out and left it in an unknown state."""
+
+
+class BackendUnavailableError(CupyEpError):
+    """The requested backend cannot run here (for example ``backend="cuda"`` on a machine without a GPU)."""

@@ -1,0 +1,138 @@
+"""Arrays in and out: CuPy arrays, torch tensors (through DLPack, zero-copy) and numpy arrays (host backend).
+
+Inside cupy_ep every payload is handled as *raw bytes of a known logical dtype*: bf16 travels as uint16,
+fp8 e4m3 as uint8. ``unwrap`` turns a user array into ``(raw array, Kind)`` and ``wrap`` gives an output
+back as the user's kind with the logical dtype restored. bf16/fp8 on the host use ml_dtypes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+# logical dtype name -> (numpy dtype of the raw view, element size)
+_RAW = {
+    "bfloat16": np.dtype(np.uint16),
+    "float8_e4m3fn": np.dtype(np.uint8),
+    "uint8": np.dtype(np.uint8),
+    "float32": np.dtype(np.float32),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "bool": np.dtype(np.bool_),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """Where an array came from: ``"cupy"``, ``"torch"`` or ``"numpy"``, and for torch whether it is on the GPU."""
+    lib: str
+    on_gpu: bool
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def _is_cupy(x) -> bool:
+    return type(x).__module__.startswith("cupy") and hasattr(x, "data")
+
+
+def kind_of(x) -> Kind:
+    if _is_torch(x):
+        return Kind("torch", bool(x.is_cuda))
+    if _is_cupy(x):
+        return Kind("cupy", True)
+    if isinstance(x, np.ndarray):
+        return Kind("numpy", False)
+    raise TypeError(f"expected a CuPy array, torch tensor or numpy array, got {type(x).__name__}")
+
+
+def dtype_name(x) -> str:
+    """The logical dtype of ``x`` as a string: 'bfloat16', 'float8_e4m3fn', 'float32', 'int64', ..."""
+    if _is_torch(x):
+        return str(x.dtype).replace("torch.", "")
+    dt = np.dtype(x.dtype)
+    if dt == BF16:
+        return "bfloat16"
+    if dt == FP8:
+        return "float8_e4m3fn"
+    return "bool" if dt == np.bool_ else dt.name
+
+
+def is_contiguous(x) -> bool:
+    if _is_torch(x):
+        return bool(x.is_contiguous())
+    return bool(x.flags.c_contiguous)
+
+
+def device_of(x) -> int | None:
+    """CUDA device ordinal of a GPU array, None for host arrays."""
+    if _is_torch(x):
+        return x.device.index if x.is_cuda else None
+    if _is_cupy(x):
+        return x.device.id
+    return None
+
+
+def raw_dtype(name: str) -> np.dtype:
+    try:
+        return _RAW[name]
+    except KeyError:
+        raise TypeError(f"unsupported dtype {name}") from None
+
+
+def unwrap(x, logical: str | None = None):
+    """``x`` as a raw CuPy array (GPU) or numpy array (host), zero-copy, viewed as the raw dtype."""
+    name = logical or dtype_name(x)
+    raw = raw_dtype(name)
+    if _is_torch(x):
+        import torch
+        view_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[raw.itemsize]
+        t = x if x.dtype == torch.bool else x.view(view_dtype)
+        if t.is_cuda:
+            import cupy
+            return cupy.from_dlpack(t).view(raw)
+        return t.numpy().view(raw)
+    return x if x.dtype == raw else x.view(raw)
+
+
+def empty_like_kind(kind: Kind, shape, name: str):
+    """A new raw array (CuPy on the GPU, numpy on the host) for an output of logical dtype ``name``."""
+    if kind.on_gpu:
+        import cupy
+        return cupy.empty(shape, dtype=raw_dtype(name))
+    return np.empty(shape, dtype=raw_dtype(name))
+
+
+def wrap(raw, kind: Kind, name: str):
+    """Give a raw output back as the user's kind with its logical dtype."""
+    if raw is None:
+        return None
+    if kind.lib == "torch":
+        import torch
+        t = torch.from_dlpack(raw) if kind.on_gpu else torch.from_numpy(np.ascontiguousarray(raw))
+        target = getattr(torch, name if name != "bool" else "bool")
+        return t if t.dtype == target else t.view(target)
+    if kind.lib == "numpy":
+        return raw.view(BF16 if name == "bfloat16" else FP8 if name == "float8_e4m3fn" else raw.dtype)
+    # CuPy: restore bf16 where CuPy knows it (it does when ml_dtypes is installed); fp8 stays uint8.
+    if name == "bfloat16":
+        try:
+            return raw.view(BF16)
+        except (TypeError, ValueError):
+            return raw
+    return raw
+
+
+def current_stream(kind: Kind, device_id: int | None = None):
+    """The stream the caller's framework considers current (on ``device_id``), as a CuPy stream object."""
+    import cupy
+    if kind.lib == "torch" and kind.on_gpu:
+        import torch
+        stream = torch.cuda.current_stream(device_id)
+        return cupy.cuda.ExternalStream(stream.cuda_stream, device_id if device_id is not None else -1)
+    return cupy.cuda.get_current_stream()

@@ -1,0 +1,142 @@
+"""Host-side argument checks shared by both backends.
+
+Every check runs before any kernel is launched and raises ``TypeError`` (wrong kind or dtype) or
+``ValueError`` (wrong shape, value or size) with the argument's name first in the message, so a bad call
+leaves the buffer usable.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from . import interop
+from .config import MAX_HIDDEN_BYTES, MAX_LOCAL_EXPERTS, MAX_TOPK
+
+
+def _fail(name: str, what: str, exc=ValueError):
+    raise exc(f"{name}: {what}")
+
+
+def check_array(x, name: str, dtypes: tuple, ndim: int | None = None, device: int | None = None,
+                contiguous: bool = True):
+    """Kind, dtype, rank, contiguity and device of one array argument; returns its logical dtype name."""
+    if x is None:
+        _fail(name, "must not be None", TypeError)
+    try:
+        kind = interop.kind_of(x)
+    except TypeError as e:
+        _fail(name, str(e), TypeError)
+    dt = interop.dtype_name(x)
+    if dt not in dtypes:
+        _fail(name, f"dtype must be one of {', '.join(dtypes)}, got {dt}", TypeError)
+    if ndim is not None and x.ndim != ndim:
+        _fail(name, f"must be {ndim}-D, got shape {tuple(x.shape)}")
+    if contiguous and not interop.is_contiguous(x):
+        _fail(name, "must be contiguous (row-major)")
+    if device is not None and kind.on_gpu and interop.device_of(x) != device:
+        _fail(name, f"is on GPU {interop.device_of(x)}, but this buffer uses GPU {device}")
+    return dt
+
+
+def check_num_experts(num_experts, num_ranks: int) -> int:
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool):
+        _fail("num_experts", f"must be an int, got {type(num_experts).__name__}", TypeError)
+    if num_experts <= 0 or num_experts % num_ranks:
+        _fail("num_experts", f"must be a positive multiple of the rank count {num_ranks}, got {num_experts}")
+    if num_experts // num_ranks > MAX_LOCAL_EXPERTS:
+        _fail("num_experts", f"{num_experts // num_ranks} experts per rank exceed the limit {MAX_LOCAL_EXPERTS}")
+    return num_experts
+
+
+def check_topk_idx(topk_idx, num_experts: int | None, device=None, check_values: bool = True,
+                   name: str = "topk_idx"):
+    """``topk_idx [T, K]`` int32/int64 with 1 <= K <= 32 and values in [-1, num_experts)."""
+    check_array(topk_idx, name, ("int64", "int32"), ndim=2, device=device)
+    num_tokens, num_topk = topk_idx.shape
+    if not 1 <= num_topk <= MAX_TOPK:
+        _fail(name, f"top-k (shape[1]) must be in [1, {MAX_TOPK}], got {num_topk}")
+    if check_values and num_experts is not None and num_tokens > 0:
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= num_experts:
+            _fail(name, f"values must lie in [-1, {num_experts}), found min {lo} and max {hi}")
+    return num_tokens, num_topk
+
+
+@dataclasses.dataclass
+class XInfo:
+    """What dispatch needs to know of ``x``."""
+    x: object                # the data array [T, H]
+    scales: object | None    # [T, S] float32 (FP8 only)
+    dtype: str               # 'bfloat16' or 'float8_e4m3fn' (uint8 is taken as raw e4m3)
+    num_tokens: int
+    hidden: int
+    hidden_bytes: int
+    num_scales: int
+
+
+def check_x(x, device=None, name: str = "x") -> XInfo:
+    """BF16 ``[T, H]`` or the FP8 pair ``(x_e4m3 [T, H], scales [T, ceil(H/128)] float32, any strides)``."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            _fail(name, f"an FP8 input must be the pair (x_e4m3, scales), got {len(x)} items")
+        data, scales = x
+        dt = check_array(data, f"{name}[0]", ("float8_e4m3fn", "uint8"), ndim=2, device=device)
+        if scales is None:
+            _fail(f"{name}[1]", "FP8 dispatch needs the per-128-channel scales", TypeError)
+        check_array(scales, f"{name}[1]", ("float32",), ndim=2, device=device, contiguous=False)
+        num_tokens, hidden = data.shape
+        num_scales = -(-hidden // 128)
+        if tuple(scales.shape) != (num_tokens, num_scales):
+            _fail(f"{name}[1]", f"scales must have shape {(num_tokens, num_scales)}, got {tuple(scales.shape)}")
+        hidden_bytes = hidden
+        info = XInfo(data, scales, "float8_e4m3fn", num_tokens, hidden, hidden_bytes, num_scales)
+        del dt
+    else:
+        check_array(x, name, ("bfloat16",), ndim=2, device=device)
+        num_tokens, hidden = x.shape
+        info = XInfo(x, None, "bfloat16", num_tokens, hidden, hidden * 2, 0)
+    if info.hidden_bytes % 16:
+        _fail(name, f"a row must be a multiple of 16 bytes, got hidden={info.hidden} ({info.hidden_bytes} bytes)")
+    if info.hidden_bytes <= 0 or info.hidden_bytes > MAX_HIDDEN_BYTES:
+        _fail(name, f"row bytes must be in [16, {MAX_HIDDEN_BYTES}], got {info.hidden_bytes}")
+    return info
+
+
+def check_topk_weights(topk_weights, num_tokens: int, num_topk: int, device=None,
+                       name: str = "topk_weights"):
+    check_array(topk_weights, name, ("float32",), ndim=2, device=device)
+    if tuple(topk_weights.shape) != (num_tokens, num_topk):
+        _fail(name, f"must have shape {(num_tokens, num_topk)}, got {tuple(topk_weights.shape)}")
+
+
+def check_expert_alignment(expert_alignment) -> int:
+    if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
+        _fail("expert_alignment", f"must be a positive int, got {expert_alignment!r}")
+    return expert_alignment
+
+
+def check_num_worst_tokens(num_worst_tokens, num_ranks: int, num_tokens: int) -> int:
+    if not isinstance(num_worst_tokens, int) or isinstance(num_worst_tokens, bool) or num_worst_tokens < 0:
+        _fail("num_worst_tokens", f"must be a non-negative int, got {num_worst_tokens!r}")
+    return num_worst_tokens
+
+
+def check_bias(bias, num_tokens: int, hidden: int, device=None):
+    """None, one ``[T, H]`` bf16 array, or a pair (either may be None); returns a 2-list."""
+    if bias is None:
+        return [None, None]
+    items = list(bias) if isinstance(bias, (tuple, list)) else [bias]
+    if len(items) > 2:
+        _fail("bias", f"at most two biases, got {len(items)}")
+    items += [None] * (2 - len(items))
+    for i, b in enumerate(items):
+        if b is None:
+            continue
+        check_array(b, f"bias[{i}]", ("bfloat16",), ndim=2, device=device)
+        if tuple(b.shape) != (num_tokens, hidden):
+            _fail(f"bias[{i}]", f"must have shape {(num_tokens, hidden)}, got {tuple(b.shape)}")
+    return items
+
+
+def check_stream_args(previous_event, async_finish: bool, allocate_on_comm_stream: bool):
+    if allocate_on_comm_stream and (previous_event is None or not async_finish):
+        _fail("allocate_on_comm_stream", "needs previous_event and async_finish=True")

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# GPU check for the 2x H200 machine (the image's python3, CuPy and system MPI; nothing is installed from a
+# registry there). Run from the repo root of the copied working tree, with .carry/ carried along:
+#
+#   bash scripts/gpu_check.sh                         # every step
+#   GPU_CHECK_STEPS="nvidia_smi gpu2" bash scripts/gpu_check.sh
+#
+# Steps (in this order): nvidia_smi unit gpu2 gpu4 gpu8 bench
+#   nvidia_smi  GPUs, links and software versions
+#   unit        the single-process tests (tests/, without tests/gpu)
+#   gpuN        tests/gpu under the MPI launcher with N ranks (4 and 8: several ranks per GPU)
+#   bench       python -m cupy_ep.bench --out $OUT_DIR at 2 ranks
+# Every step's output goes to $OUT_DIR/<step>.log (OUT_DIR=${OUT:-./out}). A failed step is recorded and
+# the next one runs; the script ends with a table of step -> rc and counts, and exits 1 if any step failed.
+# EP_STEP_TIMEOUT_S=N kills a step after N seconds (useful under a per-command time limit).
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+exec 2>&1  # one stream, so the closing summary line is really the last line
+export CUPY_EP_SKIP_INSTALL=1
+# shellcheck source=scripts/_env.sh
+source scripts/_env.sh
+ep_setup_python || exit 1
+
+OUT_DIR="${OUT:-./out}"
+mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+export EP_LOG_DIR="$OUT_DIR"
+export PYTHONUNBUFFERED=1
+export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-/tmp/cupy_ep_gpu_check/cupy_kernel_cache}"
+export CUPY_EP_CACHE_DIR="${CUPY_EP_CACHE_DIR:-/tmp/cupy_ep_gpu_check/cupy_ep_cache}"
+mkdir -p "$CUPY_CACHE_DIR" "$CUPY_EP_CACHE_DIR"
+
+# Python packages the image lacks (pytest-mpi) come as wheels in .carry/wheels.
+shopt -s nullglob
+wheels=(.carry/wheels/*.whl)
+shopt -u nullglob
+if ((${#wheels[@]})); then
+    site=/tmp/site
+    mkdir -p "$site"
+    if ! "$EP_PYTHON" -m pip install --disable-pip-version-check -q --no-index --no-deps --upgrade \
+        --target "$site" "${wheels[@]}"; then
+        # Pure-python wheels are zip files: unpacking them is an install.
+        ep_log "[env] pip failed; unpacking the wheels into $site"
+        for w in "${wheels[@]}"; do "$EP_PYTHON" -m zipfile -e "$w" "$site" || exit 1; done
+    fi
+    export PYTHONPATH="$site:$PYTHONPATH"
+    ep_log "[env] wheels from .carry/wheels in $site: ${wheels[*]##*/}"
+else
+    ep_log "[env] no .carry/wheels/*.whl (pytest-mpi must already be installed)"
+fi
+
+ALL_STEPS="nvidia_smi unit gpu2 gpu4 gpu8 bench"
+STEPS="${GPU_CHECK_STEPS:-$ALL_STEPS}"
+for s in $STEPS; do
+    [[ " $ALL_STEPS " == *" $s "* ]] || ep_record "$s" - - - - FAILED "unknown step (known: $ALL_STEPS)"
+done
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+machine_info() {
+    nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv || return 1
+    nvidia-smi topo -m || true
+    "$EP_PYTHON" -c '
+import sys, cupy, numpy
+print("python", sys.version.split()[0], sys.executable)
+print("cupy", cupy.__version__, "| numpy", numpy.__version__)
+print("CUDA runtime", cupy.cuda.runtime.runtimeGetVersion(), "| driver", cupy.cuda.runtime.driverGetVersion(),
+      "| devices", cupy.cuda.runtime.getDeviceCount())
+import importlib.metadata as md
+for name in ("pytest", "pytest-mpi", "pytest-timeout", "mpi4py", "ml_dtypes", "nvidia-cuda-nvrtc"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "MISSING")
+from mpi4py import MPI
+print("MPI:", MPI.Get_library_version().splitlines()[0])' || return 1
+    ep_resolve_launcher || return 1
+    echo "launcher: ${EP_LAUNCHER[*]}"
+    env | grep -E '^(NCCL_NVLS_ENABLE|NVSHMEM_DISABLE_NVLS|TORCH_SYMM_MEM_DISABLE_MULTICAST|CUPY_|PYTHONPATH)=' | sort
+}
+
+want nvidia_smi && ep_plain_step nvidia_smi machine_info
+want unit && ep_pytest_step unit 0 -q -p no:cacheprovider --timeout=900 --timeout-method=thread \
+    tests --ignore=tests/gpu
+for n in 2 4 8; do
+    want "gpu$n" && ep_pytest_step "gpu$n" "$n" --with-mpi -q -p no:cacheprovider --color=no \
+        --timeout=900 --timeout-method=thread tests/gpu -rs
+done
+if want bench; then
+    ep_mpirun_argv 2 "$EP_PYTHON" -m cupy_ep.bench --out "$OUT_DIR" && ep_plain_step bench "${EP_ARGV[@]}"
+fi
+
+# The table goes to stdout only: the device tool brings back at most 8 files from $OUT.
+ep_summary

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The test command of the README (and of CI, through .ci/run).
+#
+#   scripts/test.sh
+#
+# 1. creates or reuses a venv (${CUPY_EP_VENV:-.venv}) and installs the package with its test extras from
+#    wheels (CUPY_EP_SKIP_INSTALL=1 skips this and uses python/mpiexec from PATH);
+# 2. runs the single-process tests, then the MPI tests at 2 and 4 ranks (tests/gpu excluded);
+# 3. when a GPU is visible, runs tests/gpu with one rank per GPU.
+# Fails when a step fails or a step ran no test; ends with the line "N passed, N failed, N skipped".
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+exec 2>&1  # one stream, so the closing summary line is really the last line
+# shellcheck source=scripts/_env.sh
+source scripts/_env.sh
+ep_setup_python
+
+common=(-q -p no:cacheprovider --timeout=600 --timeout-method=thread)
+
+ep_pytest_step unit 0 "${common[@]}" tests --ignore=tests/gpu
+for n in 2 4; do
+    ep_pytest_step "mpi$n" "$n" --only-mpi "${common[@]}" --color=no tests --ignore=tests/gpu
+done
+
+gpu_rc=0
+"$EP_PYTHON" -c '
+import sys
+try:
+    import cupy_ep
+except Exception as e:
+    print(f"cannot import cupy_ep: {e!r}", file=sys.stderr)
+    sys.exit(2)
+sys.exit(0 if cupy_ep.gpu_available() else 1)' || gpu_rc=$?
+if [[ "$gpu_rc" == 0 ]]; then
+    ngpus="$(ep_num_gpus)"
+    ((ngpus >= 1)) || ngpus=1
+    echo ""
+    echo "GPU visible: running tests/gpu with $ngpus rank(s), one per GPU"
+    ep_pytest_step gpu "$ngpus" --with-mpi "${common[@]}" --color=no tests/gpu -rs
+elif [[ "$gpu_rc" == 1 ]]; then
+    echo ""
+    echo "GPU tests skipped: no GPU is present (tests/gpu not run)"
+else
+    ep_record gpu-check "$gpu_rc" - - - FAILED "could not import cupy_ep to look for a GPU"
+fi
+
+ep_summary

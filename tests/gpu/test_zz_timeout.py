@@ -1,0 +1,91 @@
+"""Dead or late peers: a rank that skips a call makes the others raise CommTimeoutError in bounded time,
+and the buffer then refuses further use. (Named zz so it runs after the other GPU tests.)
+
+Every rank reaches ``destroy()`` whatever happens, so a failure here never leaves a peer waiting."""
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+import cupy_ep
+from cupy_ep import Buffer, BufferUnusableError, CommTimeoutError
+from tests.gpu.conftest import nvl_bytes_for
+from tests.helpers import all_ok, make_inputs
+
+TIMEOUT_S = 3.0
+SKIPPER = 1
+
+
+def _setup(comm):
+    import cupy
+    rank, R = comm.Get_rank(), comm.Get_size()
+    buf = Buffer(comm, num_nvl_bytes=nvl_bytes_for(R, 8192, 12), backend="cuda", timeout_s=TIMEOUT_S)
+    rng = np.random.default_rng(rank)
+    inp = make_inputs(rng, 200, 4096, 4, 8 * R, R)
+    with cupy.cuda.Device(buf.device_id):
+        x = cupy.asarray(inp.x.view(np.uint16)).view(cupy_ep.interop.BF16)
+        idx, w = cupy.asarray(inp.topk_idx), cupy.asarray(inp.topk_weights)
+        layout = buf.get_dispatch_layout(idx, 8 * R)
+    return buf, x, idx, w, layout
+
+
+def _dispatch(buf, x, idx, w, layout):
+    return buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                        num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w)
+
+
+def _expect_timeout(rank, what, fn, kernels):
+    """Run fn; True iff it raised CommTimeoutError in bounded time naming one of ``kernels``."""
+    start = time.monotonic()
+    try:
+        fn()
+    except CommTimeoutError as e:
+        elapsed = time.monotonic() - start
+        print(f"rank {rank}: {what}: CommTimeoutError after {elapsed:.1f} s: {e.record}", flush=True)
+        return elapsed < TIMEOUT_S + 10 and e.record.get("kernel") in kernels and e.record.get("rank") == rank
+    except Exception:
+        print(f"rank {rank}: {what}: unexpected exception", flush=True)
+        traceback.print_exc()
+        return False
+    print(f"rank {rank}: {what}: no exception", flush=True)
+    return False
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rank_skipping_dispatch_times_out(comm):
+    rank = comm.Get_rank()
+    buf, x, idx, w, layout = _setup(comm)
+    ok = True
+    try:
+        if rank != SKIPPER:
+            ok = _expect_timeout(rank, "dispatch", lambda: _dispatch(buf, x, idx, w, layout), ("notify_dispatch",))
+            try:
+                _dispatch(buf, x, idx, w, layout)
+                ok = False
+                print(f"rank {rank}: a call after the timeout did not raise", flush=True)
+            except BufferUnusableError:
+                pass
+    finally:
+        buf.destroy()
+    assert all_ok(comm, ok)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rank_skipping_combine_times_out(comm):
+    import cupy
+    rank = comm.Get_rank()
+    buf, x, idx, w, layout = _setup(comm)
+    ok = True
+    try:
+        recv_x, _, _, _, handle, _ = _dispatch(buf, x, idx, w, layout)
+        if rank != SKIPPER:
+            def combine_and_check():
+                buf.combine(recv_x, handle)
+                with cupy.cuda.Device(buf.device_id):
+                    cupy.cuda.runtime.deviceSynchronize()
+                buf.check_health()
+            ok = _expect_timeout(rank, "combine", combine_and_check, ("cached_notify_combine", "combine"))
+    finally:
+        buf.destroy()
+    assert all_ok(comm, ok)

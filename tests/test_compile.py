@@ -1,0 +1,68 @@
+"""Every kernel instantiation in cuda_src/ compiles with NVRTC for sm_90, without a GPU, without spills."""
+import pytest
+
+from cupy_ep import jit
+from cupy_ep.errors import CompileError
+
+RANKS = range(1, 9)
+
+
+def intranode_names():
+    names = ["ep::carve_probe"]
+    for r in RANKS:
+        names += [f"ep::barrier<{r}>", f"ep::notify_dispatch<{r}>", f"ep::cached_notify_dispatch<{r}>",
+                  f"ep::cached_notify_combine<{r}>", f"ep::combine<{r}>",
+                  f"ep::dispatch<{r}, long long>", f"ep::dispatch<{r}, int>"]
+    return names
+
+
+KERNELS = {
+    "layout.cu": ["ep::get_dispatch_layout<long long>", "ep::get_dispatch_layout<int>"],
+    "intranode.cu": intranode_names(),
+    "copy.cu": ["ep::p2p_copy"],
+}
+
+
+@pytest.mark.parametrize("filename", sorted(KERNELS))
+def test_compiles_for_sm90_without_spills(filename):
+    result = jit.compile_only(filename, KERNELS[filename], arch="sm_90")
+    assert result.cubin[:4] == b"\x7fELF"
+    assert set(result.mapping) == set(KERNELS[filename])
+    assert all(v.startswith("_Z") for v in result.mapping.values())
+    resources = result.resources()
+    assert len(resources) >= len(KERNELS[filename])
+    for name, res in resources.items():
+        assert res.get("spill_stores", 0) == 0, f"{name} spills: {res}"
+        assert 0 < res["registers"] <= 128, f"{name}: {res}"
+
+
+def test_every_source_file_is_covered():
+    files = {p.name for p in jit.source_dir().glob("*.cu")}
+    assert files == set(KERNELS), "add the new file's kernels to KERNELS"
+
+
+def test_compile_error_carries_the_log(tmp_path, monkeypatch):
+    bad = tmp_path / "cuda_src"
+    bad.mkdir()
+    for p in jit.source_dir().glob("*.cuh"):
+        (bad / p.name).write_text(p.read_text())
+    (bad / "broken.cu").write_text('#include "common.cuh"\n__global__ void k() { undefined_symbol(); }\n')
+    monkeypatch.setattr(jit, "source_dir", lambda: bad)
+    with pytest.raises(CompileError) as info:
+        jit.compile_cubin("broken.cu", ["k"], arch="sm_90")
+    assert "undefined_symbol" in info.value.log
+
+
+def test_source_hash_covers_headers(tmp_path, monkeypatch):
+    src = tmp_path / "cuda_src"
+    src.mkdir()
+    (src / "common.cuh").write_text("#define A 1\n")
+    monkeypatch.setattr(jit, "source_dir", lambda: src)
+    jit.source_hash.cache_clear()
+    try:
+        first = jit.source_hash()
+        (src / "common.cuh").write_text("#define A 2\n")
+        jit.source_hash.cache_clear()
+        assert jit.source_hash() != first
+    finally:
+        jit.source_hash.cache_clear()
