@@ -94,6 +94,33 @@ class GpuTimer:
         return Timing(float(np.median(per_iter)), float(np.min(per_iter)))
 
 
+    def graph(self, fn) -> Timing:
+        """Device-only time: ``fn`` captured once in a CUDA graph, replays timed (no host overhead)."""
+        import cupy
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            fn()
+            stream.synchronize()
+            self.comm.Barrier()
+            stream.begin_capture()
+            fn()
+            graph = stream.end_capture()
+        times = []
+        for i in range(self.warmup + self.iters):
+            self.flush.fill(i & 0xff)
+            cupy.cuda.runtime.deviceSynchronize()
+            self.comm.Barrier()
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            if i >= self.warmup:
+                times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
+        per_iter = np.max(np.array(self.comm.allgather(times)), axis=0)
+        return Timing(float(np.median(per_iter)), float(np.min(per_iter)))
+
+
 class HostTimer:
     def __init__(self, comm, iters: int, warmup: int):
         self.comm, self.iters, self.warmup = comm, iters, warmup
@@ -128,7 +155,7 @@ def measure_ceiling(buf, timer, bytes_per_peer: int, sms_list) -> dict:
         def run():
             kernel((sms,), (768,), (src, buf._nvl.ptr_table, np.int64(cfgmod.SIGNAL_BYTES + cfgmod.NOTIFY_BYTES),
                                     np.int64(n_int4), np.int32(buf.rank), np.int32(R)))
-        t = timer(run)
+        t = timer.graph(run)  # device time: the kernel alone, like the graph-timed ops
         out[sms] = n_int4 * 16 * (R - 1) / (t.median_us * 1e-6) / 1e9
     return out
 
@@ -253,45 +280,68 @@ class Bench:
         nvl_back = int(recv_rows.sum() - recv_rows[rank])
         num_recv = int(recv_rows.sum())
 
-        nccl = {}
+        nccl, nccl_graph = {}, {}
         if self.gpu and with_baselines:
             nc = self.nccl
-            for name, rb in (("bf16", row_bf16), ("fp8", row_fp8)):
-                nccl[("dispatch", name)] = timer(nc.make(sent_rows * rb, recv_rows * rb)).median_us
-            nccl[("combine", "bf16")] = timer(nc.make(recv_rows * row_bf16, sent_rows * row_bf16)).median_us
+            runs = {("dispatch", name): nc.make(sent_rows * rb, recv_rows * rb)
+                    for name, rb in (("bf16", row_bf16), ("fp8", row_fp8))}
+            runs[("combine", "bf16")] = nc.make(recv_rows * row_bf16, sent_rows * row_bf16)
+            for key, run in runs.items():
+                nccl[key] = timer(run).median_us
+                try:
+                    nccl_graph[key] = timer.graph(run).median_us
+                except Exception as e:  # NCCL inside a graph is not essential: say so, keep going
+                    self.log(f"  (NCCL graph capture failed: {e})")
 
-        def add(op, dtype, sms, t: Timing, row_bytes, logical_rows, nvl_rows):
+        def gbps(rows, row_bytes, us):
+            return rows * row_bytes / (us * 1e-6) / 1e9 if rows and us else 0.0
+
+        def add(op, dtype, sms, fn, row_bytes, logical_rows, nvl_rows, graph: bool):
+            """Time ``fn`` as called from Python (events around the call: host overhead included) and,
+            when ``graph``, as CUDA-graph replays (device time only)."""
+            t = timer(fn)
+            tg = timer.graph(fn) if graph and self.gpu else None
             rec = dict(op=op, dtype=dtype, num_sms=sms, tokens=tokens, hidden=a.hidden, topk=a.topk,
-                       experts=self.experts, time_us_median=t.median_us, time_us_min=t.min_us)
-            rec["logical_gbps"] = logical_rows * row_bytes / (t.median_us * 1e-6) / 1e9 if logical_rows else 0.0
-            rec["nvlink_gbps"] = nvl_rows * row_bytes / (t.median_us * 1e-6) / 1e9 if nvl_rows else 0.0
+                       experts=self.experts, time_us_median=t.median_us, time_us_min=t.min_us,
+                       time_us_graph=tg.median_us if tg else None)
+            rec["logical_gbps"] = gbps(logical_rows, row_bytes, t.median_us)
+            rec["nvlink_gbps"] = gbps(nvl_rows, row_bytes, t.median_us)
+            rec["nvlink_gbps_graph"] = gbps(nvl_rows, row_bytes, tg.median_us) if tg else None
             ceiling = self.ceiling.get("gbps")
             rec["fraction_of_ceiling"] = rec["nvlink_gbps"] / ceiling if ceiling else None
+            rec["fraction_of_ceiling_graph"] = (rec["nvlink_gbps_graph"] / ceiling
+                                                if ceiling and rec["nvlink_gbps_graph"] else None)
             rec["nccl_time_us"] = nccl.get((op.replace("cached_", ""), dtype))
             rec["ratio_to_nccl"] = t.median_us / rec["nccl_time_us"] if rec["nccl_time_us"] else None
+            rec["nccl_time_us_graph"] = nccl_graph.get((op.replace("cached_", ""), dtype))
+            rec["ratio_to_nccl_graph"] = (tg.median_us / rec["nccl_time_us_graph"]
+                                          if tg and rec["nccl_time_us_graph"] else None)
             self.records.append(rec)
-            self.log(f"  {op:16s} {dtype:5s} sms={sms:3d} tokens={tokens:6d}  {t.median_us:9.1f} us  "
-                     f"logical {rec['logical_gbps']:7.1f} GB/s  nvlink {rec['nvlink_gbps']:7.1f} GB/s"
-                     + (f"  {rec['fraction_of_ceiling']:.2f}x ceiling" if rec['fraction_of_ceiling'] else "")
+            self.log(f"  {op:16s} {dtype:5s} sms={sms:3d} tokens={tokens:6d}  {t.median_us:8.1f} us"
+                     + (f" (graph {tg.median_us:7.1f} us)" if tg else "")
+                     + f"  nvlink {rec['nvlink_gbps']:6.1f}"
+                     + (f" / graph {rec['nvlink_gbps_graph']:6.1f}" if tg else "") + " GB/s"
+                     + (f"  {rec['fraction_of_ceiling']:.2f}" if rec['fraction_of_ceiling'] else "")
+                     + (f"/{rec['fraction_of_ceiling_graph']:.2f}" if rec['fraction_of_ceiling_graph'] else "")
+                     + (" x ceiling" if rec['fraction_of_ceiling'] else "")
                      + (f"  {rec['ratio_to_nccl']:.2f}x NCCL time" if rec['ratio_to_nccl'] else ""))
 
         if with_baselines:
-            t = timer(lambda: buf.get_dispatch_layout(idx, self.experts))
-            add("layout", "-", 0, t, 0, 0, 0)
+            add("layout", "-", 0, lambda: buf.get_dispatch_layout(idx, self.experts), 0, 0, 0, graph=True)
         for sms in sms_list:
             dcfg = dataclasses.replace(Buffer.get_dispatch_config(R, self.hidden_bytes), num_sms=sms)
             ccfg = dataclasses.replace(Buffer.get_combine_config(R, self.hidden_bytes), num_sms=sms)
             for name, xx, rb in (("bf16", x, row_bf16), ("fp8", x8, row_fp8)):
                 res = dispatch(xx, dcfg)
                 handle = res[4]
-                t = timer(lambda: dispatch(xx, dcfg))
-                add("dispatch", name, sms, t, rb, num_recv, nvl_sent)
-                t = timer(lambda: dispatch(xx, dcfg, handle))
-                add("cached_dispatch", name, sms, t, rb, num_recv, nvl_sent)
+                add("dispatch", name, sms, lambda: dispatch(xx, dcfg), rb, num_recv, nvl_sent, graph=False)
+                add("cached_dispatch", name, sms, lambda: dispatch(xx, dcfg, handle), rb, num_recv, nvl_sent,
+                    graph=True)
                 if name == "bf16":
                     recv_x, handle_bf16 = res[0], handle
-            t = timer(lambda: buf.combine(recv_x, handle_bf16, config=ccfg))
-            add("combine", "bf16", sms, t, row_bf16, num_recv, nvl_back)  # DeepEP counts recv_x bytes
+            # DeepEP counts combine's logical bytes as recv_x's bytes
+            add("combine", "bf16", sms, lambda: buf.combine(recv_x, handle_bf16, config=ccfg), row_bf16, num_recv,
+                nvl_back, graph=True)
         del out
 
     def verify(self, x_np, x8_np, idx_np, w_np, layout, dispatch, cfg):
@@ -340,7 +390,7 @@ class Bench:
                 self.nccl = NcclAllToAll(self.comm)
                 timer = GpuTimer(self.comm, a.iters, a.warmup)
                 per_peer = a.tokens * self.hidden_bytes
-                self.ceiling["by_sms"] = measure_ceiling(self.buf, timer, per_peer, [8, 16, 24, 32, 48])
+                self.ceiling["by_sms"] = measure_ceiling(self.buf, timer, per_peer, [8, 16, 24, 32, 64, 132])
                 self.ceiling["gbps"] = max(self.ceiling["by_sms"].values())
                 self.log("  ceiling (P2P copy, all GPUs writing to all peers): "
                          + ", ".join(f"{s} SMs {g:.1f}" for s, g in self.ceiling["by_sms"].items())
@@ -393,15 +443,22 @@ def markdown_table(doc: dict) -> str:
     lines = [f"# cupy_ep benchmark ({doc['backend']}, {doc['num_ranks']} ranks, {doc.get('gpu') or 'no GPU'})", "",
              f"commit `{doc['commit']}`, driver {doc.get('driver')}, ceiling (P2P copy) "
              f"{doc['ceiling_gbps'] and round(doc['ceiling_gbps'], 1)} GB/s per GPU; startup {doc['startup']}", "",
-             "| op | dtype | SMs | tokens | median us | min us | logical GB/s | NVLink GB/s | of ceiling | NCCL us | ours/NCCL |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Two timings per op: *call* = CUDA events around the Python call (host overhead included); "
+             "*graph* = the same call captured in a CUDA graph and replayed (device time only). "
+             "NVLink GB/s counts bytes that left the GPU; logical GB/s counts all received bytes (DeepEP's way).", "",
+             "| op | dtype | SMs | tokens | call us (median) | call us (min) | graph us | logical GB/s | NVLink GB/s "
+             "| NVLink GB/s (graph) | of ceiling (graph) | NCCL us | NCCL us (graph) | ours/NCCL | ours/NCCL (graph) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
     for r in doc["results"]:
         lines.append(f"| {r['op']} | {r['dtype']} | {r['num_sms']} | {r['tokens']} | {r['time_us_median']:.1f} | "
-                     f"{r['time_us_min']:.1f} | {r['logical_gbps']:.1f} | {r['nvlink_gbps']:.1f} | "
-                     f"{f(r['fraction_of_ceiling'], '.2f')} | {f(r['nccl_time_us'], '.1f')} | {f(r['ratio_to_nccl'], '.2f')} |")
+                     f"{r['time_us_min']:.1f} | {f(r.get('time_us_graph'), '.1f')} | {r['logical_gbps']:.1f} | "
+                     f"{r['nvlink_gbps']:.1f} | {f(r.get('nvlink_gbps_graph'), '.1f')} | "
+                     f"{f(r.get('fraction_of_ceiling_graph'), '.2f')} | {f(r['nccl_time_us'], '.1f')} | "
+                     f"{f(r.get('nccl_time_us_graph'), '.1f')} | {f(r['ratio_to_nccl'], '.2f')} | "
+                     f"{f(r.get('ratio_to_nccl_graph'), '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -413,11 +470,16 @@ def plot(doc: dict, path: Path):
     args = doc["args"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     ax = axes[0]
+    def y(r):  # device time (graph replay) where the op can be captured, else the timed call
+        return r.get("nvlink_gbps_graph") or r["nvlink_gbps"]
+
+    def how(op):
+        return "call" if op == "dispatch" else "graph"
     for op, dtype in (("dispatch", "bf16"), ("cached_dispatch", "bf16"), ("cached_dispatch", "fp8"), ("combine", "bf16")):
-        pts = sorted((r["num_sms"], r["nvlink_gbps"]) for r in res
+        pts = sorted((r["num_sms"], y(r)) for r in res
                      if r["op"] == op and r["dtype"] == dtype and r["tokens"] == args["tokens"])
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=f"{op} {dtype}")
+            ax.plot(*zip(*pts), marker="o", label=f"{op} {dtype} ({how(op)})")
     if doc["ceiling_by_sms"]:
         pts = sorted((int(k), v) for k, v in doc["ceiling_by_sms"].items())
         ax.plot(*zip(*pts), "k--", label="P2P copy ceiling")
@@ -431,10 +493,10 @@ def plot(doc: dict, path: Path):
     ax.legend(fontsize=8)
     ax = axes[1]
     for op in ("dispatch", "cached_dispatch", "combine"):
-        pts = sorted((r["tokens"], r["nvlink_gbps"]) for r in res
+        pts = sorted((r["tokens"], y(r)) for r in res
                      if r["op"] == op and r["dtype"] == "bf16" and r["num_sms"] == args["default_sms"])
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=f"{op} bf16")
+            ax.plot(*zip(*pts), marker="o", label=f"{op} bf16 ({how(op)})")
     pts = sorted((r["tokens"], r["nvlink_gbps"] * r["time_us_median"] / r["nccl_time_us"]) for r in res
                  if r["op"] == "dispatch" and r["dtype"] == "bf16" and r["nccl_time_us"]
                  and r["num_sms"] == args["default_sms"])

@@ -33,48 +33,78 @@ class Kind:
     on_gpu: bool
 
 
+_CUPY_KIND = Kind("cupy", True)
+_NUMPY_KIND = Kind("numpy", False)
+
+
+_LIB_BY_TYPE: dict = {}     # type -> "torch" | "cupy" | "numpy" | None  (hot path: no string work per call)
+_NAME_BY_DTYPE: dict = {}   # numpy/CuPy dtype -> logical name
+
+
+def _lib(x) -> str | None:
+    t = type(x)
+    lib = _LIB_BY_TYPE.get(t, False)
+    if lib is False:
+        module = t.__module__
+        if module.startswith("torch") and hasattr(x, "data_ptr"):
+            lib = "torch"
+        elif module.startswith("cupy") and hasattr(x, "data"):
+            lib = "cupy"
+        elif isinstance(x, np.ndarray):
+            lib = "numpy"
+        else:
+            lib = None
+        _LIB_BY_TYPE[t] = lib
+    return lib
+
+
 def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+    return _lib(x) == "torch"
 
 
 def _is_cupy(x) -> bool:
-    return type(x).__module__.startswith("cupy") and hasattr(x, "data")
+    return _lib(x) == "cupy"
 
 
 def kind_of(x) -> Kind:
-    if _is_torch(x):
+    lib = _lib(x)
+    if lib == "torch":
         return Kind("torch", bool(x.is_cuda))
-    if _is_cupy(x):
-        return Kind("cupy", True)
-    if isinstance(x, np.ndarray):
-        return Kind("numpy", False)
+    if lib == "cupy":
+        return _CUPY_KIND
+    if lib == "numpy":
+        return _NUMPY_KIND
     raise TypeError(f"expected a CuPy array, torch tensor or numpy array, got {type(x).__name__}")
 
 
 def dtype_name(x) -> str:
     """The logical dtype of ``x`` as a string: 'bfloat16', 'float8_e4m3fn', 'float32', 'int64', ..."""
-    if _is_torch(x):
-        return str(x.dtype).replace("torch.", "")
-    dt = np.dtype(x.dtype)
-    if dt == BF16:
-        return "bfloat16"
-    if dt == FP8:
-        return "float8_e4m3fn"
-    return "bool" if dt == np.bool_ else dt.name
+    dt = x.dtype
+    name = _NAME_BY_DTYPE.get(dt)
+    if name is None:
+        if _lib(x) == "torch":
+            name = str(dt).replace("torch.", "")
+        else:
+            dt = np.dtype(dt)
+            name = ("bfloat16" if dt == BF16 else "float8_e4m3fn" if dt == FP8
+                    else "bool" if dt == np.bool_ else dt.name)
+        _NAME_BY_DTYPE[x.dtype] = name
+    return name
 
 
 def is_contiguous(x) -> bool:
-    if _is_torch(x):
+    if _lib(x) == "torch":
         return bool(x.is_contiguous())
     return bool(x.flags.c_contiguous)
 
 
 def device_of(x) -> int | None:
     """CUDA device ordinal of a GPU array, None for host arrays."""
-    if _is_torch(x):
+    lib = _lib(x)
+    if lib == "cupy":
+        return x.data.device_id
+    if lib == "torch":
         return x.device.index if x.is_cuda else None
-    if _is_cupy(x):
-        return x.device.id
     return None
 
 

@@ -20,7 +20,7 @@ SKIPPER = 1
 def _setup(comm):
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()
-    buf = Buffer(comm, num_nvl_bytes=nvl_bytes_for(R, 8192, 12), backend="cuda", timeout_s=TIMEOUT_S)
+    buf = Buffer(comm, num_nvl_bytes=nvl_bytes_for(R, 8192, 24), backend="cuda", timeout_s=TIMEOUT_S)
     rng = np.random.default_rng(rank)
     inp = make_inputs(rng, 200, 4096, 4, 8 * R, R)
     with cupy.cuda.Device(buf.device_id):
