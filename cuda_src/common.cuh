@@ -74,10 +74,20 @@ __device__ __forceinline__ int4 ld_volatile_v4(const int4* p) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
     return v;
 }
+// This rank's own read-only inputs: non-coherent path, no L1 allocation, 256-byte L2 prefetch (rows are
+// read front to back, so the prefetch turns most loads into L2 hits).
 __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
     int4 v;
-    asm volatile("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+// Ring payload written by a peer, read after the tail was acquired (and a barrier): a relaxed gpu-scope
+// load is served by L2 (never a stale L1 line), with the same 256-byte prefetch. Not .nc.
+__device__ __forceinline__ int4 ld_ring_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.relaxed.gpu.global.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
     return v;
 }
 __device__ __forceinline__ void st_release_sys(int* p, int v) {

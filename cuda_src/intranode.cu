@@ -168,11 +168,11 @@ __device__ __forceinline__ void warp_copy_row(int4* dst, const int4* src, int n)
         int4 v[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-            v[u] = kSrcVolatile ? ld_volatile_v4(src + i + u * kWarpSize) : ld_nc_v4(src + i + u * kWarpSize);
+            v[u] = kSrcVolatile ? ld_ring_v4(src + i + u * kWarpSize) : ld_nc_v4(src + i + u * kWarpSize);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) dst[i + u * kWarpSize] = v[u];
     }
-    for (; i < n; i += kWarpSize) dst[i] = kSrcVolatile ? ld_volatile_v4(src + i) : ld_nc_v4(src + i);
+    for (; i < n; i += kWarpSize) dst[i] = kSrcVolatile ? ld_ring_v4(src + i) : ld_nc_v4(src + i);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -470,7 +470,7 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
                 // kUnroll int4 columns x kRankBatch sources in flight per lane before any arithmetic; sources
                 // are still added in ascending rank order (deterministic).
                 constexpr int kRankBatch = kNumRanks < 4 ? kNumRanks : 4;
-                constexpr int kUnroll = kNumRanks >= 3 ? 1 : 2;
+                constexpr int kUnroll = kNumRanks == 2 ? 3 : kNumRanks == 1 ? 2 : 1;
                 for (int i0 = lane_id(); i0 < hidden_int4; i0 += kWarpSize * kUnroll) {
                     float acc[kUnroll][8];
 #pragma unroll
@@ -492,7 +492,7 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
                             for (int q = 0; q < kRankBatch; ++q) {
                                 const int r = r0 + q;
                                 if (i < hidden_int4 && r < kNumRanks && slot[r] >= 0)
-                                    v[u][q] = ld_volatile_v4(layout.x.on(mine, channel, r) + (long long)slot[r] * hidden_int4 + i);
+                                    v[u][q] = ld_ring_v4(layout.x.on(mine, channel, r) + (long long)slot[r] * hidden_int4 + i);
                             }
                         }
 #pragma unroll

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 _T_IMPORTED_NUMPY = time.perf_counter()
 import cupy_ep  # noqa: E402
-from cupy_ep import Buffer, Config, reference  # noqa: E402
+from cupy_ep import Buffer, reference  # noqa: E402
 from cupy_ep import config as cfgmod  # noqa: E402
 
 _T_IMPORTED = time.perf_counter()
@@ -198,8 +198,11 @@ class Bench:
         self.experts = args.experts
         max_tokens = max([args.tokens] + args.token_sweep)
         self.hidden_bytes = args.hidden * 2
-        max_sms = max(args.sms + [args.default_sms])
-        nvl = max(Config(max_sms, 6, 256).get_nvl_buffer_size_hint(self.hidden_bytes, self.R),
+        hints = [dataclasses.replace(get(self.R, self.hidden_bytes), num_sms=sms).get_nvl_buffer_size_hint(
+                     self.hidden_bytes, self.R)
+                 for sms in args.sms + [args.default_sms]
+                 for get in (Buffer.get_dispatch_config, Buffer.get_combine_config)]
+        nvl = max(max(hints),
                   # room for the ceiling copy of the largest batch
                   cfgmod.NOTIFY_BYTES + 16 * self.R * (max_tokens * self.hidden_bytes // 16) + (1 << 20))
         t0 = time.perf_counter()

@@ -35,6 +35,21 @@ def _dispatch(buf, x, idx, w, layout):
                         num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_buffer_can_be_recreated(comm):
+    """destroy() then a new Buffer in the same process works (no stale IPC mapping or module state)."""
+    import cupy
+    for _ in range(2):
+        buf, x, idx, w, layout = _setup(comm)
+        try:
+            recv_x, _, _, _, handle, _ = _dispatch(buf, x, idx, w, layout)
+            buf.combine(recv_x, handle)
+            with cupy.cuda.Device(buf.device_id):
+                cupy.cuda.runtime.deviceSynchronize()
+        finally:
+            buf.destroy()
+
+
 def _expect_timeout(rank, what, fn, kernels):
     """Run fn; True iff it raised CommTimeoutError in bounded time naming one of ``kernels``."""
     start = time.monotonic()
@@ -89,3 +104,4 @@ def test_rank_skipping_combine_times_out(comm):
     finally:
         buf.destroy()
     assert all_ok(comm, ok)
+
