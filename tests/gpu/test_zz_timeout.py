@@ -17,10 +17,14 @@ TIMEOUT_S = 3.0
 SKIPPER = 1
 
 
-def _setup(comm):
+def _log(comm, *what):
+    print(f"[rank {comm.Get_rank()}]", *what, flush=True)
+
+
+def _setup(comm, timeout_s: float = TIMEOUT_S):
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()
-    buf = Buffer(comm, num_nvl_bytes=nvl_bytes_for(R, 8192, 24), backend="cuda", timeout_s=TIMEOUT_S)
+    buf = Buffer(comm, num_nvl_bytes=nvl_bytes_for(R, 8192, 24), backend="cuda", timeout_s=timeout_s)
     rng = np.random.default_rng(rank)
     inp = make_inputs(rng, 200, 4096, 4, 8 * R, R)
     with cupy.cuda.Device(buf.device_id):
@@ -39,16 +43,22 @@ def _dispatch(buf, x, idx, w, layout):
 def test_a_buffer_can_be_recreated(comm):
     """destroy() then a new Buffer in the same process works (no stale IPC mapping or module state)."""
     import cupy
-    for _ in range(2):
-        buf, x, idx, w, layout = _setup(comm)
+    ok = True
+    for it in range(2):
+        _log(comm, "recreate iteration", it)
+        buf, x, idx, w, layout = _setup(comm, timeout_s=60)
         try:
             recv_x, _, _, _, handle, _ = _dispatch(buf, x, idx, w, layout)
             buf.combine(recv_x, handle)
             with cupy.cuda.Device(buf.device_id):
                 cupy.cuda.runtime.deviceSynchronize()
+            _log(comm, "iteration", it, "dispatch + combine ok")
+        except Exception:
+            ok = False
+            traceback.print_exc()
         finally:
             buf.destroy()
-
+    assert all_ok(comm, ok)
 
 def _expect_timeout(rank, what, fn, kernels):
     """Run fn; True iff it raised CommTimeoutError in bounded time naming one of ``kernels``."""
