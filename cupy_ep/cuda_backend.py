@@ -7,6 +7,7 @@ or an ``EventOverlap`` is returned (``async_finish=True``).
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -44,6 +45,17 @@ def _capturing() -> bool:
         return bool(cupy.cuda.get_current_stream().is_capturing())
     except Exception:
         return False
+
+
+def _on_device(method):
+    """Run a public method with this buffer's GPU current: every CuPy call inside (validation included)
+    must run there, whatever device the caller has current (a reduction launched on another device over
+    this device's memory is an illegal access)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._device:
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 class CudaBuffer(Buffer):
@@ -128,6 +140,7 @@ class CudaBuffer(Buffer):
         super()._check_usable()
         self.check_health()
 
+    @_on_device
     def capture(self) -> EventOverlap:
         """An ``EventOverlap`` recorded on the current stream."""
         import cupy
@@ -182,6 +195,7 @@ class CudaBuffer(Buffer):
                              f"{self.num_device_sms} SMs of GPU {self.device_id} (every block must be resident)")
 
     # ---- layout -------------------------------------------------------------------------------------
+    @_on_device
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
         """Routing counts of this rank's tokens.
@@ -250,6 +264,7 @@ class CudaBuffer(Buffer):
             raise ValueError(f"num_nvl_bytes: this {what} needs at least {needed} bytes of NVLink buffer, the "
                              f"buffer has {self.num_nvl_bytes} (use Buffer.get_nvl_buffer_size_hint)")
 
+    @_on_device
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
@@ -397,6 +412,7 @@ class CudaBuffer(Buffer):
                 per_expert_list if per_expert_list is not None else [], out_handle, event)
 
     # ---- combine ------------------------------------------------------------------------------------
+    @_on_device
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Send expert outputs back to the tokens' owners and sum them there.
@@ -466,6 +482,7 @@ class CudaBuffer(Buffer):
         return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
 
     # ---- tests / tools ------------------------------------------------------------------------------
+    @_on_device
     def barrier(self) -> None:
         """Device-side barrier of all ranks on the communication stream (tests and benchmarks)."""
         self._check_usable()
