@@ -71,23 +71,9 @@ class GpuTimer:
         self.flush = cupy.empty(256 << 20, dtype=cupy.uint8)
 
     def __call__(self, fn) -> Timing:
+        """The call as the user makes it, on CuPy's current stream (host overhead included)."""
         import cupy
-        stream = cupy.cuda.get_current_stream()
-        times = []
-        for i in range(self.warmup + self.iters):
-            self.flush.fill(i & 0xff)
-            cupy.cuda.runtime.deviceSynchronize()
-            self.comm.Barrier()
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            fn()
-            end.record(stream)
-            end.synchronize()
-            if i >= self.warmup:
-                times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
-        per_iter = np.max(np.array(self.comm.allgather(times)), axis=0)
-        return Timing(float(np.median(per_iter)), float(np.min(per_iter)))
-
+        return self._time(cupy.cuda.get_current_stream(), fn)
 
     def graph(self, fn) -> Timing:
         """Device-only time: ``fn`` captured once in a CUDA graph, replays timed (no host overhead)."""
@@ -100,6 +86,10 @@ class GpuTimer:
             stream.begin_capture()
             fn()
             graph = stream.end_capture()
+        return self._time(stream, lambda: graph.launch(stream))
+
+    def _time(self, stream, launch) -> Timing:
+        import cupy
         times = []
         for i in range(self.warmup + self.iters):
             self.flush.fill(i & 0xff)
@@ -107,7 +97,7 @@ class GpuTimer:
             self.comm.Barrier()
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
             start.record(stream)
-            graph.launch(stream)
+            launch()
             end.record(stream)
             end.synchronize()
             if i >= self.warmup:

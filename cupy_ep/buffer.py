@@ -83,8 +83,6 @@ class Buffer:
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: must be a non-negative int, got {value!r}")
-        if low_latency_mode:
-            raise NotImplementedError("low_latency_mode: the low-latency kernels are not implemented yet")
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode

@@ -72,6 +72,9 @@ class CudaBuffer(Buffer):
                          backend=backend, device=device, timeout_s=timeout_s,
                          num_ranks_per_node=num_ranks_per_node, check_values=check_values)
         import cupy
+        if low_latency_mode:
+            raise NotImplementedError("low_latency_mode: the GPU low-latency kernels are not implemented yet "
+                                      "(the host backend has the low-latency API)")
         self.topology = bootstrap.topology(self.comm, num_ranks_per_node)
         if self.topology.num_nodes > 1:
             raise NotImplementedError(
