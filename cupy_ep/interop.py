@@ -58,14 +58,6 @@ def _lib(x) -> str | None:
     return lib
 
 
-def _is_torch(x) -> bool:
-    return _lib(x) == "torch"
-
-
-def _is_cupy(x) -> bool:
-    return _lib(x) == "cupy"
-
-
 def kind_of(x) -> Kind:
     lib = _lib(x)
     if lib == "torch":
@@ -119,7 +111,7 @@ def unwrap(x, logical: str | None = None):
     """``x`` as a raw CuPy array (GPU) or numpy array (host), zero-copy, viewed as the raw dtype."""
     name = logical or dtype_name(x)
     raw = raw_dtype(name)
-    if _is_torch(x):
+    if _lib(x) == "torch":
         import torch
         view_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[raw.itemsize]
         t = x if x.dtype == torch.bool else x.view(view_dtype)
@@ -128,14 +120,6 @@ def unwrap(x, logical: str | None = None):
             return cupy.from_dlpack(t).view(raw)
         return t.numpy().view(raw)
     return x if x.dtype == raw else x.view(raw)
-
-
-def empty_like_kind(kind: Kind, shape, name: str):
-    """A new raw array (CuPy on the GPU, numpy on the host) for an output of logical dtype ``name``."""
-    if kind.on_gpu:
-        import cupy
-        return cupy.empty(shape, dtype=raw_dtype(name))
-    return np.empty(shape, dtype=raw_dtype(name))
 
 
 def wrap(raw, kind: Kind, name: str):
