@@ -51,13 +51,76 @@ def cache_dir() -> Path:
     return Path(base) / source_hash()[:16]
 
 
-def _nvrtc():
-    from cupy_backends.cuda.libs import nvrtc
-    return nvrtc
+class _Nvrtc:
+    """NVRTC through ctypes (the library CuPy would use, found by cuda.pathfinder). We do not use
+    cupy_backends' wrapper: its getCUBIN drops the cubin's last byte (it sizes it like a NUL-terminated
+    PTX string), which nvJitLink rejects as a malformed ELF."""
+
+    def __init__(self):
+        import ctypes
+        from cuda import pathfinder
+        self.ct = ctypes
+        self.lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path)
+
+    def _check(self, rc, prog=None, what=""):
+        if rc != 0:
+            err = self.lib.nvrtcGetErrorString
+            err.restype = self.ct.c_char_p
+            raise CompileError(f"NVRTC {what}: {err(rc).decode()}", self.log(prog) if prog is not None else "")
+
+    def version(self) -> tuple:
+        major, minor = self.ct.c_int(), self.ct.c_int()
+        self._check(self.lib.nvrtcVersion(self.ct.byref(major), self.ct.byref(minor)), what="version")
+        return major.value, minor.value
+
+    def supported_archs(self) -> list:
+        n = self.ct.c_int()
+        self._check(self.lib.nvrtcGetNumSupportedArchs(self.ct.byref(n)), what="archs")
+        archs = (self.ct.c_int * n.value)()
+        self._check(self.lib.nvrtcGetSupportedArchs(archs), what="archs")
+        return list(archs)
+
+    def log(self, prog) -> str:
+        size = self.ct.c_size_t()
+        self.lib.nvrtcGetProgramLogSize(prog, self.ct.byref(size))
+        buf = self.ct.create_string_buffer(size.value + 1)
+        self.lib.nvrtcGetProgramLog(prog, buf)
+        return buf.value.decode(errors="replace")
+
+    def compile(self, source: str, filename: str, names, options):
+        """-> (cubin bytes, {name expression: lowered name}, log)."""
+        ct, lib = self.ct, self.lib
+        prog = ct.c_void_p()
+        self._check(lib.nvrtcCreateProgram(ct.byref(prog), source.encode(), filename.encode(), 0, None, None),
+                     what="create")
+        try:
+            for name in names:
+                self._check(lib.nvrtcAddNameExpression(prog, name.encode()), prog, f"name {name}")
+            opts = (ct.c_char_p * len(options))(*[o.encode() for o in options])
+            rc = lib.nvrtcCompileProgram(prog, len(options), opts)
+            if rc != 0:
+                raise CompileError(f"NVRTC failed on {filename} for {list(names)}", self.log(prog))
+            size = ct.c_size_t()
+            self._check(lib.nvrtcGetCUBINSize(prog, ct.byref(size)), prog, "cubin size")
+            cubin = ct.create_string_buffer(size.value)
+            self._check(lib.nvrtcGetCUBIN(prog, cubin), prog, "cubin")
+            mapping = {}
+            for name in names:
+                lowered = ct.c_char_p()
+                self._check(lib.nvrtcGetLoweredName(prog, name.encode(), ct.byref(lowered)), prog, "lowered name")
+                mapping[name] = lowered.value.decode()
+            return cubin.raw, mapping, self.log(prog)
+        finally:
+            lib.nvrtcDestroyProgram(ct.byref(prog))
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc() -> _Nvrtc:
+    return _Nvrtc()
 
 
 def nvrtc_version() -> tuple:
-    return tuple(_nvrtc().getVersion())
+    return _nvrtc().version()
 
 
 @dataclasses.dataclass
@@ -87,33 +150,100 @@ class CompileResult:
         return out
 
 
+# ---- NVSHMEM: files that include nvshmem.cuh are compiled relocatable and linked with the wheel's
+# ---- libnvshmem_device.a by nvJitLink (no compiler toolchain; research/nvshmem.md §2)
+def uses_nvshmem(filename: str) -> bool:
+    return '#include "nvshmem.cuh"' in (source_dir() / filename).read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def nvshmem_paths() -> dict:
+    """Include folders, the device library and the version of the ``nvidia-nvshmem-cu13`` wheel."""
+    import importlib.metadata
+    from cuda import pathfinder
+    try:
+        include = pathfinder.find_nvidia_header_directory("nvshmem")
+    except Exception as e:  # noqa: BLE001  (pathfinder raises several kinds)
+        include = None
+        reason = str(e)
+    if not include:
+        raise CompileError("NVSHMEM kernels need the nvidia-nvshmem-cu13 wheel: pip install 'cupy-ep[nvshmem]'",
+                           locals().get("reason", ""))
+    import cupy
+    cccl = Path(cupy.__file__).parent / "_core" / "include" / "cupy" / "_cccl" / "libcudacxx"
+    return {"include": include, "cudart": pathfinder.find_nvidia_header_directory("cudart"), "cccl": str(cccl),
+            "device_lib": str(Path(include).parent / "lib" / "libnvshmem_device.a"),
+            "version": importlib.metadata.version("nvidia-nvshmem-cu13")}
+
+
+def _nvshmem_options() -> tuple:
+    p = nvshmem_paths()
+    # -default-device: NVSHMEM 3.4's headers have an un-annotated constructor NVRTC rejects otherwise.
+    return ("-rdc=true", "-default-device", f"-I{p['include']}", f"-I{p['cudart']}", f"-I{p['cccl']}")
+
+
+@functools.lru_cache(maxsize=None)
+def _nvjitlink():
+    import ctypes
+    from cuda import pathfinder
+    lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("nvJitLink").abs_path)
+    for name in ("nvJitLinkCreate", "nvJitLinkAddData", "nvJitLinkAddFile", "nvJitLinkComplete",
+                 "nvJitLinkGetLinkedCubinSize", "nvJitLinkGetLinkedCubin", "nvJitLinkGetErrorLogSize",
+                 "nvJitLinkGetErrorLog", "nvJitLinkDestroy"):
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def link_with_nvshmem(relocatable_cubin: bytes, arch: str) -> bytes:
+    """nvJitLink: our relocatable cubin + ``libnvshmem_device.a`` -> an executable cubin."""
+    import ctypes
+    lib = _nvjitlink()
+    handle = ctypes.c_void_p()
+    opts = (ctypes.c_char_p * 1)(f"-arch={arch}".encode())
+
+    def check(rc, what):
+        if rc != 0:
+            size = ctypes.c_size_t()
+            lib.nvJitLinkGetErrorLogSize(handle, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value + 1)
+            lib.nvJitLinkGetErrorLog(handle, log)
+            raise CompileError(f"nvJitLink {what} failed with code {rc}", log.value.decode(errors="replace"))
+
+    check(lib.nvJitLinkCreate(ctypes.byref(handle), 1, opts), "create")
+    try:
+        check(lib.nvJitLinkAddData(handle, 1, relocatable_cubin, ctypes.c_size_t(len(relocatable_cubin)),
+                                   b"kernels.cubin"), "add cubin")  # NVJITLINK_INPUT_CUBIN
+        check(lib.nvJitLinkAddFile(handle, 6, nvshmem_paths()["device_lib"].encode()), "add library")  # LIBRARY
+        check(lib.nvJitLinkComplete(handle), "link")
+        size = ctypes.c_size_t()
+        check(lib.nvJitLinkGetLinkedCubinSize(handle, ctypes.byref(size)), "size")
+        out = ctypes.create_string_buffer(size.value)
+        check(lib.nvJitLinkGetLinkedCubin(handle, out), "get cubin")
+        return out.raw
+    finally:
+        lib.nvJitLinkDestroy(ctypes.byref(handle))
+
+
 def compile_cubin(filename: str, name_expressions, arch: str = "sm_90", extra_options=(),
                   verbose: bool = False) -> CompileResult:
-    """Compile ``cuda_src/<filename>`` with NVRTC for ``arch``; no GPU needed.
+    """Compile ``cuda_src/<filename>`` with NVRTC for ``arch``; no GPU needed. Files that include
+    ``nvshmem.cuh`` are compiled relocatable and linked with NVSHMEM's device library.
 
     Raises:
-        CompileError: with NVRTC's log when the source does not compile.
+        CompileError: with NVRTC's (or nvJitLink's) log when the source does not compile (link).
     """
     nvrtc = _nvrtc()
     src_dir = source_dir()
     source = (src_dir / filename).read_text()
+    nvshmem = uses_nvshmem(filename)
     options = _OPTIONS + (f"-arch={arch}", f"-I{src_dir}") + tuple(extra_options)
+    if nvshmem:
+        options += _nvshmem_options()
     if verbose:
         options += ("--ptxas-options=-v",)
-    prog = nvrtc.createProgram(source, filename, (), ())
-    try:
-        for name in name_expressions:
-            nvrtc.addNameExpression(prog, name)
-        try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as e:
-            raise CompileError(f"NVRTC failed on {filename} for {list(name_expressions)} ({arch}): {e}",
-                               nvrtc.getProgramLog(prog)) from None
-        cubin = nvrtc.getCUBIN(prog)
-        mapping = {name: nvrtc.getLoweredName(prog, name) for name in name_expressions}
-        log = nvrtc.getProgramLog(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    cubin, mapping, log = nvrtc.compile(source, filename, list(name_expressions), options)
+    if nvshmem:
+        cubin = link_with_nvshmem(cubin, arch)
     return CompileResult(cubin, mapping, log, arch)
 
 
@@ -123,7 +253,8 @@ def compile_only(filename: str, name_expressions, arch: str = "sm_90") -> Compil
 
 
 def _cache_key(filename: str, name: str, arch: str, extra_options) -> str:
-    text = json.dumps([filename, name, arch, list(_OPTIONS), list(extra_options), nvrtc_version()])
+    linked = nvshmem_paths()["version"] if uses_nvshmem(filename) else None
+    text = json.dumps([filename, name, arch, list(_OPTIONS), list(extra_options), nvrtc_version(), linked])
     return hashlib.sha1(text.encode()).hexdigest()
 
 
@@ -152,7 +283,7 @@ def _load_or_compile(filename: str, name: str, arch: str, extra_options) -> tupl
 def device_arch(device_id: int | None = None) -> str:
     import cupy
     cc = int(cupy.cuda.Device(device_id).compute_capability)
-    supported = [a for a in _nvrtc().getSupportedArchs() if a <= cc]
+    supported = [a for a in _nvrtc().supported_archs() if a <= cc]
     return f"sm_{max(supported) if supported else cc}"
 
 

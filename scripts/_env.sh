@@ -3,7 +3,7 @@
 #
 # Defines
 #   EP_REPO_ROOT               absolute path of the repository
-#   ep_setup_python            venv + `pip install -e .[test,bench]` (or, with CUPY_EP_SKIP_INSTALL=1, the
+#   ep_setup_python            venv + `pip install -e .[test,bench,nvshmem]` (or, with CUPY_EP_SKIP_INSTALL=1, the
 #                              python on PATH with the repo on PYTHONPATH); sets EP_PYTHON
 #   ep_mpirun N CMD...         start N ranks with the right launcher and flags (ep_mpirun_argv N sets EP_ARGV)
 #   ep_num_gpus                number of GPUs CuPy sees (0 when none)
@@ -56,11 +56,11 @@ ep_setup_python() {
         if [[ "${CUPY_EP_FORCE_INSTALL:-0}" == 1 || ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] \
             || ! "$EP_VENV/bin/python" -c 'import importlib.util as u, sys
 sys.exit(any(u.find_spec(m) is None for m in ("cupy_ep", "pytest", "pytest_mpi", "mpi4py")))' >/dev/null 2>&1; then
-            ep_log "[env] pip install -e \"${EP_REPO_ROOT}[test,bench]\" into $EP_VENV (wheels only)"
+            ep_log "[env] pip install -e \"${EP_REPO_ROOT}[test,bench,nvshmem]\" into $EP_VENV (wheels only)"
             rm -f "$stamp"
             # --only-binary applies to the dependencies; the package itself is always built from source.
             "$EP_VENV/bin/python" -m pip install --disable-pip-version-check --no-input -q \
-                --only-binary=:all: -e "${EP_REPO_ROOT}[test,bench]"
+                --only-binary=:all: -e "${EP_REPO_ROOT}[test,bench,nvshmem]"
             printf '%s\n' "$want" >"$stamp"
         else
             ep_log "[env] reusing $EP_VENV (pyproject.toml unchanged since its install)"
