@@ -49,7 +49,8 @@ class Buffer:
             ``Config.get_nvl_buffer_size_hint`` or :meth:`get_nvl_buffer_size_hint`.
         num_rdma_bytes: bytes of the RDMA (NVSHMEM) buffer; 0 for a single node.
         low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
-        explicitly_destroy, enable_shrink: as in DeepEP (low-latency mode is not implemented yet).
+        explicitly_destroy, enable_shrink: as in DeepEP. Low-latency mode runs on the host backend only
+            so far (the GPU kernels are in progress: the CUDA backend refuses it).
         backend: ``"cuda"``, ``"host"`` or None (auto: cuda when a GPU is visible).
         device: GPU ordinal; default local rank modulo the visible GPUs.
         timeout_s: device-wait timeout in seconds (default ``CUPY_EP_TIMEOUT_S`` or 100).

@@ -170,3 +170,39 @@ def get_combine_config(num_ranks: int, num_sms: int, hidden_bytes: int | None = 
     """Default combine config for ``num_ranks`` (a tuned one if present for this hidden size)."""
     tuned = load_tuned("combine", num_ranks, hidden_bytes)
     return tuned or Config(num_sms, *_default_for(_DEFAULT_COMBINE, num_ranks))
+
+
+def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                               num_experts: int) -> int:
+    """``num_rdma_bytes`` the low-latency kernels need: DeepEP's ``get_low_latency_rdma_size_hint``.
+
+    The total of DeepEP's ``LowLatencyLayout`` (research/deepep.md §4.1), with M = max tokens per rank,
+    S = hidden / 128 scales and E experts::
+
+        msg_dispatch = 16 + max(2H, H + 4S)      # int4 header (source token index) + bf16 row or fp8 row + scales
+        msg_combine  = 4S + 2H                   # per-128-channel bf16x2 min/max (LogFMT) + bf16 row
+        send   = max(M * msg_dispatch, E * M * msg_combine)
+        recv   = max(E * M * msg_dispatch, E * M * msg_combine)
+        signal = align_up(4E, 128)               # dispatch recv counts = combine recv flags
+        total  = 2 * signal + 2 * send + 2 * recv   # two buffers, used alternately
+
+    rounded as DeepEP does, ``((total + 128) // 128) * 128`` (so a multiple of 128 gains 128 bytes).
+    ``num_ranks`` only has to divide ``num_experts``. Example: (128, 7168, R, 288) -> 2,146,961,792.
+    """
+    for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                        ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}: must be a positive int, got {value!r}")
+    if hidden % 128:
+        raise ValueError(f"hidden: must be a multiple of 128 in low-latency mode, got {hidden}")
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts: must be a multiple of num_ranks={num_ranks}, got {num_experts}")
+    num_scales = hidden // 128
+    msg_dispatch = 16 + max(hidden * 2, hidden + num_scales * 4)
+    msg_combine = num_scales * 4 + hidden * 2
+    tokens = num_max_dispatch_tokens_per_rank
+    send = max(tokens * msg_dispatch, num_experts * tokens * msg_combine)
+    recv = max(num_experts * tokens * msg_dispatch, num_experts * tokens * msg_combine)
+    signal = align_up(num_experts * 4)
+    total = 2 * signal + 2 * send + 2 * recv
+    return ((total + ALIGN) // ALIGN) * ALIGN

@@ -23,6 +23,30 @@ Decisions where DeepEP is silent or GPU-specific:
 * ``num_tokens_per_rdma_rank`` is ignored (intranode only); ``previous_event``, ``async_finish`` and
   ``allocate_on_comm_stream`` are only checked;
 * with ``check_values`` the layout arguments are checked against each other (and against ``topk_idx``).
+
+Low-latency mode (``low_latency_mode=True``; research/deepep.md §1.8, §4): ``low_latency_dispatch`` /
+``low_latency_combine`` compute :func:`reference.low_latency_dispatch` / :func:`reference.low_latency_combine`
+bit for bit. Dispatch sends one message per (token, top-k slot) like DeepEP (an 8-byte header with the
+source token and expert, the bf16 or e4m3 row, the scales) in one ``MPI_Alltoallv``; combine sends each
+expert row back to its token owner, which reduces with the weights. Decisions:
+
+* rows of a local expert are ordered by (source rank, token, k), deterministic (DeepEP's order depends
+  on arrival and on atomics; consumers must go through ``src_info`` / ``layout_range`` anyway); rows past
+  ``recv_count`` are zero; ``layout_range``'s begin of a source with no rows is the rows of the sources
+  before it;
+* DeepEP's host asserts are kept: H % 128 (H % 512 with FP8), ``T <= M``, ``R*M % 4 == 0``, K <= 11,
+  ``use_ue8m0`` needs ``round_scale``, not ``async_finish`` with ``return_recv_hook``, and the stats
+  shapes (``[L] int32``, wait-cost ``[R] int64``, as DeepEP's C++ asserts). Not kept: the GPU's set of
+  supported hidden sizes, the NVSHMEM QP-depth bound on M, and ``num_rdma_bytes`` >= the size hint (the
+  host needs no RDMA buffer); ``topk_idx`` may also be int32;
+* ``return_recv_hook=True`` returns a hook that does nothing (the data arrived during the call);
+  ``async_finish`` and the wait-cost stats are only checked (stats are left unchanged);
+* combine checks, before any transfer and identically on every rank, that each token owner's
+  ``topk_idx`` selects as many rows of each expert as the owner's ``layout_range`` holds; the row of
+  slot (t, k) is then found by order, so a top-k row that names one expert twice uses two rows (DeepEP
+  keys its combine slots by (expert, token), so there the later arrival wins);
+* ``get_next_low_latency_combine_buffer`` hands out one array owned by the buffer (re-made when the shape
+  changes) instead of DeepEP's two alternating RDMA buffers; ``use_logfmt`` raises NotImplementedError.
 """
 from __future__ import annotations
 
@@ -31,6 +55,7 @@ import dataclasses
 import numpy as np
 
 from . import buffer as _buffer
+from . import config as _config
 from . import interop, reference, validate
 from .buffer import Buffer
 from .config import Config
@@ -70,6 +95,62 @@ class _DispatchArgs:
     user_is_token_in_rank: object = None
 
 
+@dataclasses.dataclass
+class _LowLatencyArgs:
+    """Checked low-latency dispatch/combine arguments (raw numpy arrays)."""
+    kind: interop.Kind
+    x: np.ndarray | None            # dispatch: [T, H] raw bf16 (uint16)
+    topk_idx: np.ndarray            # [T, K] int64
+    hidden: int
+    max_tokens: int                 # M
+    num_experts: int
+    num_local: int                  # L = E / R
+    use_fp8: bool = False
+    round_scale: bool = False
+    use_ue8m0: bool = False
+    return_recv_hook: bool = False
+    stats: np.ndarray | None = None          # dispatch: cumulative_local_expert_recv_stats [L] int32 (in place)
+    use_logfmt: bool = False
+    y: np.ndarray | None = None              # combine: [L, R*M, H] raw bf16 expert outputs
+    weights: np.ndarray | None = None        # combine: [T, K] float32
+    layout_range: np.ndarray | None = None   # combine: [L, R] int64
+
+
+def _flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _positive_int(value, name: str) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value <= 0:
+        raise ValueError(f"{name}: must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _check_vector(a, name: str, dtype: str, length: int) -> None:
+    validate.check_array(a, name, (dtype,), ndim=1)
+    if tuple(a.shape) != (length,):
+        raise ValueError(f"{name}: must have shape ({length},), got {tuple(a.shape)}")
+
+
+def _check_low_latency_topk(topk_idx, num_experts: int, check_values: bool) -> None:
+    """``topk_idx [T, K]`` int32/int64 with ``K <= 11`` (DeepEP's low-latency ``kNumMaxTopK``)."""
+    validate.check_topk_idx(topk_idx, num_experts, check_values=check_values)
+    if topk_idx.shape[1] > reference.LOW_LATENCY_MAX_TOPK:
+        raise ValueError(f"topk_idx: the low-latency kernels take at most {reference.LOW_LATENCY_MAX_TOPK} "
+                         f"top-k slots, got {topk_idx.shape[1]}")
+
+
+def _last_two_transposed(a, kind: interop.Kind):
+    """A view of ``a`` (3-D, numpy or torch) with its last two dimensions swapped."""
+    return a.transpose(1, 2) if kind.lib == "torch" else a.transpose(0, 2, 1)
+
+
+def _ready_hook() -> None:
+    """The receive hook of the host backend: the data already arrived during the call, nothing to do."""
+
+
 class HostBuffer(Buffer):
     """numpy + mpi4py implementation of :class:`cupy_ep.Buffer` (see the module docstring).
 
@@ -96,6 +177,7 @@ class HostBuffer(Buffer):
             raise ValueError(f"num_ranks_per_node: must be a positive divisor of the rank count "
                              f"{self.num_ranks}, got {num_ranks_per_node!r}")
         self.num_ranks_per_node = num_ranks_per_node
+        self._ll_combine_buffer: np.ndarray | None = None   # raw bf16 [L, R*M, H] (zero-copy combine)
         if backend is None:
             _buffer._warn_host_backend(self.rank)
 
@@ -355,6 +437,350 @@ class HostBuffer(Buffer):
         same = {"x": f"bfloat16 [*, {info.hidden}]", "config": f"{config.num_channels} channels",
                 "topk_weights": None if w_raw is None else f"float32 [*, {w_raw.shape[1]}]"}
         return (interop.kind_of(x), interop.unwrap(x), w_raw, biases, raw_handle), same, None
+
+    # ---- low-latency mode ---------------------------------------------------------------------------
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """``num_rdma_bytes`` DeepEP's low-latency kernels need (:func:`cupy_ep.config.low_latency_rdma_size_hint`).
+        The host backend itself needs no RDMA buffer."""
+        return _config.low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                                  num_experts)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Collective (DeepEP: a barrier, zero both signal areas, a barrier). The host keeps no signals, so
+        this only checks the arguments (the same on every rank) with one all-gather."""
+        self._check_usable()
+
+        def check():
+            self._require_low_latency_mode()
+            _positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+            _positive_int(hidden, "hidden")
+            if hidden % 128:
+                raise ValueError(f"hidden: must be a multiple of 128 in low-latency mode, got {hidden}")
+            validate.check_num_experts(num_experts, self.num_ranks)
+            same = {"num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank, "hidden": hidden,
+                    "num_experts": num_experts}
+            return None, same, None
+
+        self._agree(check)
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Send every (token, top-k slot) to its expert's rank, into fixed per-expert slots (collective).
+
+        Args:
+            x: bf16 ``[T, H]`` contiguous, ``H % 128 == 0`` (``H % 512 == 0`` with ``use_fp8``, as DeepEP),
+                ``T <= num_max_dispatch_tokens_per_rank``.
+            topk_idx: ``[T, K]`` int32/int64, ``K <= 11`` (DeepEP's ``kNumMaxTopK``), -1 = no expert.
+            num_max_dispatch_tokens_per_rank: M, the same on every rank; ``R * M % 4 == 0`` (DeepEP: TMA).
+            num_experts: E, a multiple of R; rank r owns experts ``[r*L, (r+1)*L)``, L = E/R.
+            cumulative_local_expert_recv_stats: ``[L] int32`` or None; ``+= recv_count`` in place.
+            dispatch_wait_recv_cost_stats: ``[R] int64`` or None; checked, left unchanged (no wait cycles
+                on the host).
+            use_fp8, round_scale, use_ue8m0: the FP8 cast of :func:`reference.per_token_cast_to_fp8`
+                (``use_ue8m0`` needs ``round_scale``; both are ignored without ``use_fp8``).
+            async_finish: checked only (no event on the host); not together with ``return_recv_hook``.
+            return_recv_hook: return a callable ``hook``; DeepEP's outputs are final only after ``hook()``.
+                The host does all the work in this call, so the hook does nothing (call it anyway).
+
+        Returns:
+            ``(recv_x | (recv_x, recv_x_scales), recv_count, handle, EventOverlap, hook)``: ``recv_x``
+            ``[L, R*M, H]`` bf16 (or float8_e4m3fn with ``use_fp8``); ``recv_x_scales`` ``[L, R*M, H/128]``
+            float32 or (UE8M0) ``[L, R*M, H/512]`` int32, column-major in the last two dims (a transposed
+            view of a ``[L, S, R*M]`` array, as DeepEP); ``recv_count [L] int32``; ``handle = (src_info
+            [L, R*M] int32, layout_range [L, R] int64, M, H, E)``; ``hook`` None unless
+            ``return_recv_hook``. Rows of local expert e: by source rank, then token, then k (see
+            :func:`reference.low_latency_dispatch`); rows past ``recv_count[e]`` are zero here but
+            undefined on the GPU.
+        """
+        self._check_usable()
+        args, notes = self._agree(lambda: self._check_low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook))
+        me, num_ranks, num_local = self.rank, self.num_ranks, args.num_local
+        rows_per_expert = num_ranks * args.max_tokens
+
+        # Sender: cast each token once, then one message per (t, k) that selects an expert, grouped by
+        # destination rank, (t, k) order inside: [int32 token, int32 expert][row bytes][scale bytes].
+        if args.use_fp8:
+            data, scales = reference.per_token_cast_to_fp8(args.x.view(interop.BF16), args.round_scale,
+                                                           args.use_ue8m0)
+        else:
+            data, scales = args.x, None
+        tokens, slots = np.nonzero(args.topk_idx >= 0)
+        experts = args.topk_idx[tokens, slots].astype(np.int64)
+        order = np.argsort(experts // num_local, kind="stable")
+        tokens, experts = tokens[order], experts[order]
+        header = np.stack([tokens, experts], axis=1).astype(np.int32)
+        parts = [header.view(np.uint8), np.ascontiguousarray(data[tokens]).view(np.uint8)]
+        if scales is not None:
+            parts.append(np.ascontiguousarray(scales[tokens]).view(np.uint8))
+        messages = np.concatenate(parts, axis=1)
+        send_counts = np.bincount(experts // num_local, minlength=num_ranks)
+        mine = slice(me * num_local, (me + 1) * num_local)
+        counts = np.stack([n["per_expert"][mine] for n in notes], axis=1)          # [L, src]
+        got = self._alltoallv_rows(messages, send_counts, counts.sum(axis=0))
+
+        # Receiver: rows of expert e from source s land at begin[e, s] + (their order inside s's block).
+        recv_count = counts.sum(axis=1).astype(np.int32)
+        begin = np.cumsum(counts, axis=1) - counts
+        got_header = np.ascontiguousarray(got[:, :8]).view(np.int32)
+        local = got_header[:, 1].astype(np.int64) - me * num_local
+        order = np.argsort(local, kind="stable")      # blocks arrive by source rank, (t, k) inside
+        local = local[order]
+        expert_start = np.cumsum(recv_count.astype(np.int64)) - recv_count
+        position = np.arange(local.size) - expert_start[local]
+        row_bytes = data.shape[1] * data.dtype.itemsize
+        payload = np.ascontiguousarray(got[order, 8:8 + row_bytes]).view(data.dtype)
+        recv_x = np.zeros((num_local, rows_per_expert, data.shape[1]), dtype=data.dtype)
+        recv_x[local, position] = payload
+        src_info = np.zeros((num_local, rows_per_expert), dtype=np.int32)
+        src_info[local, position] = got_header[order, 0]
+        layout_range = reference.low_latency_pack_range(begin, counts)
+
+        def wrap(a, name):
+            return interop.wrap(a, args.kind, name)
+
+        out_x = wrap(recv_x, "float8_e4m3fn" if args.use_fp8 else "bfloat16")
+        if scales is not None:
+            scale_name = "int32" if args.use_ue8m0 else "float32"
+            base = np.zeros((num_local, scales.shape[1], rows_per_expert), dtype=scales.dtype)
+            got_scales = np.ascontiguousarray(got[order, 8 + row_bytes:]).view(scales.dtype)
+            base.transpose(0, 2, 1)[local, position] = got_scales
+            out_x = (out_x, _last_two_transposed(wrap(base, scale_name), args.kind))
+        if args.stats is not None:
+            args.stats += recv_count
+        handle = (wrap(src_info, "int32"), wrap(layout_range, "int64"), args.max_tokens, args.hidden,
+                  args.num_experts)
+        hook = _ready_hook if args.return_recv_hook else None
+        return out_x, wrap(recv_count, "int32"), handle, EventOverlap(), hook
+
+    def _check_low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                    cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                    round_scale, use_ue8m0, async_finish, return_recv_hook):
+        """All of low_latency_dispatch's argument checks: ``(_LowLatencyArgs, same, {"per_expert": [E]})``
+        (see :meth:`_agree`); ``per_expert`` counts this rank's top-k slots per global expert."""
+        self._require_low_latency_mode()
+        flags = [_flag(v, n) for v, n in ((use_fp8, "use_fp8"), (round_scale, "round_scale"),
+                                          (use_ue8m0, "use_ue8m0"), (async_finish, "async_finish"),
+                                          (return_recv_hook, "return_recv_hook"))]
+        use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook = flags
+        max_tokens = _positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+        num_ranks = self.num_ranks
+        if (num_ranks * max_tokens) % 4:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank: num_ranks * num_max_dispatch_tokens_per_rank "
+                             f"must be a multiple of 4 (DeepEP's TMA requirement), got {num_ranks} * {max_tokens}")
+        validate.check_num_experts(num_experts, num_ranks)
+        num_local = num_experts // num_ranks
+        validate.check_array(x, "x", ("bfloat16",), ndim=2)
+        num_tokens, hidden = x.shape
+        if hidden <= 0 or hidden % 128:
+            raise ValueError(f"x: hidden (shape[1]) must be a positive multiple of 128 in low-latency mode, "
+                             f"got {hidden}")
+        if use_fp8 and hidden % 512:
+            raise ValueError(f"x: FP8 low-latency dispatch needs hidden % 512 == 0 (as DeepEP), got {hidden}")
+        if num_tokens > max_tokens:
+            raise ValueError(f"x: has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{max_tokens}")
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0: UE8M0 scales need round_scale=True")
+        _check_low_latency_topk(topk_idx, num_experts, self.check_values)
+        if topk_idx.shape[0] != num_tokens:
+            raise ValueError(f"topk_idx: must have {num_tokens} rows (as x), got {topk_idx.shape[0]}")
+        stats = None
+        if cumulative_local_expert_recv_stats is not None:
+            _check_vector(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", "int32",
+                          num_local)
+            stats = interop.unwrap(cumulative_local_expert_recv_stats)
+        if dispatch_wait_recv_cost_stats is not None:
+            _check_vector(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", "int64", num_ranks)
+        if async_finish and return_recv_hook:
+            raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
+        idx = interop.unwrap(topk_idx).astype(np.int64)
+        args = _LowLatencyArgs(kind=interop.kind_of(x), x=interop.unwrap(x), topk_idx=idx, hidden=hidden,
+                               max_tokens=max_tokens, num_experts=num_experts, num_local=num_local,
+                               use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                               return_recv_hook=return_recv_hook, stats=stats)
+        same = {"num_max_dispatch_tokens_per_rank": max_tokens, "num_experts": num_experts,
+                "x": f"bfloat16 [*, {hidden}]", "use_fp8": use_fp8,
+                "round_scale": round_scale if use_fp8 else None, "use_ue8m0": use_ue8m0 if use_fp8 else None}
+        return args, same, {"per_expert": np.bincount(idx[idx >= 0], minlength=num_experts).astype(np.int64)}
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
+                            out=None, combine_wait_recv_cost_stats=None):
+        """Send the expert outputs back to the token owners and reduce them *with* the weights (collective).
+
+        Args:
+            x: bf16 ``[L, R*M, H]`` contiguous, laid out as this rank's dispatch output. Ignored with
+                ``zero_copy`` (may be None then; checked when given).
+            topk_idx, topk_weights: ``[T, K]`` int32/int64 and float32: the routing this rank gave to the
+                dispatch that made ``handle`` (``T <= M``), and the weights.
+            handle: the dispatch's ``(src_info, layout_range, M, H, E)`` (not modified).
+            use_logfmt: LogFMT-10 is not implemented: NotImplementedError (on every rank).
+            zero_copy: take the expert outputs from :meth:`get_next_low_latency_combine_buffer` instead of x.
+            async_finish, return_recv_hook: as in :meth:`low_latency_dispatch` (the hook does nothing).
+            out: optional bf16 ``[T, H]`` written in place and returned.
+            combine_wait_recv_cost_stats: ``[R] int64`` or None; checked, left unchanged.
+
+        Returns:
+            ``(combined_x [T, H] bf16, EventOverlap, hook)``: per token, fp32 ``sum_k w[t, k] * y`` over
+            k ascending (-1 skipped), rounded to bf16 once (:func:`reference.low_latency_combine`).
+        """
+        self._check_usable()
+        args, notes = self._agree(lambda: self._check_low_latency_combine(
+            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+            combine_wait_recv_cost_stats))
+        me, num_ranks, num_local = self.rank, self.num_ranks, args.num_local
+        # The routing must be the dispatch's: what each owner's handle holds for each token owner equals
+        # what that token owner's topk_idx selects (checked identically on every rank, before any transfer).
+        held = np.stack([n["layout_counts"] for n in notes])                                  # [owner, L, s]
+        wanted = np.stack([n["per_expert"] for n in notes]).reshape(num_ranks, num_ranks, num_local)
+        wanted = wanted.transpose(1, 2, 0)                                                    # [owner, L, s]
+        if not np.array_equal(held, wanted):
+            owner, e, src = (int(v[0]) for v in np.nonzero(held != wanted))
+            raise ValueError(f"topk_idx: rank {src} selects local expert {e} of rank {owner} "
+                             f"{wanted[owner, e, src]} times, but rank {owner}'s handle.layout_range holds "
+                             f"{held[owner, e, src]} rows for it (pass the routing of the dispatch that made "
+                             f"the handle)")
+        if args.use_logfmt:
+            raise NotImplementedError("use_logfmt: the LogFMT-10 combine format is not implemented "
+                                      "(use the default bf16 combine)")
+
+        # Owner side: for each token owner s, the rows of every local expert's block from s, experts ascending.
+        begin, count = reference.low_latency_unpack_range(args.layout_range)
+        experts, rows = [], []
+        for s in range(num_ranks):
+            for e in range(num_local):
+                rows.append(np.arange(begin[e, s], begin[e, s] + count[e, s], dtype=np.int64))
+                experts.append(np.full(count[e, s], e, dtype=np.int64))
+        send = args.y[np.concatenate(experts), np.concatenate(rows)]
+        per_owner = notes[me]["per_expert"].reshape(num_ranks, num_local).sum(axis=1)
+        got = self._alltoallv_rows(send, count.sum(axis=0), per_owner).view(interop.BF16)
+
+        # Token-owner side: the block from owner r lists r's experts ascending, each in (t, k) order, so
+        # sorting my (t, k) slots by expert id gives the received row of each.
+        idx = args.topk_idx
+        flat = np.flatnonzero(idx >= 0)
+        row_of = np.full(idx.size, -1, dtype=np.int64)
+        row_of[flat[np.argsort(idx.flat[flat], kind="stable")]] = np.arange(flat.size)
+        row_of = row_of.reshape(idx.shape)
+        acc = np.zeros((idx.shape[0], args.hidden), dtype=np.float32)
+        for k in range(idx.shape[1]):
+            sel = np.nonzero(row_of[:, k] >= 0)[0]
+            values = got[row_of[sel, k]].astype(np.float32)
+            acc[sel] = acc[sel] + (args.weights[sel, k][:, None] * values).astype(np.float32)
+        combined = acc.astype(interop.BF16).view(np.uint16)
+        hook = _ready_hook if args.return_recv_hook else None
+        if out is not None:
+            interop.unwrap(out)[...] = combined
+            return out, EventOverlap(), hook
+        return interop.wrap(combined, args.kind, "bfloat16"), EventOverlap(), hook
+
+    def _check_low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                   return_recv_hook, out, combine_wait_recv_cost_stats):
+        """All of low_latency_combine's argument checks: ``(_LowLatencyArgs, same, {"layout_counts": [L, R],
+        "per_expert": [E]})`` (see :meth:`_agree`)."""
+        self._require_low_latency_mode()
+        flags = [_flag(v, n) for v, n in ((use_logfmt, "use_logfmt"), (zero_copy, "zero_copy"),
+                                          (async_finish, "async_finish"), (return_recv_hook, "return_recv_hook"))]
+        use_logfmt, zero_copy, async_finish, return_recv_hook = flags
+        _, layout_range, max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
+        num_ranks = self.num_ranks
+        num_local = num_experts // num_ranks
+        shape = (num_local, num_ranks * max_tokens, hidden)
+        if use_logfmt and zero_copy:
+            raise ValueError("use_logfmt: cannot be used together with zero_copy=True (as in DeepEP)")
+        if x is not None or not zero_copy:
+            validate.check_array(x, "x", ("bfloat16",), ndim=3)
+            if tuple(x.shape) != shape:
+                raise ValueError(f"x: must have shape {shape} ([L, R*M, H] from the handle), got {tuple(x.shape)}")
+        if zero_copy:
+            buffer = self._ll_combine_buffer
+            if buffer is None or buffer.shape != shape:
+                raise ValueError("zero_copy: fill get_next_low_latency_combine_buffer(handle) first (no combine "
+                                 f"buffer of shape {shape} was handed out)")
+            y = buffer
+        else:
+            y = interop.unwrap(x)
+        _check_low_latency_topk(topk_idx, num_experts, self.check_values)
+        num_tokens, num_topk = topk_idx.shape
+        if num_tokens > max_tokens:
+            raise ValueError(f"topk_idx: has {num_tokens} rows, more than num_max_dispatch_tokens_per_rank="
+                             f"{max_tokens} (from the handle)")
+        validate.check_topk_weights(topk_weights, num_tokens, num_topk)
+        if out is not None:
+            validate.check_array(out, "out", ("bfloat16",), ndim=2)
+            if tuple(out.shape) != (num_tokens, hidden):
+                raise ValueError(f"out: must have shape {(num_tokens, hidden)}, got {tuple(out.shape)}")
+        if combine_wait_recv_cost_stats is not None:
+            _check_vector(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", "int64", num_ranks)
+        if async_finish and return_recv_hook:
+            raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
+        idx = interop.unwrap(topk_idx).astype(np.int64)
+        args = _LowLatencyArgs(kind=interop.kind_of(topk_idx), x=None, topk_idx=idx, hidden=hidden,
+                               max_tokens=max_tokens, num_experts=num_experts, num_local=num_local,
+                               return_recv_hook=return_recv_hook, use_logfmt=use_logfmt, y=y,
+                               weights=interop.unwrap(topk_weights), layout_range=layout_range)
+        same = {"handle": f"num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, "
+                          f"num_experts={num_experts}", "use_logfmt": use_logfmt}
+        notify = {"layout_counts": reference.low_latency_unpack_range(layout_range)[1],
+                  "per_expert": np.bincount(idx[idx >= 0], minlength=num_experts).astype(np.int64)}
+        return args, same, notify
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The bf16 ``[L, R*M, H]`` array a ``zero_copy`` combine with this handle's shape reads (local).
+
+        Owned by the buffer and kept between calls (DeepEP hands out a view of its next RDMA send buffer;
+        the host keeps one array, re-made, zeroed, when the shape changes). Fill it, then call
+        :meth:`low_latency_combine` with ``zero_copy=True``."""
+        self._check_usable()
+        self._require_low_latency_mode()
+        _, _, max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
+        shape = (num_experts // self.num_ranks, self.num_ranks * max_tokens, hidden)
+        if self._ll_combine_buffer is None or self._ll_combine_buffer.shape != shape:
+            self._ll_combine_buffer = np.zeros(shape, dtype=np.uint16)
+        return interop.wrap(self._ll_combine_buffer, interop.kind_of(handle[0]), "bfloat16")
+
+    def _require_low_latency_mode(self) -> None:
+        if not self.low_latency_mode:
+            raise ValueError("low_latency_mode: the low-latency calls need a Buffer created with "
+                             "low_latency_mode=True")
+
+    def _check_low_latency_handle(self, handle):
+        """``(src_info raw, layout_range raw, M, H, E)`` of a low-latency dispatch handle, after checking
+        its types and shapes (and, with ``check_values``, that every layout range fits its expert's rows)."""
+        if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+            got = type(handle).__name__ + (f" of {len(handle)}" if isinstance(handle, (tuple, list)) else "")
+            raise ValueError("handle: must be the 5-tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank, "
+                             f"hidden, num_experts) low_latency_dispatch returned, got {got}")
+        src_info, layout_range, max_tokens, hidden, num_experts = handle
+        for value, name in ((max_tokens, "num_max_dispatch_tokens_per_rank"), (hidden, "hidden"),
+                            (num_experts, "num_experts")):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"handle: its {name} must be a positive int, got {value!r}")
+        max_tokens, hidden, num_experts = int(max_tokens), int(hidden), int(num_experts)
+        if hidden % 128 or num_experts % self.num_ranks:
+            raise ValueError(f"handle: hidden={hidden} must be a multiple of 128 and num_experts={num_experts} "
+                             f"a multiple of the rank count {self.num_ranks}")
+        num_local = num_experts // self.num_ranks
+        validate.check_array(src_info, "handle.src_info", ("int32",), ndim=2)
+        validate.check_array(layout_range, "handle.layout_range", ("int64",), ndim=2)
+        for a, name, shape in ((src_info, "src_info", (num_local, self.num_ranks * max_tokens)),
+                               (layout_range, "layout_range", (num_local, self.num_ranks))):
+            if tuple(a.shape) != shape:
+                raise ValueError(f"handle.{name}: must have shape {shape}, got {tuple(a.shape)}")
+        raw_range = interop.unwrap(layout_range)
+        if self.check_values:
+            begin, count = reference.low_latency_unpack_range(raw_range)
+            if np.any(begin < 0) or np.any(begin + count > self.num_ranks * max_tokens):
+                raise ValueError("handle.layout_range: a (begin << 32) | count entry runs outside "
+                                 f"[0, {self.num_ranks * max_tokens}) rows")
+        return interop.unwrap(src_info), raw_range, max_tokens, hidden, num_experts
 
     # ---- shared helpers -----------------------------------------------------------------------------
     def _check_handle(self, handle, config: Config, num_tokens: int | None) -> tuple:

@@ -249,3 +249,213 @@ def combine(recv_x_list, is_token_in_rank_list, rank: int, recv_topk_weights_lis
 def float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even fp32 -> bf16, as uint16 bit patterns (NaN stays NaN)."""
     return np.asarray(x, dtype=np.float32).astype(bfloat16).view(np.uint16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# low-latency (decode) mode: FP8 cast, dispatch, combine (research/deepep.md §1.8, §4)
+# ----------------------------------------------------------------------------------------------------------
+#: Largest finite float8_e4m3fn value.
+FP8_E4M3_MAX = np.float32(448.0)
+#: ``1 / 448`` as the float32 constant DeepEP's kernels multiply by (``kFinfoAmaxInvE4M3``).
+FP8_E4M3_MAX_INV = np.float32(1.0 / 448.0)
+#: Lower clamp of the per-128-channel amax (``kFP8Margin``).
+FP8_AMAX_MARGIN = np.float32(1e-4)
+#: DeepEP's low-latency kernels take at most this many top-k slots per token (``kNumMaxTopK``).
+LOW_LATENCY_MAX_TOPK = 11
+
+
+def fp8_scales(amax: np.ndarray, round_scale: bool = False):
+    """DeepEP's ``calculate_fp8_scales`` on float32 ``amax`` (any shape): returns ``(scale, scale_inv)``.
+
+    Without ``round_scale``: ``scale = 448 / amax`` (fp32 division) and ``scale_inv = amax * fp32(1/448)``
+    (an fp32 product, as the kernel computes it; it can differ from ``amax / 448`` by one ulp). With
+    ``round_scale``: ``scale_inv = 2**ceil(log2(amax * fp32(1/448)))``, the ceiling read off the float's
+    bits (exponent, plus one when any mantissa bit is set), and ``scale = 1 / scale_inv`` (both exact
+    powers of two).
+    """
+    amax = np.asarray(amax, dtype=np.float32)
+    ratio = (amax * FP8_E4M3_MAX_INV).astype(np.float32)
+    if not round_scale:
+        return (FP8_E4M3_MAX / amax).astype(np.float32), ratio
+    bits = ratio.view(np.uint32)
+    exponent = ((bits >> 23) & 0xFF).astype(np.int32) - 127 + ((bits & 0x7FFFFF) != 0)
+    one = np.float32(1.0)
+    return np.ldexp(one, -exponent).astype(np.float32), np.ldexp(one, exponent).astype(np.float32)
+
+
+def pack_ue8m0(scale_inv: np.ndarray) -> np.ndarray:
+    """``[T, S] float32`` power-of-two scales -> ``[T, S/4] int32``: the exponent byte (bits 23..30) of
+    group ``4i + j`` in byte ``j`` (bits ``8j .. 8j+7``) of word ``i``. S must be a multiple of 4."""
+    exps = (np.asarray(scale_inv, dtype=np.float32).view(np.uint32) >> 23) & 0xFF
+    exps = exps.reshape(exps.shape[0], exps.shape[1] // 4, 4)
+    words = exps[..., 0] | (exps[..., 1] << 8) | (exps[..., 2] << 16) | (exps[..., 3] << 24)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def unpack_ue8m0(packed: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`pack_ue8m0`: ``[T, S/4] int32`` -> ``[T, S] float32`` (``byte << 23`` as a float)."""
+    words = np.asarray(packed).astype(np.int32).view(np.uint32)
+    exps = np.stack([(words >> (8 * j)) & 0xFF for j in range(4)], axis=-1)
+    return (exps.reshape(words.shape[0], words.shape[1] * 4).astype(np.uint32) << 23).view(np.float32)
+
+
+def per_token_cast_to_fp8(x: np.ndarray, round_scale: bool = False, use_ue8m0: bool = False):
+    """The FP8 cast of DeepEP's low-latency dispatch (``ptp128c``: one scale per 128 channels of a token).
+
+    Args:
+        x: ``[T, H]`` bf16, ``H % 128 == 0`` (``H % 512 == 0`` with ``use_ue8m0``).
+        round_scale: power-of-two scales (see :func:`fp8_scales`).
+        use_ue8m0: pack the scales' exponent bytes (needs ``round_scale``; see :func:`pack_ue8m0`).
+
+    Returns:
+        ``(x_e4m3 [T, H] uint8, scales)``: per group of 128 channels ``amax = max(1e-4, max |x|)`` in fp32,
+        values ``e4m3(clip(fp32(x) * scale, -448, 448))`` rounded to nearest even (the kernel converts with
+        ``__NV_SATFINITE``), as raw bytes; ``scales`` = ``scale_inv`` ``[T, H/128] float32``, or with
+        ``use_ue8m0`` ``[T, H/512] int32``. Non-finite inputs are not defined.
+    """
+    x = np.asarray(x)
+    if x.ndim != 2 or x.shape[1] % 128:
+        raise ValueError(f"x: must be [T, H] with H % 128 == 0, got shape {x.shape}")
+    if use_ue8m0 and not round_scale:
+        raise ValueError("use_ue8m0: needs round_scale=True")
+    if use_ue8m0 and x.shape[1] % 512:
+        raise ValueError(f"x: use_ue8m0 packs 4 scales per int, so H must be a multiple of 512, got {x.shape[1]}")
+    num_tokens, hidden = x.shape
+    groups = x.astype(np.float32).reshape(num_tokens, hidden // 128, 128)
+    amax = np.maximum(np.abs(groups).max(axis=2, initial=0.0), FP8_AMAX_MARGIN)
+    scale, scale_inv = fp8_scales(amax, round_scale)
+    scaled = (groups * scale[:, :, None]).astype(np.float32)
+    values = np.clip(scaled, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(float8_e4m3)
+    data = values.reshape(num_tokens, hidden).view(np.uint8)
+    return data, (pack_ue8m0(scale_inv) if use_ue8m0 else scale_inv)
+
+
+def per_token_cast_back(x_e4m3: np.ndarray, scales: np.ndarray, use_ue8m0: bool = False) -> np.ndarray:
+    """``[T, H] float32``: the FP8 values times their group's ``scale_inv`` (an fp32 product).
+
+    ``x_e4m3`` is ``[T, H]`` raw e4m3 bytes (uint8 or float8_e4m3fn); ``scales`` ``[T, H/128] float32``, or
+    packed UE8M0 ``[T, H/512] int32`` (taken as UE8M0 when ``use_ue8m0`` or when its dtype is an integer,
+    as DeepEP's ``per_token_cast_back``)."""
+    data = np.asarray(x_e4m3)
+    scales = np.asarray(scales)
+    if use_ue8m0 or np.issubdtype(scales.dtype, np.integer):
+        scales = unpack_ue8m0(scales)
+    num_tokens, hidden = data.shape
+    values = data.view(np.uint8).view(float8_e4m3).astype(np.float32).reshape(num_tokens, hidden // 128, 128)
+    return (values * scales.astype(np.float32)[:, :, None]).astype(np.float32).reshape(num_tokens, hidden)
+
+
+class LowLatencyDispatchResult(NamedTuple):
+    recv_x: np.ndarray               # [L, R*M, H] bf16, or uint8 e4m3 bytes (use_fp8)
+    recv_x_scales: np.ndarray | None  # [L, R*M, H/128] float32 | [L, R*M, H/512] int32 (ue8m0) | None (bf16)
+    recv_count: np.ndarray           # [L] int32
+    src_info: np.ndarray             # [L, R*M] int32: token index at the source rank
+    layout_range: np.ndarray         # [L, R] int64: (begin << 32) | count of each source rank's block
+
+
+def low_latency_rows(topk_idx_list, expert: int) -> list[tuple[int, int, int]]:
+    """The rows global expert ``expert`` receives in low-latency dispatch, in order: one ``(source rank,
+    token, k)`` per top-k slot selecting it, by source rank, then token, then k (all ascending)."""
+    rows = []
+    for src, topk_idx in enumerate(topk_idx_list):
+        tokens, ks = np.nonzero(np.asarray(topk_idx).astype(np.int64) == expert)  # row-major: (t, k) order
+        rows += [(src, int(t), int(k)) for t, k in zip(tokens, ks)]
+    return rows
+
+
+def low_latency_pack_range(begin, count):
+    """``layout_range`` entries: ``(begin << 32) | count`` as int64 (begin/count broadcast)."""
+    return (np.asarray(begin, dtype=np.int64) << 32) | np.asarray(count, dtype=np.int64)
+
+
+def low_latency_unpack_range(layout_range):
+    """``(begin, count)`` int64 arrays from ``layout_range`` entries."""
+    packed = np.asarray(layout_range, dtype=np.int64)
+    return packed >> 32, packed & 0xFFFFFFFF
+
+
+def low_latency_dispatch(x_list, topk_idx_list, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                         rank: int, use_fp8: bool = True, round_scale: bool = False,
+                         use_ue8m0: bool = False) -> LowLatencyDispatchResult:
+    """What rank ``rank`` receives from DeepEP's ``low_latency_dispatch`` (global view).
+
+    Args:
+        x_list: per rank ``[T_r, H]`` bf16, ``T_r <= M``.
+        topk_idx_list: per rank ``[T_r, K]`` int32/int64, -1 = none.
+        num_max_dispatch_tokens_per_rank: M (the same on every rank).
+        num_experts: E, a multiple of R = ``len(x_list)``; rank r owns experts ``[r*L, (r+1)*L)``, L = E/R.
+        rank: the receiving rank.
+        use_fp8, round_scale, use_ue8m0: the cast (:func:`per_token_cast_to_fp8` of each source's x; each
+            source token is cast once, every row it sends carries the same bytes).
+
+    Returns:
+        :class:`LowLatencyDispatchResult`. Rows ``[0, recv_count[e])`` of local expert e are
+        :func:`low_latency_rows` of global expert ``rank*L + e``; ``layout_range[e, s]`` packs the begin row
+        and count of source s's block (begin = rows of earlier sources, also when the count is 0). Rows
+        past ``recv_count`` (and their scales and src_info) are zero here; the GPU leaves them undefined.
+    """
+    num_ranks = len(x_list)
+    num_local = num_experts // num_ranks
+    rows_per_expert = num_ranks * num_max_dispatch_tokens_per_rank
+    hidden = np.asarray(x_list[0]).shape[1]
+    if use_fp8:
+        casts = [per_token_cast_to_fp8(x, round_scale, use_ue8m0) for x in x_list]
+        sources = [c[0] for c in casts]
+        scales_list = [c[1] for c in casts]
+        recv_x = np.zeros((num_local, rows_per_expert, hidden), dtype=np.uint8)
+        recv_scales = np.zeros((num_local, rows_per_expert) + scales_list[0].shape[1:], dtype=scales_list[0].dtype)
+    else:
+        sources = [np.asarray(x) for x in x_list]
+        scales_list = None
+        recv_x = np.zeros((num_local, rows_per_expert, hidden), dtype=bfloat16)
+        recv_scales = None
+    recv_count = np.zeros(num_local, dtype=np.int32)
+    src_info = np.zeros((num_local, rows_per_expert), dtype=np.int32)
+    layout_range = np.zeros((num_local, num_ranks), dtype=np.int64)
+    for e in range(num_local):
+        rows = low_latency_rows(topk_idx_list, rank * num_local + e)
+        for i, (src, t, _) in enumerate(rows):
+            recv_x[e, i] = sources[src][t]
+            if recv_scales is not None:
+                recv_scales[e, i] = scales_list[src][t]
+            src_info[e, i] = t
+        recv_count[e] = len(rows)
+        counts = np.array([sum(1 for r in rows if r[0] == s) for s in range(num_ranks)], dtype=np.int64)
+        layout_range[e] = low_latency_pack_range(np.cumsum(counts) - counts, counts)
+    return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, src_info, layout_range)
+
+
+def low_latency_combine(y_list, topk_idx_list, topk_weights_list, num_max_dispatch_tokens_per_rank: int,
+                        num_experts: int, rank: int) -> np.ndarray:
+    """What rank ``rank`` gets back from DeepEP's ``low_latency_combine`` (global view): a *weighted* sum.
+
+    Args:
+        y_list: per rank r ``[L, R*M, H]`` bf16: rank r's expert outputs, laid out as its dispatch output
+            (row i of local expert e answers the i-th of :func:`low_latency_rows`).
+        topk_idx_list, topk_weights_list: per rank ``[T_r, K]`` (the dispatch's routing) and float32 weights.
+        num_max_dispatch_tokens_per_rank, num_experts: M and E, as in the dispatch.
+        rank: the token owner we compute for.
+
+    Returns:
+        ``[T, H] bf16``: per token, fp32 ``acc = 0``, then for k ascending with ``topk_idx[t, k] != -1``:
+        ``acc += w[t, k] * y_owner[e][row of (rank, t, k)]`` (an fp32 product, then an fp32 sum), one bf16
+        rounding at the end. A token with no expert gives zeros.
+    """
+    num_ranks = len(y_list)
+    num_local = num_experts // num_ranks
+    topk_idx = np.asarray(topk_idx_list[rank]).astype(np.int64)
+    weights = np.asarray(topk_weights_list[rank], dtype=np.float32)
+    num_tokens, num_topk = topk_idx.shape
+    hidden = np.asarray(y_list[0]).shape[2]
+    slot = np.full((num_tokens, num_topk), -1, dtype=np.int64)
+    for expert in np.unique(topk_idx[topk_idx >= 0]):
+        for i, (src, t, k) in enumerate(low_latency_rows(topk_idx_list, int(expert))):
+            if src == rank:
+                slot[t, k] = i
+    acc = np.zeros((num_tokens, hidden), dtype=np.float32)
+    for k in range(num_topk):
+        for t in np.nonzero(topk_idx[:, k] >= 0)[0]:
+            owner, e = divmod(int(topk_idx[t, k]), num_local)
+            value = np.asarray(y_list[owner])[e, slot[t, k]].astype(np.float32)
+            acc[t] = acc[t] + (weights[t, k] * value).astype(np.float32)
+    return acc.astype(bfloat16)
