@@ -32,6 +32,9 @@ def check_array(x, name: str, dtypes: tuple, ndim: int | None = None, device: in
         _fail(name, f"must be {ndim}-D, got shape {tuple(x.shape)}")
     if contiguous and not interop.is_contiguous(x):
         _fail(name, "must be contiguous (row-major)")
+    if device is not None and not kind.on_gpu:
+        _fail(name, "is a host array, but this buffer runs on the GPU: pass a CuPy array or a CUDA torch tensor",
+              TypeError)
     if device is not None and kind.on_gpu and interop.device_of(x) != device:
         _fail(name, f"is on GPU {interop.device_of(x)}, but this buffer uses GPU {device}")
     return dt

@@ -1,0 +1,36 @@
+"""validate.py on its own (no MPI, no GPU): the GPU path's argument checks name the argument."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupy_ep import validate
+
+
+def test_host_array_refused_where_a_gpu_array_is_needed():
+    x = np.zeros((4, 8), dtype=ml_dtypes.bfloat16)
+    assert validate.check_array(x, "x", ("bfloat16",), ndim=2) == "bfloat16"   # host backend: fine
+    with pytest.raises(TypeError, match=r"^x: is a host array"):
+        validate.check_array(x, "x", ("bfloat16",), ndim=2, device=0)         # CUDA backend: refused
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    (np.zeros((4, 8), np.float32), r"^x: dtype"),
+    (np.zeros((4, 8, 2), ml_dtypes.bfloat16), r"^x: must be 2-D"),
+    (np.zeros((8, 8), ml_dtypes.bfloat16)[:, ::2], r"^x: must be contiguous"),
+    ([1, 2, 3], r"^x: expected a CuPy array"),
+])
+def test_check_array_names_the_argument(bad, pattern):
+    with pytest.raises((TypeError, ValueError), match=pattern):
+        validate.check_array(bad, "x", ("bfloat16",), ndim=2)
+
+
+def test_check_x_fp8_and_topk():
+    data = np.zeros((3, 256), np.uint8)
+    info = validate.check_x((data, np.ones((3, 2), np.float32)))
+    assert (info.dtype, info.num_scales, info.hidden_bytes) == ("float8_e4m3fn", 2, 256)
+    with pytest.raises(ValueError, match=r"^x\[1\]: scales must have shape"):
+        validate.check_x((data, np.ones((3, 3), np.float32)))
+    with pytest.raises(ValueError, match=r"^topk_idx: values must lie in \[-1, 8\)"):
+        validate.check_topk_idx(np.array([[0, 8]], np.int64), 8)
+    with pytest.raises(ValueError, match=r"^topk_idx: top-k"):
+        validate.check_topk_idx(np.zeros((2, 33), np.int64), 64)
