@@ -16,10 +16,12 @@ enum KernelId : int {
     kKernelLayout = 1, kKernelNotifyDispatch = 2, kKernelCachedNotifyDispatch = 3, kKernelDispatch = 4,
     kKernelCachedNotifyCombine = 5, kKernelCombine = 6, kKernelBarrier = 7,
 };
-enum Role : int { kRoleBarrier = 0, kRoleSender = 1, kRoleReceiver = 2, kRoleNotify = 3 };
+enum Role : int { kRoleBarrier = 0, kRoleSender = 1, kRoleReceiver = 2, kRoleNotify = 3, kRoleCallCheck = 4 };
 
 // Written once (by the first thread that times out) into host-mapped memory; the host turns it into
 // cupy_ep.CommTimeoutError. Layout mirrored by buffer.py (_RECORD_FIELDS).
+// role kRoleCallCheck: not a timeout but ranks that disagree about a call (head = my word, tail = the
+// peer's word, expected = the word's index, see kCallWords in buffer.cuh).
 struct TimeoutRecord {
     int flag;  // 0: nothing happened; 1: record valid
     int rank, kernel, role, channel, peer;
@@ -116,6 +118,24 @@ __device__ __forceinline__ void group_sync(int id, int num_threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
+// Stop this buffer: the first caller writes the record (host-mapped) and sets the abort flag, after which
+// every wait gives up at once and the kernels exit; the host turns the record into an exception.
+__device__ __forceinline__ void report_failure(const DeviceCtx* ctx, WaitSite site, long long head, long long tail,
+                                               long long expected, long long elapsed_ns) {
+    if (atomicCAS(ctx->abort_flag, 0, 1) != 0) return;
+    TimeoutRecord* r = ctx->record;
+    r->rank = ctx->rank; r->kernel = site.kernel; r->role = site.role;
+    r->channel = site.channel; r->peer = site.peer;
+    r->head = head; r->tail = tail; r->expected = expected;
+    r->elapsed_ns = elapsed_ns;
+    __threadfence_system();
+    st_volatile(&r->flag, 1);
+    __threadfence_system();
+}
+
+// True once any wait or check of this buffer failed (kernels launched after that return at once).
+__device__ __forceinline__ bool buffer_aborted(const DeviceCtx* ctx) { return ld_volatile(ctx->abort_flag) != 0; }
+
 // ---------------------------------------------------------------------------------------------------
 // The one spin-wait helper. Spins until done() is true; returns false on timeout or when another wait
 // of this buffer already timed out (abort flag), after writing the diagnostic record once. Callers must
@@ -132,17 +152,10 @@ __device__ __forceinline__ bool wait_until(const DeviceCtx* ctx, WaitSite site, 
             const unsigned long long elapsed = globaltimer_ns() - start;
             const bool aborted = ld_volatile(ctx->abort_flag) != 0;
             if (aborted || elapsed > ctx->timeout_ns) {
-                if (!aborted && atomicCAS(ctx->abort_flag, 0, 1) == 0) {
+                if (!aborted) {
                     long long head = -1, tail = -1, expected = -1;
                     observe(head, tail, expected);
-                    TimeoutRecord* r = ctx->record;
-                    r->rank = ctx->rank; r->kernel = site.kernel; r->role = site.role;
-                    r->channel = site.channel; r->peer = site.peer;
-                    r->head = head; r->tail = tail; r->expected = expected;
-                    r->elapsed_ns = (long long)elapsed;
-                    __threadfence_system();
-                    st_volatile(&r->flag, 1);
-                    __threadfence_system();
+                    report_failure(ctx, site, head, tail, expected, (long long)elapsed);
                 }
                 return false;
             }

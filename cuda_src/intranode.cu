@@ -60,6 +60,52 @@ __device__ __forceinline__ void zero_ints(int* p, long long n) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Call agreement. Ranks that disagree about a call (another num_sms, hidden size, ring size or top-k, or
+// a cached dispatch on one rank and a normal one on another) would carve the rings differently and then
+// corrupt data or hang. So every notify kernel writes what it thinks the call is into each peer's
+// call_words[my rank] between its first two barriers, and after the second compares every row with its
+// own; any difference stops the buffer on every rank (the comparison is symmetric) with a record that the
+// host raises as CallMismatchError. Nothing of the call has touched a ring by then.
+// ---------------------------------------------------------------------------------------------------
+enum CallOp : int { kOpDispatch = 1, kOpCachedDispatch = 2, kOpCombine = 3 };
+
+struct CallWords {
+    int w[kCallWords];
+};
+
+template <int kNumRanks>
+__device__ void publish_call_words(void** buffer_ptrs, int rank, const CallWords& words) {
+    const NotifyArea notify;
+    for (int i = threadIdx.x; i < kNumRanks * kCallWords; i += blockDim.x) {
+        const int peer = i / kCallWords, k = i % kCallWords;
+        notify.call_words.on(buffer_ptrs[peer])[rank * kCallWords + k] = words.w[k];
+    }
+}
+
+// Call after the barrier that follows publish_call_words. False (for the whole block) on disagreement.
+template <int kNumRanks>
+__device__ bool check_call_words(void** buffer_ptrs, int rank, const CallWords& words, const DeviceCtx* ctx,
+                                 int kernel) {
+    const NotifyArea notify;
+    const int* rows = notify.call_words.on(buffer_ptrs[rank]);
+    bool ok = true;
+    for (int i = threadIdx.x; i < kNumRanks * kCallWords; i += blockDim.x) {
+        const int peer = i / kCallWords, k = i % kCallWords;
+        const int theirs = ld_volatile(&rows[i]);
+        if (theirs != words.w[k]) {
+            ok = false;
+            report_failure(ctx, WaitSite{kernel, kRoleCallCheck, -1, peer}, words.w[k], theirs, k, 0);
+        }
+    }
+    return __syncthreads_and(ok) != 0;
+}
+
+// Uniform over the block: a kernel launched after a failed wait or check returns at once.
+__device__ __forceinline__ bool block_aborted(const DeviceCtx* ctx) {
+    return __syncthreads_or(threadIdx.x == 0 && buffer_aborted(ctx)) != 0;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // notify_dispatch: grid 1 + R blocks of 128 threads.
 // Block 0: barrier; write my row of token counts and my per-expert counts into every peer; barrier;
 //   prefix over sources -> rank_prefix_matrix; aligned per-expert sums and the receive count -> host;
@@ -77,6 +123,8 @@ __global__ void notify_dispatch(const int* num_tokens_per_rank, const int* num_t
         const NotifyArea notify;
         const int experts_per_rank = num_experts / kNumRanks;
         if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kKernelNotifyDispatch)) return;
+        const CallWords words{{kOpDispatch, num_channels, num_slots, hidden_int4, num_topk, num_scales, num_experts, 0}};
+        publish_call_words<kNumRanks>(buffer_ptrs, rank, words);
         for (int i = threadIdx.x; i < kNumRanks * kNumRanks; i += blockDim.x) {
             const int peer = i / kNumRanks, dst = i % kNumRanks;
             notify.rank_matrix.on(buffer_ptrs[peer])[rank * kNumRanks + dst] = num_tokens_per_rank[dst];
@@ -86,6 +134,7 @@ __global__ void notify_dispatch(const int* num_tokens_per_rank, const int* num_t
             notify.expert_counts.on(buffer_ptrs[peer])[rank * kMaxLocalExperts + e] = num_tokens_per_expert[i];
         }
         if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kKernelNotifyDispatch)) return;
+        if (!check_call_words<kNumRanks>(buffer_ptrs, rank, words, ctx, kKernelNotifyDispatch)) return;
 
         void* mine = buffer_ptrs[rank];
         const int* matrix = notify.rank_matrix.on(mine);
@@ -136,27 +185,34 @@ __global__ void notify_dispatch(const int* num_tokens_per_rank, const int* num_t
     }
 }
 
-// Zero a layout's ring meta (start/end/head/tail) in my buffer between two barriers.
+// Zero a layout's ring meta (start/end/head/tail) in my buffer between two barriers, and check that all
+// ranks agree about the call.
 template <int kNumRanks>
 __device__ void reset_rings(void** buffer_ptrs, int rank, long long begin, long long meta_end,
-                            const DeviceCtx* ctx, int kernel) {
+                            const CallWords& words, const DeviceCtx* ctx, int kernel) {
     if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kernel)) return;
+    publish_call_words<kNumRanks>(buffer_ptrs, rank, words);
     zero_ints(at_offset<int>(buffer_ptrs[rank], begin), (meta_end - begin) / 4);
-    barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kernel);
+    if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kernel)) return;
+    check_call_words<kNumRanks>(buffer_ptrs, rank, words, ctx, kernel);
 }
 
 template <int kNumRanks>
 __global__ void cached_notify_dispatch(void** buffer_ptrs, int rank, int num_channels, int num_slots,
                                        int hidden_int4, int num_topk, int num_scales, const DeviceCtx* ctx) {
     const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
-    reset_rings<kNumRanks>(buffer_ptrs, rank, layout.begin, layout.meta_end, ctx, kKernelCachedNotifyDispatch);
+    const CallWords words{{kOpCachedDispatch, num_channels, num_slots, hidden_int4, num_topk, num_scales, 0, 0}};
+    reset_rings<kNumRanks>(buffer_ptrs, rank, layout.begin, layout.meta_end, words, ctx,
+                           kKernelCachedNotifyDispatch);
 }
 
 template <int kNumRanks>
 __global__ void cached_notify_combine(void** buffer_ptrs, int rank, int num_channels, int num_slots,
                                       int hidden_int4, int num_topk, const DeviceCtx* ctx) {
     const CombineLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk);
-    reset_rings<kNumRanks>(buffer_ptrs, rank, layout.begin, layout.meta_end, ctx, kKernelCachedNotifyCombine);
+    const CallWords words{{kOpCombine, num_channels, num_slots, hidden_int4, num_topk, 0, 0, 0}};
+    reset_rings<kNumRanks>(buffer_ptrs, rank, layout.begin, layout.meta_end, words, ctx,
+                           kKernelCachedNotifyCombine);
 }
 
 // Copy one row of int4 with a warp: several independent loads in flight before the stores.
@@ -200,6 +256,7 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
     __shared__ int s_abort[kNumRanks];
     __shared__ int s_start[kNumRanks];
     __shared__ int s_count[kNumRanks];
+    if (block_aborted(ctx)) return;
 
     const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
     if (is_sender) {
@@ -382,6 +439,7 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
     __shared__ int s_abort[kNumRanks];
     __shared__ int s_need[kNumRanks];
     __shared__ int s_slot[Groups<kNumRanks>::kWarps][kNumRanks];
+    if (block_aborted(ctx)) return;
 
     if (is_sender) {
         const int peer = warp_id() / G::kWarpsPerRank;

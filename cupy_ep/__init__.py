@@ -14,10 +14,11 @@ API runs on numpy + MPI (the host backend).
 """
 from .buffer import Buffer, gpu_available
 from .config import Config
-from .errors import (BackendUnavailableError, BufferUnusableError, CommTimeoutError, CompileError,
-                     CupyEpError)
+from .errors import (BackendUnavailableError, BufferUnusableError, CallMismatchError, CommError,
+                     CommTimeoutError, CompileError, CupyEpError)
 from .event import EventOverlap
 
-__all__ = ["Buffer", "Config", "EventOverlap", "CupyEpError", "CompileError", "CommTimeoutError",
+__all__ = ["Buffer", "Config", "EventOverlap", "CupyEpError", "CompileError", "CommError", "CommTimeoutError",
+           "CallMismatchError",
            "BufferUnusableError", "BackendUnavailableError", "gpu_available"]
 __version__ = "0.1.0"

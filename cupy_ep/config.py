@@ -22,7 +22,8 @@ MAX_TOPK = 32
 MAX_HIDDEN_BYTES = 65536          # 32768 bf16 elements; the kernels loop, so this is only a sanity bound
 ALIGN = 128
 SIGNAL_BYTES = 128
-NOTIFY_BYTES = (MAX_NVL_RANKS * MAX_NVL_RANKS + MAX_NVL_RANKS * MAX_LOCAL_EXPERTS) * 4
+CALL_WORDS = 8  # mirrors kCallWords in buffer.cuh (the call-agreement check of the notify kernels)
+NOTIFY_BYTES = (MAX_NVL_RANKS * MAX_NVL_RANKS + MAX_NVL_RANKS * MAX_LOCAL_EXPERTS + MAX_NVL_RANKS * CALL_WORDS) * 4
 WORKSPACE_BYTES = 32 << 20
 
 

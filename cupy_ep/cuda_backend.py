@@ -15,12 +15,16 @@ import numpy as np
 from . import bootstrap, interop, jit, validate
 from . import config as _config
 from .buffer import Buffer
-from .errors import CommTimeoutError
+from .errors import CallMismatchError, CommTimeoutError
 from .event import EventOverlap
 
 _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
                  5: "cached_notify_combine", 6: "combine", 7: "barrier"}
-_ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify"}
+_ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check"}
+# Mirror of the CallWords a notify kernel compares (intranode.cu): index -> name.
+_CALL_WORDS = ("op", "num_channels (num_sms / 2)", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
+               "num_scales", "num_experts", "reserved")
+_CALL_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine"}
 # Mirror of cuda_src/common.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64).
 _RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), ("role", "<i4"),
                           ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
@@ -131,11 +135,23 @@ class CudaBuffer(Buffer):
         pass  # release is explicit (destroy / context manager): a collective must not run in a finalizer
 
     def check_health(self) -> None:
-        """Raise ``CommTimeoutError`` if a device wait of this buffer timed out (the buffer is then unusable)."""
+        """Raise ``CommTimeoutError`` if a device wait of this buffer timed out, or ``CallMismatchError`` if the
+        ranks disagreed about a call (the buffer is then unusable)."""
         if self._host.ptr and int(self._record["flag"][0]):
             rec = {name: int(self._record[name][0]) for name in _RECORD_DTYPE.names if name != "flag"}
             rec["kernel"] = _KERNEL_NAMES.get(rec["kernel"], rec["kernel"])
             rec["role"] = _ROLE_NAMES.get(rec["role"], rec["role"])
+            if rec["role"] == "call_check":
+                word = _CALL_WORDS[rec["expected"]] if 0 <= rec["expected"] < len(_CALL_WORDS) else rec["expected"]
+                mine, theirs = rec["head"], rec["tail"]
+                if word == "op":
+                    mine, theirs = _CALL_OPS.get(mine, mine), _CALL_OPS.get(theirs, theirs)
+                info = {"rank": rec["rank"], "kernel": rec["kernel"], "peer": rec["peer"], "word": word,
+                        "mine": mine, "theirs": theirs}
+                self._unusable_reason = f"the ranks disagreed about a call: {info}"
+                raise CallMismatchError(f"rank {self.rank}: rank {rec['peer']} made a different call ({word}: "
+                                        f"{mine} here, {theirs} there); every rank must call with the same "
+                                        "config, hidden size and top-k", info)
             self._unusable_reason = f"a device wait timed out: {rec}"
             raise CommTimeoutError(f"rank {self.rank}: device wait timed out after {self.timeout_s} s", rec)
 

@@ -16,15 +16,27 @@ class CompileError(CupyEpError):
         self.log = log
 
 
-class CommTimeoutError(CupyEpError):
-    """A device-side wait (or the host wait on a device counter) ran past the configured timeout.
-
-    ``record`` is a dict with what the waiting thread saw: rank, kernel, role, channel, peer, head, tail,
-    expected. After this error the buffer is unusable (its ring state is unknown) and must be destroyed."""
+class CommError(CupyEpError):
+    """A collective call failed on the device; ``record`` is a dict saying where (rank, kernel, role, channel,
+    peer and the numbers seen). After this error the buffer is unusable and must be destroyed."""
 
     def __init__(self, message: str, record: dict | None = None):
         super().__init__(message if record is None else f"{message}: {record}")
         self.record = record or {}
+
+
+class CommTimeoutError(CommError):
+    """A device-side wait (or the host wait on a device counter) ran past the configured timeout.
+
+    ``record``: what the waiting thread saw: rank, kernel, role, channel, peer, head, tail, expected. After
+    this error the buffer is unusable (its ring state is unknown) and must be destroyed."""
+
+
+class CallMismatchError(CommError):
+    """The ranks disagreed about a collective call (another ``num_sms``/config, hidden size or top-k, or a
+    cached dispatch on one rank and a normal one on another). Every rank raises it; no data moved.
+
+    ``record``: ``peer`` (a rank that disagrees), ``word`` (what differs), ``mine`` and ``theirs``."""
 
 
 class BufferUnusableError(CupyEpError):

@@ -115,3 +115,46 @@ def test_rank_skipping_combine_times_out(comm):
         buf.destroy()
     assert all_ok(comm, ok)
 
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("what", ["num_sms", "hidden"])
+def test_rank_with_another_call_is_refused(comm, what):
+    """One rank dispatches with another num_sms (or hidden size) than the others: the notify kernel's call
+    check stops every rank at once with CallMismatchError naming what differs (no timeout, no data moved),
+    and the buffer then refuses further use."""
+    import cupy
+    from cupy_ep import CallMismatchError, Config
+    rank = comm.Get_rank()
+    buf, x, idx, w, layout = _setup(comm)
+    odd = rank == SKIPPER
+    cfg = Config(8 if odd and what == "num_sms" else 24, 6, 256)
+    if odd and what == "hidden":
+        with cupy.cuda.Device(buf.device_id):
+            x = cupy.ascontiguousarray(x[:, :2048])
+    word = "num_channels" if what == "num_sms" else "hidden_int4"
+    ok = True
+    start = time.monotonic()
+    try:
+        buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                     topk_idx=idx, topk_weights=w, config=cfg)
+        ok = False
+        print(f"rank {rank}: no exception", flush=True)
+    except CallMismatchError as e:
+        elapsed = time.monotonic() - start
+        print(f"rank {rank}: CallMismatchError after {elapsed:.2f} s: {e}", flush=True)
+        ok = elapsed < TIMEOUT_S and e.record.get("word", "").startswith(word) and e.record.get("rank") == rank
+    except Exception:
+        ok = False
+        traceback.print_exc()
+    try:
+        if ok:
+            try:
+                _dispatch(buf, x, idx, w, layout)
+                ok = False
+                print(f"rank {rank}: a call after the mismatch did not raise", flush=True)
+            except BufferUnusableError:
+                pass
+    finally:
+        buf.destroy()
+    assert all_ok(comm, ok)
