@@ -15,8 +15,12 @@ constexpr int kMaxTopk = 32;             // mirrors config.MAX_TOPK
 enum KernelId : int {
     kKernelLayout = 1, kKernelNotifyDispatch = 2, kKernelCachedNotifyDispatch = 3, kKernelDispatch = 4,
     kKernelCachedNotifyCombine = 5, kKernelCombine = 6, kKernelBarrier = 7,
+    kKernelLowLatencyDispatch = 8, kKernelLowLatencyCombine = 9,
 };
-enum Role : int { kRoleBarrier = 0, kRoleSender = 1, kRoleReceiver = 2, kRoleNotify = 3, kRoleCallCheck = 4 };
+enum Role : int { kRoleBarrier = 0, kRoleSender = 1, kRoleReceiver = 2, kRoleNotify = 3, kRoleCallCheck = 4,
+                 kRoleSignaller = 5 };
+// kRoleSignaller: a low-latency warp waiting until its rank's messages of one expert are written (local
+// counters) before it signals the count / flag to the peer.
 
 // Written once (by the first thread that times out) into host-mapped memory; the host turns it into
 // cupy_ep.CommTimeoutError. Layout mirrored by buffer.py (_RECORD_FIELDS).

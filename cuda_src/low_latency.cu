@@ -1,18 +1,544 @@
-// low_latency.cu: the low-latency (decode) path on NVSHMEM symmetric memory (issue 6; in progress).
+// low_latency.cu: the low-latency (decode) path on NVSHMEM symmetric memory (research/deepep.md §1.8, §4).
 //
-// So far: clean_low_latency_buffer, which zeroes the two signal regions of the double-buffered layout
-// between two NVSHMEM barriers (every rank must have left its previous low-latency kernel before any
-// signal is reset, and every reset must be done before any rank signals again).
+//   dispatch<kUseFP8, TopkT>   every (token, top-k slot) -> slot of (expert, my rank) on the expert's rank,
+//                              then per expert a count signal; receive: packed per-expert outputs
+//   combine<TopkT>             every expert row -> its token owner, flag per expert; receive: weighted sum
+//   clean_low_latency_buffer   zero both signal regions between two NVSHMEM barriers
+//   ll_carve_probe             writes LowLatencyLayout's sizes (a GPU test compares them with config.py)
+//
+// Shape of both kernels: one block of 1024 threads per SM (grid <= the SM count, so every block is resident
+// and blocks may wait for each other without a grid barrier). `phases` selects SEND (1), RECV (2) or both:
+// return_recv_hook launches SEND, the hook launches RECV.
+//
+// Slots are deterministic: the message of (token t, slot k) for expert e goes to slot
+// #{(t', k') before (t, k) in row-major order with topk_idx[t', k'] == e}, computed from a shared-memory
+// histogram of topk_idx (each block builds the counts of the rows before its first token, then advances
+// it token by token). Rows of a local expert are therefore ordered (source rank, token, k) exactly as
+// cupy_ep/reference.py says, and the combine side finds its rows by recomputing the same slots.
+//
+// Peers reachable by loads/stores (peer_bases[r] != 0, from nvshmem_ptr on the host) get direct NVLink
+// stores; the others get nvshmemx_putmem_nbi_warp + nvshmem_quiet. Signals: the dispatch count arrives
+// as -count-1 and the combine flag as 1, so 0 means "not arrived"; each call zeroes the *other* buffer's
+// signals (two buffers alternate), then lets its signallers go through a countdown flag, so no signal of
+// this call can overtake the clearing and the next call finds clean signals (also under graph replay).
 #include "common.cuh"
+#include "buffer.cuh"
 #include "nvshmem.cuh"
 
 namespace ep {
 
+constexpr int kLLThreads = 1024;
+constexpr int kLLWarps = kLLThreads / kWarpSize;
+constexpr int kLLMaxExperts = 4096;  // mirrors config.LL_MAX_EXPERTS (two shared-memory histograms)
+constexpr int kLLMaxTopk = 11;       // mirrors reference.LOW_LATENCY_MAX_TOPK
+constexpr int kLLMaxRanks = 64;      // mirrors config.LL_MAX_RANKS
+constexpr int kLLMaxGroups = 8;      // warp groups per block (named barriers 1..8)
+constexpr int kPhaseSend = 1, kPhaseRecv = 2;
+// workspace (int32, zeroed once by the host): countdown flags, then the dispatch's per-expert counters
+constexpr int kWsDispatchClear = 0, kWsCombineClear = 1, kWsFinish = 32;
+
+__device__ __forceinline__ void red_add_release_sys(int* p, int v) {
+    asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Two floats -> two e4m3 bytes (lo at the lower address), round to nearest even, saturating to +-448.
+__device__ __forceinline__ unsigned int cvt_e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// DeepEP's calculate_fp8_scales (mirrors reference.fp8_scales).
+__device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float& scale, float& scale_inv) {
+    const float ratio = amax * (1.0f / 448.0f);
+    if (!round_scale) {
+        scale = 448.0f / amax;
+        scale_inv = ratio;
+        return;
+    }
+    const unsigned bits = __float_as_uint(ratio);
+    const int exponent = (int)((bits >> 23) & 0xffu) - 127 + ((bits & 0x7fffffu) != 0u);
+    scale_inv = __int_as_float((exponent + 127) << 23);
+    scale = __int_as_float((127 - exponent) << 23);
+}
+
+// n int4 from local memory `src` to byte offset `offset` of PE `pe`'s symmetric buffer, by one warp:
+// stores through the NVLink mapping when there is one, else an NVSHMEM put (src must then be symmetric).
+__device__ __forceinline__ void warp_send(const int4* src, long long offset, int n, char* base,
+                                          const unsigned long long* peer_bases, int pe) {
+    if (n <= 0) return;
+    char* direct = reinterpret_cast<char*>(peer_bases[pe]);
+    if (direct != nullptr) {
+        int4* dst = reinterpret_cast<int4*>(direct + offset);
+#pragma unroll 4
+        for (int i = lane_id(); i < n; i += kWarpSize) dst[i] = src[i];
+    } else {
+        nvshmemx_putmem_nbi_warp(base + offset, src, (size_t)n * 16, pe);
+    }
+}
+
+// One int to PE `pe`'s symmetric buffer at `offset`, ordered after everything this thread has observed.
+__device__ __forceinline__ void send_signal(char* base, const unsigned long long* peer_bases, int pe,
+                                            long long offset, int value) {
+    char* direct = reinterpret_cast<char*>(peer_bases[pe]);
+    if (direct != nullptr) {
+        st_release_sys(reinterpret_cast<int*>(direct + offset), value);
+    } else {
+        fence_acq_rel_sys();
+        nvshmem_int_p(reinterpret_cast<int*>(base + offset), value, pe);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Deterministic slots: hist[e] = top-k entries selecting e in the rows before the current token.
+// ---------------------------------------------------------------------------------------------------
+template <typename TopkT>
+__device__ void build_histograms(const TopkT* topk_idx, int num_tokens, int num_topk, int num_experts,
+                                 int first_token, int* hist, int* hist_all) {
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        hist[e] = 0;
+        if (hist_all != nullptr) hist_all[e] = 0;
+    }
+    __syncthreads();
+    const int prefix = min(first_token, num_tokens) * num_topk;
+    const int limit = hist_all != nullptr ? num_tokens * num_topk : prefix;
+    for (int f = threadIdx.x; f < limit; f += blockDim.x) {
+        const long long e = (long long)topk_idx[f];
+        if (e < 0 || e >= num_experts) continue;
+        if (f < prefix) atomicAdd(&hist[e], 1);
+        if (hist_all != nullptr) atomicAdd(&hist_all[e], 1);
+    }
+    __syncthreads();
+}
+
+template <typename TopkT>
+__device__ void advance_histogram(const TopkT* topk_idx, int from_token, int to_token, int num_topk,
+                                  int num_experts, int* hist) {
+    for (int f = from_token * num_topk + (int)threadIdx.x; f < to_token * num_topk; f += blockDim.x) {
+        const long long e = (long long)topk_idx[f];
+        if (e >= 0 && e < num_experts) atomicAdd(&hist[e], 1);
+    }
+}
+
+// Threads k < K: the expert and slot of (t, k) (slot -1: no expert, or past the M slots of the expert).
+template <typename TopkT>
+__device__ void token_slots(const TopkT* topk_idx, int t, int num_topk, int num_experts, int max_tokens,
+                            const int* hist, int* s_expert, int* s_slot) {
+    const int k = threadIdx.x;
+    if (k >= num_topk) return;
+    const TopkT* row = topk_idx + (long long)t * num_topk;
+    const long long e = (long long)row[k];
+    int slot = -1;
+    if (e >= 0 && e < num_experts) {
+        int before = 0;
+        for (int j = 0; j < k; ++j) before += (long long)row[j] == e;
+        slot = hist[e] + before;
+        if (slot >= max_tokens) slot = -1;
+    }
+    s_expert[k] = (int)e;
+    s_slot[k] = slot;
+}
+
+// Block 0 zeroes the next buffer's signals, then opens the countdown flag for this call's signallers.
+__device__ void clear_next_signals(int* next_signals, int num_signals, int* countdown, int num_signallers) {
+    if (blockIdx.x != 0) return;
+    for (int i = threadIdx.x; i < num_signals; i += blockDim.x) next_signals[i] = 0;
+    __syncthreads();
+    if (threadIdx.x == 0) st_release_sys(countdown, num_signallers);
+}
+
+// A signaller passes the countdown once (the clearing is then ordered before its signal).
+__device__ bool pass_countdown(int* countdown, const DeviceCtx* ctx, WaitSite site) {
+    const bool ok = wait_until(ctx, site, [&] { return ld_acquire_sys(countdown) != 0; },
+                               [&](long long& head, long long& tail, long long& expected) {
+                                   head = ld_volatile(countdown);
+                                   tail = 0;
+                                   expected = 1;
+                               });
+    if (ok) atomicSub(countdown, 1);
+    return ok;
+}
+
+// Warp groups of a block: groups_per_block in {1, 2, 4, 8}, each with its own named barrier.
+struct Group {
+    int index, warps, thread, threads, global, count;
+    __device__ Group(int groups_per_block) {
+        warps = kLLWarps / groups_per_block;
+        index = warp_id() / warps;
+        threads = warps * kWarpSize;
+        thread = threadIdx.x - index * threads;
+        global = blockIdx.x * groups_per_block + index;
+        count = gridDim.x * groups_per_block;
+    }
+    __device__ void sync() const {
+        __syncwarp();
+        group_sync(1 + index, threads);
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// dispatch
+// ---------------------------------------------------------------------------------------------------
+template <bool kUseFP8>
+__device__ void cast_token(const int4* x_row, int t, int hidden, bool round_scale, char* msg) {
+    const int hidden_int4 = hidden / 8;
+    if (threadIdx.x == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
+    if constexpr (kUseFP8) {
+        uint2* data = reinterpret_cast<uint2*>(msg + 16);
+        float* scales = reinterpret_cast<float*>(msg + 16 + hidden);
+        // hidden % 512 == 0: whole warps iterate together, 16 lanes per 128-channel group
+        for (int i = threadIdx.x; i < hidden_int4; i += blockDim.x) {
+            const int4 v = ld_nc_v4(x_row + i);
+            const unsigned w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
+            float f[8];
+            float amax = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                f[2 * j] = bf16_lo(w[j]);
+                f[2 * j + 1] = bf16_hi(w[j]);
+                amax = fmaxf(amax, fmaxf(fabsf(f[2 * j]), fabsf(f[2 * j + 1])));
+            }
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            amax = fmaxf(amax, 1e-4f);
+            float scale, scale_inv;
+            fp8_scales(amax, round_scale, scale, scale_inv);
+            uint2 out;
+            out.x = cvt_e4m3x2(f[0] * scale, f[1] * scale) | (cvt_e4m3x2(f[2] * scale, f[3] * scale) << 16);
+            out.y = cvt_e4m3x2(f[4] * scale, f[5] * scale) | (cvt_e4m3x2(f[6] * scale, f[7] * scale) << 16);
+            data[i] = out;
+            if ((i & 15) == 0) scales[i >> 4] = scale_inv;
+        }
+    } else {
+        int4* data = reinterpret_cast<int4*>(msg + 16);
+        for (int i = threadIdx.x; i < hidden_int4; i += blockDim.x) data[i] = ld_nc_v4(x_row + i);
+    }
+}
+
+__device__ __forceinline__ int dispatch_msg_int4(bool use_fp8, int hidden) {
+    return use_fp8 ? (16 + hidden + hidden / 32) / 16 : (16 + 2 * hidden) / 16;
+}
+
+template <bool kUseFP8, typename TopkT>
+__device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_tokens, int num_topk, bool round_scale,
+                              char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
+                              int buffer_idx, int* workspace, const DeviceCtx* ctx, int* hist, int* hist_all,
+                              int* s_expert, int* s_slot) {
+    const int rank = ctx->rank, E = L.num_experts;
+    clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), E,
+                       workspace + kWsDispatchClear, E);
+    build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
+
+    const int msg_int4 = dispatch_msg_int4(kUseFP8, L.hidden);
+    const int warps_per_k = kLLWarps / num_topk;
+    const int part_int4 = (msg_int4 + warps_per_k - 1) / warps_per_k;
+    const int k = warp_id() / warps_per_k, part = warp_id() % warps_per_k;
+    char* send = base + L.send_offset(buffer_idx);
+    int* finish = workspace + kWsFinish;
+    for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+        char* msg = send + (long long)t * L.msg_bytes;
+        cast_token<kUseFP8>(x + (long long)t * (L.hidden / 8), t, L.hidden, round_scale, msg);
+        token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, s_expert, s_slot);
+        __syncthreads();  // the message and the slots are visible to the block
+        advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
+        if (k < num_topk && s_slot[k] >= 0) {
+            const int e = s_expert[k];
+            const int begin = part * part_int4;
+            const long long offset = L.recv_offset(buffer_idx) +
+                                     L.dispatch_recv_msg(e % L.num_local, rank, s_slot[k]) + begin * 16LL;
+            warp_send(reinterpret_cast<const int4*>(msg) + begin, offset, min(part_int4, msg_int4 - begin), base,
+                      peer_bases, e / L.num_local);
+            __syncwarp();
+            if (lane_id() == 0) {
+                if (peer_bases[e / L.num_local] == 0) nvshmem_quiet();
+                red_add_release_sys(finish + e, 1);  // release: this warp's part is written
+            }
+        }
+        __syncthreads();  // slots and histogram are reused by the next token
+    }
+
+    // Signallers: expert e's count goes out once all its parts (from every block) are written.
+    if (lane_id() == 0) {
+        for (int e = blockIdx.x + gridDim.x * warp_id(); e < E; e += gridDim.x * kLLWarps) {
+            const int count = min(hist_all[e], L.num_max_tokens);
+            const int target = count * warps_per_k;
+            const WaitSite site{kKernelLowLatencyDispatch, kRoleSignaller, e, e / L.num_local};
+            if (!pass_countdown(workspace + kWsDispatchClear, ctx, site)) break;
+            const bool ok = wait_until(ctx, site, [&] { return ld_acquire_sys(finish + e) >= target; },
+                                       [&](long long& head, long long& tail, long long& expected) {
+                                           head = ld_volatile(finish + e);
+                                           tail = count;
+                                           expected = target;
+                                       });
+            if (!ok) break;
+            finish[e] = 0;  // for the next call (kernel boundary orders it)
+            const long long offset = L.signal_offset(buffer_idx) +
+                                     4LL * ((e % L.num_local) * L.num_ranks + rank);
+            send_signal(base, peer_bases, e / L.num_local, offset, -count - 1);
+        }
+    }
+}
+
+// Copy `units` 16-byte units with the group's threads, kInFlight loads in flight per thread.
+template <int kInFlight = 4, typename Src, typename Dst>
+__device__ __forceinline__ void group_copy(const Group& g, int units, Src src, Dst dst) {
+    for (int u = g.thread; u < units; u += kInFlight * g.threads) {
+        int4 v[kInFlight];
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j)
+            if (u + j * g.threads < units) v[j] = src(u + j * g.threads);
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j)
+            if (u + j * g.threads < units) dst(u + j * g.threads, v[j]);
+    }
+}
+
+template <bool kUseFP8>
+__device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count,
+                              int* packed_recv_src_info, long long* packed_recv_layout_range, int* cumulative_stats,
+                              bool use_ue8m0, char* base, const LowLatencyLayout& L, int buffer_idx,
+                              int groups_per_block, const DeviceCtx* ctx, int (*s_counts)[kLLMaxRanks],
+                              int* s_failed) {
+    const Group g(groups_per_block);
+    const int R = L.num_ranks, M = L.num_max_tokens, rows_per_expert = R * M;
+    const int num_scales = L.hidden / 128;
+    const int data_int4 = kUseFP8 ? L.hidden / 16 : L.hidden / 8;
+    const int* signals = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
+    const char* recv = base + L.recv_offset(buffer_idx);
+    if (g.thread == 0) s_failed[g.index] = 0;  // once: after a timeout the group gives up for good
+    for (int e = g.global; e < L.num_local; e += g.count) {
+        g.sync();  // the previous expert's readers of s_counts are done
+        if (g.thread < kWarpSize) {
+            for (int s = g.thread; s < R; s += kWarpSize) {
+                const int* sig = signals + e * R + s;
+                const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
+                                           [&] { return ld_acquire_sys(sig) != 0; },
+                                           [&](long long& head, long long& tail, long long& expected) {
+                                               head = ld_volatile(sig);
+                                               tail = 0;
+                                               expected = -1;
+                                           });
+                s_counts[g.index][s] = ok ? min(-ld_volatile(sig) - 1, M) : 0;
+                if (!ok) s_failed[g.index] = 1;
+            }
+        }
+        g.sync();
+        if (s_failed[g.index]) continue;
+        int begin = 0;
+        for (int s = 0; s < R; ++s) {
+            const int count = s_counts[g.index][s];
+            if (g.thread == 0) packed_recv_layout_range[(long long)e * R + s] = ((long long)begin << 32) | count;
+            const char* msgs = recv + L.dispatch_recv_msg(e, s, 0);
+            const long long row0 = (long long)e * rows_per_expert + begin;
+            // payload rows
+            group_copy(g, count * data_int4,
+                       [&](int u) {
+                           const int i = u / data_int4, c = u - i * data_int4;
+                           return ld_ring_v4(reinterpret_cast<const int4*>(msgs + i * L.msg_bytes + 16) + c);
+                       },
+                       [&](int u, int4 v) {
+                           const int i = u / data_int4, c = u - i * data_int4;
+                           reinterpret_cast<int4*>(packed_recv_x)[(row0 + i) * data_int4 + c] = v;
+                       });
+            // source token indices and scales (column-major: [L][S][R*M])
+            for (int i = g.thread; i < count; i += g.threads)
+                packed_recv_src_info[row0 + i] = ld_volatile(reinterpret_cast<const int*>(msgs + i * L.msg_bytes));
+            if constexpr (kUseFP8) {
+                const int words = use_ue8m0 ? num_scales / 4 : num_scales;
+                for (int u = g.thread; u < count * words; u += g.threads) {
+                    const int i = u / words, j = u - i * words;
+                    const float* scales = reinterpret_cast<const float*>(msgs + i * L.msg_bytes + 16 + L.hidden);
+                    const long long at = ((long long)e * words + j) * rows_per_expert + begin + i;
+                    if (use_ue8m0) {
+                        unsigned packed = 0;
+#pragma unroll
+                        for (int b = 0; b < 4; ++b)
+                            packed |= ((__float_as_uint(ld_volatile(scales + 4 * j + b)) >> 23) & 0xffu) << (8 * b);
+                        reinterpret_cast<int*>(packed_recv_scales)[at] = (int)packed;
+                    } else {
+                        reinterpret_cast<float*>(packed_recv_scales)[at] = ld_volatile(scales + j);
+                    }
+                }
+            }
+            begin += count;
+        }
+        if (g.thread == 0) {
+            packed_recv_count[e] = begin;
+            if (cumulative_stats != nullptr) cumulative_stats[e] += begin;
+        }
+    }
+}
+
+// Outputs: packed_recv_x [L][R*M][H] (e4m3 bytes or bf16), packed_recv_scales [L][S][R*M] float32 or
+// [L][S/4][R*M] int32 (UE8M0), packed_recv_count [L], src_info [L][R*M], layout_range [L][R] int64,
+// cumulative_stats [L] or null. x [T][H] bf16, topk_idx [T][K].
+template <bool kUseFP8, typename TopkT>
+__global__ void __launch_bounds__(kLLThreads, 1)
+dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, int* packed_recv_src_info,
+         long long* packed_recv_layout_range, int* cumulative_stats, const int4* x, const TopkT* topk_idx,
+         int num_tokens, int num_topk, int round_scale, int use_ue8m0, void* base,
+         const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
+         int groups_per_block, int* workspace, int phases, const DeviceCtx* ctx) {
+    __shared__ int hist[kLLMaxExperts], hist_all[kLLMaxExperts];
+    __shared__ int s_expert[kLLMaxTopk], s_slot[kLLMaxTopk];
+    __shared__ int s_counts[kLLMaxGroups][kLLMaxRanks];
+    __shared__ int s_failed[kLLMaxGroups];
+    const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
+    char* b = static_cast<char*>(base);
+    if (phases & kPhaseSend)
+        dispatch_send<kUseFP8>(x, topk_idx, num_tokens, num_topk, round_scale != 0, b, peer_bases, L, buffer_idx,
+                               workspace, ctx, hist, hist_all, s_expert, s_slot);
+    if (phases & kPhaseRecv)
+        dispatch_recv<kUseFP8>(packed_recv_x, packed_recv_scales, packed_recv_count, packed_recv_src_info,
+                               packed_recv_layout_range, cumulative_stats, use_ue8m0 != 0, b, L, buffer_idx,
+                               groups_per_block, ctx, s_counts, s_failed);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// combine
+// ---------------------------------------------------------------------------------------------------
+// Expert side: the rows of (local expert e, token owner s) go to s's recv rows [my global expert][slot],
+// slot = row - begin (the dispatch slot), then flag 1 at s's signal [my global expert].
+__device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, char* base,
+                             const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
+                             int groups_per_block, int* workspace, const DeviceCtx* ctx) {
+    const Group g(groups_per_block);
+    const int rank = ctx->rank, R = L.num_ranks, E = L.num_experts;
+    const int row_int4 = L.hidden / 8;
+    clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), E,
+                       workspace + kWsCombineClear, L.num_local * R);
+    char* send = base + L.send_offset(buffer_idx);
+    for (int p = g.global; p < L.num_local * R; p += g.count) {
+        const int e = p / R, s = p - e * R;
+        const long long range = layout_range[p];
+        const int begin = (int)(range >> 32), count = min((int)(range & 0xffffffffLL), L.num_max_tokens);
+        const int global_expert = rank * L.num_local + e;
+        const long long dst0 = L.recv_offset(buffer_idx) + L.combine_recv_row(global_expert, 0);
+        const int4* rows = zero_copy ? reinterpret_cast<const int4*>(send + L.combine_send_row(e, begin))
+                                     : x + ((long long)e * R * L.num_max_tokens + begin) * row_int4;
+        char* direct = reinterpret_cast<char*>(peer_bases[s]);
+        if (direct != nullptr) {
+            int4* dst = reinterpret_cast<int4*>(direct + dst0);
+            group_copy<2>(g, count * row_int4, [&](int u) { return rows[u]; }, [&](int u, int4 v) { dst[u] = v; });
+        } else {
+            int4* staged = reinterpret_cast<int4*>(send + L.combine_send_row(e, begin));
+            if (!zero_copy) {  // puts need a symmetric source: stage the rows in the send buffer
+                group_copy<2>(g, count * row_int4, [&](int u) { return rows[u]; },
+                              [&](int u, int4 v) { staged[u] = v; });
+                g.sync();
+            }
+            for (int i = warp_id() - g.index * g.warps; i < count; i += g.warps)
+                warp_send(staged + (long long)i * row_int4, dst0 + i * L.row_bytes, row_int4, base, peer_bases, s);
+            __syncwarp();
+            if (lane_id() == 0) nvshmem_quiet();
+        }
+        g.sync();  // every row of this pair is written (bar.sync orders the group's stores)
+        if (g.thread == 0) {
+            const WaitSite site{kKernelLowLatencyCombine, kRoleSignaller, e, s};
+            if (pass_countdown(workspace + kWsCombineClear, ctx, site))
+                send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * global_expert, 1);
+        }
+    }
+}
+
+// Token side: out[t] = bf16(sum over k ascending of w[t,k] * row(e_k, slot_k)), fp32, no FMA (as the
+// reference: an fp32 product, then an fp32 sum).
+template <typename TopkT>
+__device__ void combine_recv(int4* combined_x, const TopkT* topk_idx, const float* topk_weights, int num_tokens,
+                             int num_topk, char* base, const LowLatencyLayout& L, int buffer_idx,
+                             const DeviceCtx* ctx, int* hist, int* s_expert, int* s_slot, float* s_weight,
+                             int* s_failed) {
+    const int E = L.num_experts, row_int4 = L.hidden / 8;
+    const int* flags = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
+    const char* recv = base + L.recv_offset(buffer_idx);
+    build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, static_cast<int*>(nullptr));
+    if (threadIdx.x == 0) *s_failed = 0;
+    __syncthreads();
+    for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+        token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, s_expert, s_slot);
+        if ((int)threadIdx.x < num_topk) {
+            const int k = threadIdx.x;
+            s_weight[k] = topk_weights[(long long)t * num_topk + k];
+            if (s_slot[k] >= 0) {
+                const int* flag = flags + s_expert[k];
+                const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, s_expert[k],
+                                                         s_expert[k] / L.num_local},
+                                           [&] { return ld_acquire_sys(flag) != 0; },
+                                           [&](long long& head, long long& tail, long long& expected) {
+                                               head = ld_volatile(flag);
+                                               tail = t;
+                                               expected = 1;
+                                           });
+                if (!ok) *s_failed = 1;
+            }
+        }
+        __syncthreads();
+        if (*s_failed) return;  // uniform: every thread read it after the barrier
+        advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
+        for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int k = 0; k < num_topk; ++k) {
+                if (s_slot[k] < 0) continue;
+                const int4 v = ld_ring_v4(
+                    reinterpret_cast<const int4*>(recv + L.combine_recv_row(s_expert[k], s_slot[k])) + c);
+                const unsigned w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
+                const float weight = s_weight[k];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(weight, bf16_lo(w[j])));
+                    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(weight, bf16_hi(w[j])));
+                }
+            }
+            combined_x[(long long)t * row_int4 + c] =
+                make_int4((int)pack_bf16x2(acc[0], acc[1]), (int)pack_bf16x2(acc[2], acc[3]),
+                          (int)pack_bf16x2(acc[4], acc[5]), (int)pack_bf16x2(acc[6], acc[7]));
+        }
+        __syncthreads();  // slots, weights and histogram are reused by the next token
+    }
+}
+
+// combined_x [T][H] bf16; x [L][R*M][H] bf16 (unused with zero_copy: the rows are in the send buffer);
+// layout_range [L][R] from the dispatch handle; topk_idx [T][K], topk_weights [T][K] float32.
+template <typename TopkT>
+__global__ void __launch_bounds__(kLLThreads, 1)
+combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx,
+        const float* topk_weights, int num_tokens, int num_topk, int zero_copy, void* base,
+        const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
+        int groups_per_block, int* workspace, int phases, const DeviceCtx* ctx) {
+    __shared__ int hist[kLLMaxExperts];
+    __shared__ int s_expert[kLLMaxTopk], s_slot[kLLMaxTopk];
+    __shared__ float s_weight[kLLMaxTopk];
+    __shared__ int s_failed;
+    const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
+    char* b = static_cast<char*>(base);
+    if (phases & kPhaseSend)
+        combine_send(x, zero_copy != 0, layout_range, b, peer_bases, L, buffer_idx, groups_per_block, workspace,
+                     ctx);
+    if (phases & kPhaseRecv)
+        combine_recv(combined_x, topk_idx, topk_weights, num_tokens, num_topk, b, L, buffer_idx, ctx, hist,
+                     s_expert, s_slot, s_weight, &s_failed);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// cleaning and the carve probe
+// ---------------------------------------------------------------------------------------------------
 __global__ void clean_low_latency_buffer(int* signals0, int num_signals0, int* signals1, int num_signals1) {
     nvshmemx_barrier_all_block();
     for (int i = threadIdx.x; i < num_signals0; i += blockDim.x) signals0[i] = 0;
     for (int i = threadIdx.x; i < num_signals1; i += blockDim.x) signals1[i] = 0;
     nvshmemx_barrier_all_block();
+}
+
+// out: signal, send, recv, total bytes and the offsets of sig1, send0, recv0 (config.low_latency_layout).
+__global__ void ll_carve_probe(int max_tokens, int hidden, int num_ranks, int num_experts, long long* out) {
+    const LowLatencyLayout L(max_tokens, hidden, num_ranks, num_experts);
+    out[0] = L.signal_bytes;
+    out[1] = L.send_bytes;
+    out[2] = L.recv_bytes;
+    out[3] = L.total_bytes;
+    out[4] = L.signal_offset(1);
+    out[5] = L.send_offset(0);
+    out[6] = L.recv_offset(0);
 }
 
 }  // namespace ep

@@ -548,6 +548,8 @@ def parse_args(argv=None, gpu: bool = True):
     p.add_argument("--skew", type=float, default=0.0, help="fraction of tokens routed to rank 0 only")
     p.add_argument("--backend", choices=["cuda", "host"], default=None)
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--mode", choices=["normal", "low-latency"], default="normal",
+                   help="low-latency: decode dispatch/combine latency (cupy_ep/bench_ll.py; --tokens defaults to 128)")
     return p.parse_args(argv)
 
 
@@ -559,6 +561,12 @@ def main(argv=None):
     mpi_init_s = time.perf_counter() - t0
     args = parse_args(argv, gpu=cupy_ep.gpu_available())
     args.mpi_init_s = mpi_init_s
+    if args.mode == "low-latency":
+        from . import bench_ll
+        if not any(a.startswith("--tokens") for a in (sys.argv[1:] if argv is None else argv)):
+            args.tokens = 128
+        bench_ll.main(args, comm)
+        return
     if not cupy_ep.gpu_available() and comm.Get_rank() == 0:
         print("cupy_ep.bench: NO GPU visible -> host backend (numpy + MPI); the numbers are not GPU numbers",
               flush=True)

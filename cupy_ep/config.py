@@ -207,3 +207,33 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
     signal = align_up(num_experts * 4)
     total = 2 * signal + 2 * send + 2 * recv
     return ((total + ALIGN) // ALIGN) * ALIGN
+
+
+#: Low-latency kernel limits (mirrors kLLMaxExperts / kLLMaxRanks in cuda_src/low_latency.cu).
+LL_MAX_EXPERTS = 4096
+LL_MAX_RANKS = 64
+
+
+def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                       num_experts: int) -> dict:
+    """Byte sizes and offsets of the GPU's ``LowLatencyLayout`` (cuda_src/buffer.cuh), which it mirrors.
+
+    Two buffers alternate, laid out ``[sig0][sig1][send0][send1][recv0][recv1]``; M tokens, E experts::
+
+        msg    = 16 + 2H                         # dispatch message: header + bf16 row (>= e4m3 row + scales)
+        row    = 2H                              # combine row (no LogFMT metadata)
+        signal = align_up(4E)
+        send   = align_up(max(M * msg, E * M * row))
+        recv   = align_up(max(E * M * msg, E * M * row))
+        total  = 2 * (signal + send + recv)
+
+    Never more than :func:`low_latency_rdma_size_hint` for the shapes DeepEP supports (hidden >= 512).
+    """
+    m, e = num_max_dispatch_tokens_per_rank, num_experts
+    msg, row = 16 + 2 * hidden, 2 * hidden
+    signal = align_up(4 * e)
+    send = align_up(max(m * msg, e * m * row))
+    recv = align_up(max(e * m * msg, e * m * row))
+    return {"msg_bytes": msg, "row_bytes": row, "signal_bytes": signal, "send_bytes": send, "recv_bytes": recv,
+            "total_bytes": 2 * (signal + send + recv), "signal_offset_1": signal, "send_offset_0": 2 * signal,
+            "recv_offset_0": 2 * (signal + send)}

@@ -12,15 +12,16 @@ import time
 
 import numpy as np
 
-from . import bootstrap, interop, jit, validate
+from . import bootstrap, cuda_low_latency, interop, jit, validate
 from . import config as _config
 from .buffer import Buffer
 from .errors import CallMismatchError, CommTimeoutError
 from .event import EventOverlap
 
 _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
-                 5: "cached_notify_combine", 6: "combine", 7: "barrier"}
-_ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check"}
+                 5: "cached_notify_combine", 6: "combine", 7: "barrier", 8: "low_latency_dispatch",
+                 9: "low_latency_combine"}
+_ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check", 5: "signaller"}
 # Mirror of the CallWords a notify kernel compares (intranode.cu): index -> name.
 _CALL_WORDS = ("op", "num_channels (num_sms / 2)", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
                "num_scales", "num_experts", "reserved")
@@ -76,17 +77,14 @@ class CudaBuffer(Buffer):
                          backend=backend, device=device, timeout_s=timeout_s,
                          num_ranks_per_node=num_ranks_per_node, check_values=check_values)
         import cupy
-        if low_latency_mode:
-            raise NotImplementedError("low_latency_mode: the GPU low-latency kernels are not implemented yet "
-                                      "(the host backend has the low-latency API)")
         self.topology = bootstrap.topology(self.comm, num_ranks_per_node)
         if self.topology.num_nodes > 1:
             raise NotImplementedError(
                 f"the job spans {self.topology.num_nodes} nodes; the internode path is not implemented yet")
         if not 1 <= self.num_ranks <= _config.MAX_NVL_RANKS:
             raise ValueError(f"comm: intranode supports 1..{_config.MAX_NVL_RANKS} ranks, got {self.num_ranks}")
-        if num_rdma_bytes:
-            raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain")
+        if num_rdma_bytes and not low_latency_mode:
+            raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain (unless low_latency_mode)")
         self.device_id = bootstrap.choose_device(self.topology.local_rank, device)
         self._device = cupy.cuda.Device(self.device_id)
         with self._device:
@@ -116,6 +114,9 @@ class CudaBuffer(Buffer):
             self._fork_event = cupy.cuda.Event(disable_timing=True)
             self._join_event = cupy.cuda.Event(disable_timing=True)
             self._kernels: dict = {}
+            # low-latency mode: NVSHMEM world + symmetric buffer (cupy_ep/cuda_low_latency.py)
+            self._ll = (cuda_low_latency.LowLatencyState(self, num_rdma_bytes, self.topology.num_nodes == 1)
+                        if low_latency_mode else None)
             self._device.synchronize()
         self.comm.Barrier()
 
@@ -126,6 +127,8 @@ class CudaBuffer(Buffer):
             return
         with self._device:
             self._device.synchronize()
+            if self._ll is not None:
+                self._ll.destroy()
             self._nvl.close()
             self._host.free()
         self._workspace = self._ctx = self._abort = None
@@ -499,6 +502,70 @@ class CudaBuffer(Buffer):
                           self._ctx))
             event = self._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, rcpm, send_head))
         return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
+
+    # ---- low-latency mode (the logic lives in cuda_low_latency.LowLatencyState) ----------------------
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """``num_rdma_bytes`` for low-latency mode (:func:`cupy_ep.config.low_latency_rdma_size_hint`)."""
+        return _config.low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                                  num_experts)
+
+    def _low_latency(self):
+        self._check_usable()
+        if self._ll is None:
+            raise ValueError("low_latency_mode: the low-latency calls need a Buffer created with "
+                             "low_latency_mode=True")
+        return self._ll
+
+    @_on_device
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Collective: zero both low-latency signal areas between two NVSHMEM barriers (needed after the
+        shapes change; synchronous)."""
+        self._low_latency().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.check_health()
+
+    @_on_device
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Send every (token, top-k slot) to its expert's rank, into fixed per-expert slots (collective, no
+        host sync, CUDA-graph capturable). Arguments, shapes and results as ``HostBuffer.low_latency_dispatch``:
+
+        Returns:
+            ``(recv_x | (recv_x, recv_x_scales), recv_count, handle, EventOverlap, hook)``: ``recv_x``
+            ``[L, R*M, H]`` bf16 or float8_e4m3fn (CuPy: uint8); scales ``[L, R*M, H/128]`` float32 or
+            ``[L, R*M, H/512]`` int32 (UE8M0), column-major in the last two dims; ``recv_count [L] int32``;
+            ``handle = (src_info [L, R*M] int32, layout_range [L, R] int64, M, H, E)``; ``hook`` launches the
+            receive phase when ``return_recv_hook`` (outputs are final only after it). Rows of a local expert:
+            by source rank, then token, then k (deterministic); rows past ``recv_count`` are undefined.
+        """
+        check = self.check_values and not _capturing()
+        return self._low_latency().dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook, check)
+
+    @_on_device
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
+                            out=None, combine_wait_recv_cost_stats=None):
+        """Send expert outputs ``x [L, R*M, H]`` bf16 back to the token owners and reduce them with the
+        weights: ``(combined_x [T, H] bf16, EventOverlap, hook)``, per token an fp32 sum over k ascending of
+        ``w[t, k] * row`` rounded once to bf16. ``zero_copy``: the rows are in
+        :meth:`get_next_low_latency_combine_buffer`; ``out``: written in place and returned."""
+        check = self.check_values and not _capturing()
+        return self._low_latency().combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                           return_recv_hook, out, combine_wait_recv_cost_stats, check)
+
+    @_on_device
+    def get_next_low_latency_combine_buffer(self, handle):
+        """bf16 ``[L, R*M, H]`` view of the symmetric send buffer the next low-latency call uses (write the
+        expert outputs there, then ``low_latency_combine(..., zero_copy=True)``)."""
+        ll = self._low_latency()
+        return ll.next_combine_buffer(handle, interop.kind_of(handle[0]) if isinstance(handle, (tuple, list))
+                                      and handle else interop.Kind("cupy", True))
 
     # ---- tests / tools ------------------------------------------------------------------------------
     @_on_device

@@ -116,35 +116,12 @@ class _LowLatencyArgs:
     layout_range: np.ndarray | None = None   # combine: [L, R] int64
 
 
-def _flag(value, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: must be a bool, got {type(value).__name__}")
-    return bool(value)
-
-
-def _positive_int(value, name: str) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value <= 0:
-        raise ValueError(f"{name}: must be a positive int, got {value!r}")
-    return int(value)
-
-
-def _check_vector(a, name: str, dtype: str, length: int) -> None:
-    validate.check_array(a, name, (dtype,), ndim=1)
-    if tuple(a.shape) != (length,):
-        raise ValueError(f"{name}: must have shape ({length},), got {tuple(a.shape)}")
-
-
-def _check_low_latency_topk(topk_idx, num_experts: int, check_values: bool) -> None:
-    """``topk_idx [T, K]`` int32/int64 with ``K <= 11`` (DeepEP's low-latency ``kNumMaxTopK``)."""
-    validate.check_topk_idx(topk_idx, num_experts, check_values=check_values)
-    if topk_idx.shape[1] > reference.LOW_LATENCY_MAX_TOPK:
-        raise ValueError(f"topk_idx: the low-latency kernels take at most {reference.LOW_LATENCY_MAX_TOPK} "
-                         f"top-k slots, got {topk_idx.shape[1]}")
-
-
-def _last_two_transposed(a, kind: interop.Kind):
-    """A view of ``a`` (3-D, numpy or torch) with its last two dimensions swapped."""
-    return a.transpose(1, 2) if kind.lib == "torch" else a.transpose(0, 2, 1)
+# Shared with the GPU low-latency path (cupy_ep/cuda_low_latency.py): the checks live in validate.py.
+_flag = validate.check_flag
+_positive_int = validate.check_positive_int
+_check_vector = validate.check_vector
+_check_low_latency_topk = validate.check_low_latency_topk
+_last_two_transposed = validate.last_two_transposed
 
 
 def _ready_hook() -> None:

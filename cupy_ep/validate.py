@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from . import interop
 from .config import MAX_HIDDEN_BYTES, MAX_LOCAL_EXPERTS, MAX_TOPK
 
@@ -143,3 +145,36 @@ def check_bias(bias, num_tokens: int, hidden: int, device=None):
 def check_stream_args(previous_event, async_finish: bool, allocate_on_comm_stream: bool):
     if allocate_on_comm_stream and (previous_event is None or not async_finish):
         _fail("allocate_on_comm_stream", "needs previous_event and async_finish=True")
+
+
+# ---- low-latency mode (shared by host_backend.HostBuffer and cuda_low_latency.LowLatencyState) ----------
+def check_flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_positive_int(value, name: str) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value <= 0:
+        raise ValueError(f"{name}: must be a positive int, got {value!r}")
+    return int(value)
+
+
+def check_vector(a, name: str, dtype: str, length: int, device=None) -> None:
+    check_array(a, name, (dtype,), ndim=1, device=device)
+    if tuple(a.shape) != (length,):
+        raise ValueError(f"{name}: must have shape ({length},), got {tuple(a.shape)}")
+
+
+def check_low_latency_topk(topk_idx, num_experts: int, check_values: bool, device=None) -> None:
+    """``topk_idx [T, K]`` int32/int64 with ``K <= 11`` (DeepEP's low-latency ``kNumMaxTopK``)."""
+    from .reference import LOW_LATENCY_MAX_TOPK
+    check_topk_idx(topk_idx, num_experts, device=device, check_values=check_values)
+    if topk_idx.shape[1] > LOW_LATENCY_MAX_TOPK:
+        raise ValueError(f"topk_idx: the low-latency kernels take at most {LOW_LATENCY_MAX_TOPK} "
+                         f"top-k slots, got {topk_idx.shape[1]}")
+
+
+def last_two_transposed(a, kind: interop.Kind):
+    """A view of ``a`` (3-D, numpy, CuPy or torch) with its last two dimensions swapped."""
+    return a.transpose(1, 2) if kind.lib == "torch" else a.transpose(0, 2, 1)

@@ -20,7 +20,10 @@ KERNELS = {
     "layout.cu": ["ep::get_dispatch_layout<long long>", "ep::get_dispatch_layout<int>"],
     "intranode.cu": intranode_names(),
     "copy.cu": ["ep::p2p_copy"],
-    "low_latency.cu": ["ep::clean_low_latency_buffer"],  # relocatable + linked with NVSHMEM's device library
+    # relocatable + linked with NVSHMEM's device library
+    "low_latency.cu": ["ep::clean_low_latency_buffer", "ep::ll_carve_probe", "ep::combine<long long>",
+                       "ep::combine<int>"] + [f"ep::dispatch<{fp8}, {t}>" for fp8 in ("true", "false")
+                                              for t in ("long long", "int")],
 }
 
 

@@ -1,0 +1,381 @@
+"""The GPU low-latency (decode) path: ``LowLatencyState`` owns the NVSHMEM world, the symmetric buffer, the
+alternating buffer index and the launches of ``cuda_src/low_latency.cu``. ``CudaBuffer`` (low_latency_mode=True)
+creates one and delegates ``low_latency_*`` to it.
+
+Decisions (research/deepep.md §1.8, §4 is the model):
+
+* rows of a local expert are ordered (source rank, token, k), bit for bit as :mod:`cupy_ep.reference`: the
+  kernels compute each message's slot from a histogram of ``topk_idx`` instead of DeepEP's atomics, so the
+  output is deterministic (no sorting needed to compare, reproducible across runs);
+* one launch per call (send and receive phases in one kernel, no grid barrier: every block is resident, grid
+  = SM count); ``return_recv_hook=True`` launches the send phase only and the hook launches the receive phase;
+* two buffers alternate per call (dispatch and combine alike); each call zeroes the other buffer's signals, so
+  repeated calls and CUDA-graph replays need no host work. As in DeepEP, at most two low-latency calls may be
+  outstanding: call a hook before the call after next, and do not change ``num_experts`` without
+  :meth:`clean_low_latency_buffer`;
+* peers reachable over NVLink (``nvshmem_ptr`` != 0) get direct stores, others NVSHMEM puts.
+  ``CUPY_EP_LL_FORCE_PUT=1`` (or ``state.force_put = True``) sends everything through puts (tests use it to
+  cover both paths on one NVLink box);
+* outputs are fresh arrays allocated on the caller's stream (capturable: CuPy's pool is stream-ordered); the
+  combine's ``zero_copy`` buffer is the send region of the buffer the next call uses;
+* ``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats`` are checked and left unchanged (as the
+  host backend), ``use_logfmt`` raises NotImplementedError; a token naming one expert more than M times
+  in total (only possible with duplicate top-k entries) loses the rows past M.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import config as _config
+from . import interop, jit, validate
+from .event import EventOverlap
+from .reference import LOW_LATENCY_MAX_TOPK
+
+_FILE = "low_latency.cu"
+_THREADS = 1024                 # kLLThreads
+_WORKSPACE_INTS = 32 + _config.LL_MAX_EXPERTS   # kWsFinish + counters
+_SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv
+
+
+def groups_per_block(work_items: int, num_blocks: int) -> int:
+    """Warp groups per block (1, 2, 4 or 8) so that ``work_items`` (experts, or expert x rank pairs) spread
+    over ``num_blocks`` blocks use every group once where possible."""
+    need = -(-max(work_items, 1) // max(num_blocks, 1))
+    groups = 1
+    while groups < need and groups < 8:
+        groups *= 2
+    return groups
+
+
+def set_nvshmem_env(single_node: bool) -> None:
+    """NVSHMEM settings we rely on (research/nvshmem.md §3): never NVLink multicast; on one node only P2P (no
+    NIC transport), UID bootstrap over loopback. User-set values win, except NVLS which is always off."""
+    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    if single_node:
+        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+        os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+    os.environ.setdefault("NVSHMEM_DISABLE_NCCL", "1")
+
+
+class LowLatencyState:
+    """NVSHMEM world + symmetric buffer of one ``CudaBuffer`` in low-latency mode.
+
+    Args:
+        buf: the owning ``CudaBuffer`` (its comm, device, streams, DeviceCtx and launch bracketing are used).
+        num_rdma_bytes: size of the symmetric buffer (:func:`cupy_ep.config.low_latency_rdma_size_hint`).
+        single_node: all ranks share one host (sets the NVLink-only NVSHMEM transport by default).
+    """
+
+    def __init__(self, buf, num_rdma_bytes: int, single_node: bool):
+        import cupy
+        from .nvshmem import Nvshmem
+        if num_rdma_bytes <= 0:
+            raise ValueError("num_rdma_bytes: low_latency_mode needs a symmetric buffer; size it with "
+                             "Buffer.get_low_latency_rdma_size_hint(...)")
+        if buf.num_ranks > _config.LL_MAX_RANKS:
+            raise ValueError(f"comm: the low-latency kernels support up to {_config.LL_MAX_RANKS} ranks, "
+                             f"got {buf.num_ranks}")
+        set_nvshmem_env(single_node)
+        # the symmetric heap must hold the buffer (NVSHMEM's default is 1 GiB); a user setting wins
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, _config.align_up(num_rdma_bytes, 1 << 21)
+                                                               + (64 << 20))))
+        self.buf = buf
+        self.num_bytes = num_rdma_bytes
+        self.nv = Nvshmem(buf.comm, buf.device_id)
+        self.base = self.nv.align(num_rdma_bytes)
+        mem = cupy.cuda.UnownedMemory(self.base, num_rdma_bytes, self, buf.device_id)
+        self.memory = cupy.cuda.MemoryPointer(mem, 0)
+        self.memory.memset(0, num_rdma_bytes)     # signals start at 0 ("not arrived")
+        peers = np.array([self.nv.peer_ptr(self.base, r) for r in range(buf.num_ranks)], dtype=np.uint64)
+        self.nvlink_peers = cupy.asarray(peers)
+        self.no_peers = cupy.zeros(buf.num_ranks, dtype=cupy.uint64)
+        self.force_put = os.environ.get("CUPY_EP_LL_FORCE_PUT", "0") not in ("", "0")
+        self.workspace = cupy.zeros(_WORKSPACE_INTS, dtype=cupy.int32)
+        self.index = 0                             # the buffer the next call uses
+        self.num_blocks = buf.num_device_sms       # one resident block per SM (blocks wait for each other)
+        self._kernels: dict = {}
+        cupy.cuda.runtime.deviceSynchronize()
+        self.nv.barrier_all()
+
+    # ---- plumbing -----------------------------------------------------------------------------------
+    @property
+    def peer_bases(self):
+        """Per rank the NVLink-mapped address of its buffer, or 0 (NVSHMEM puts); all 0 with force_put."""
+        return self.no_peers if self.force_put else self.nvlink_peers
+
+    def kernel(self, name: str):
+        """A low-latency kernel, its module initialised for this NVSHMEM world (once)."""
+        k = self._kernels.get(name)
+        if k is None:
+            k = jit.get_kernel(_FILE, name)
+            self.nv.init_module(k._module.ptr)
+            self._kernels[name] = k
+        return k
+
+    def launch(self, name: str, args) -> None:
+        self.kernel(name)((self.num_blocks,), (_THREADS,), args, stream=self.buf.comm_stream)
+
+    def layout(self, max_tokens: int, hidden: int, num_experts: int) -> dict:
+        lay = _config.low_latency_layout(max_tokens, hidden, self.buf.num_ranks, num_experts)
+        if lay["total_bytes"] > self.num_bytes:
+            raise ValueError(f"num_rdma_bytes: {self.num_bytes} bytes are too few for "
+                             f"num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, "
+                             f"num_experts={num_experts} (needs {lay['total_bytes']}; use "
+                             "Buffer.get_low_latency_rdma_size_hint)")
+        return lay
+
+    def next_index(self) -> int:
+        index, self.index = self.index, self.index ^ 1
+        return index
+
+    def common_args(self, index: int, max_tokens: int, hidden: int, num_experts: int, groups: int):
+        return (np.uint64(self.base), self.peer_bases, np.int32(index), np.int32(max_tokens), np.int32(hidden),
+                np.int32(num_experts), np.int32(groups), self.workspace)
+
+    def run(self, kind, name: str, args_for_phases, phases: int, async_finish: bool, keep):
+        """Launch on the communication stream bracketed by the caller's stream; returns the EventOverlap."""
+        compute = self.buf._begin(kind, None)
+        self.launch(name, args_for_phases(phases))
+        return self.buf._finish(compute, async_finish, keep)
+
+    def make_hook(self, kind, name: str, args_for_phases, keep):
+        def hook():
+            with self.buf._device:
+                self.buf._check_usable()
+                self.run(kind, name, args_for_phases, _RECV, False, keep)
+        return hook
+
+    # ---- argument checks (same order and messages as host_backend.HostBuffer) -------------------------
+    def check_dispatch(self, x, topk_idx, max_tokens, num_experts, stats, wait_stats, use_fp8, round_scale,
+                       use_ue8m0, async_finish, return_recv_hook, check_values: bool):
+        dev, R = self.buf.device_id, self.buf.num_ranks
+        flags = [validate.check_flag(v, n) for v, n in (
+            (use_fp8, "use_fp8"), (round_scale, "round_scale"), (use_ue8m0, "use_ue8m0"),
+            (async_finish, "async_finish"), (return_recv_hook, "return_recv_hook"))]
+        max_tokens = validate.check_positive_int(max_tokens, "num_max_dispatch_tokens_per_rank")
+        if (R * max_tokens) % 4:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank: num_ranks * num_max_dispatch_tokens_per_rank "
+                             f"must be a multiple of 4 (DeepEP's TMA requirement), got {R} * {max_tokens}")
+        validate.check_num_experts(num_experts, R)
+        check_ll_experts(num_experts)
+        validate.check_array(x, "x", ("bfloat16",), ndim=2, device=dev)
+        num_tokens, hidden = x.shape
+        if hidden <= 0 or hidden % 128:
+            raise ValueError(f"x: hidden (shape[1]) must be a positive multiple of 128 in low-latency mode, "
+                             f"got {hidden}")
+        if flags[0] and hidden % 512:
+            raise ValueError(f"x: FP8 low-latency dispatch needs hidden % 512 == 0 (as DeepEP), got {hidden}")
+        if num_tokens > max_tokens:
+            raise ValueError(f"x: has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{max_tokens}")
+        if flags[2] and not flags[1]:
+            raise ValueError("use_ue8m0: UE8M0 scales need round_scale=True")
+        validate.check_low_latency_topk(topk_idx, num_experts, check_values, device=dev)
+        if topk_idx.shape[0] != num_tokens:
+            raise ValueError(f"topk_idx: must have {num_tokens} rows (as x), got {topk_idx.shape[0]}")
+        if stats is not None:
+            validate.check_vector(stats, "cumulative_local_expert_recv_stats", "int32", num_experts // R, dev)
+        if wait_stats is not None:
+            validate.check_vector(wait_stats, "dispatch_wait_recv_cost_stats", "int64", R, dev)
+        if flags[3] and flags[4]:
+            raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
+        return max_tokens, num_tokens, hidden, flags
+
+    def check_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                      return_recv_hook, out, wait_stats, check_values: bool):
+        dev, R = self.buf.device_id, self.buf.num_ranks
+        flags = [validate.check_flag(v, n) for v, n in (
+            (use_logfmt, "use_logfmt"), (zero_copy, "zero_copy"), (async_finish, "async_finish"),
+            (return_recv_hook, "return_recv_hook"))]
+        use_logfmt, zero_copy, async_finish, return_recv_hook = flags
+        _, layout_range, max_tokens, hidden, num_experts = self.check_handle(handle, check_values)
+        shape = (num_experts // R, R * max_tokens, hidden)
+        if use_logfmt and zero_copy:
+            raise ValueError("use_logfmt: cannot be used together with zero_copy=True (as in DeepEP)")
+        if x is not None or not zero_copy:
+            validate.check_array(x, "x", ("bfloat16",), ndim=3, device=dev)
+            if tuple(x.shape) != shape:
+                raise ValueError(f"x: must have shape {shape} ([L, R*M, H] from the handle), got {tuple(x.shape)}")
+        validate.check_low_latency_topk(topk_idx, num_experts, check_values, device=dev)
+        num_tokens, num_topk = topk_idx.shape
+        if num_tokens > max_tokens:
+            raise ValueError(f"topk_idx: has {num_tokens} rows, more than num_max_dispatch_tokens_per_rank="
+                             f"{max_tokens} (from the handle)")
+        validate.check_topk_weights(topk_weights, num_tokens, num_topk, device=dev)
+        if out is not None:
+            validate.check_array(out, "out", ("bfloat16",), ndim=2, device=dev)
+            if tuple(out.shape) != (num_tokens, hidden):
+                raise ValueError(f"out: must have shape {(num_tokens, hidden)}, got {tuple(out.shape)}")
+        if wait_stats is not None:
+            validate.check_vector(wait_stats, "combine_wait_recv_cost_stats", "int64", R, dev)
+        if async_finish and return_recv_hook:
+            raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
+        if use_logfmt:
+            raise NotImplementedError("use_logfmt: the LogFMT-10 combine format is not implemented "
+                                      "(use the default bf16 combine)")
+        return layout_range, max_tokens, hidden, num_experts, num_tokens, num_topk, flags
+
+    def check_handle(self, handle, check_values: bool):
+        """``(src_info raw, layout_range raw, M, H, E)`` of a low-latency dispatch handle (types and shapes;
+        with ``check_values`` outside graph capture also that every range fits its expert's rows)."""
+        R = self.buf.num_ranks
+        if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+            got = type(handle).__name__ + (f" of {len(handle)}" if isinstance(handle, (tuple, list)) else "")
+            raise ValueError("handle: must be the 5-tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank, "
+                             f"hidden, num_experts) low_latency_dispatch returned, got {got}")
+        src_info, layout_range, max_tokens, hidden, num_experts = handle
+        for value, name in ((max_tokens, "num_max_dispatch_tokens_per_rank"), (hidden, "hidden"),
+                            (num_experts, "num_experts")):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"handle: its {name} must be a positive int, got {value!r}")
+        max_tokens, hidden, num_experts = int(max_tokens), int(hidden), int(num_experts)
+        if hidden % 128 or num_experts % R:
+            raise ValueError(f"handle: hidden={hidden} must be a multiple of 128 and num_experts={num_experts} "
+                             f"a multiple of the rank count {R}")
+        num_local = num_experts // R
+        validate.check_array(src_info, "handle.src_info", ("int32",), ndim=2, device=self.buf.device_id)
+        validate.check_array(layout_range, "handle.layout_range", ("int64",), ndim=2, device=self.buf.device_id)
+        for a, name, shape in ((src_info, "src_info", (num_local, R * max_tokens)),
+                               (layout_range, "layout_range", (num_local, R))):
+            if tuple(a.shape) != shape:
+                raise ValueError(f"handle.{name}: must have shape {shape}, got {tuple(a.shape)}")
+        raw_range = interop.unwrap(layout_range)
+        if check_values:
+            packed = raw_range.get()
+            begin, count = packed >> 32, packed & 0xFFFFFFFF
+            if np.any(begin < 0) or np.any(begin + count > R * max_tokens):
+                raise ValueError("handle.layout_range: a (begin << 32) | count entry runs outside "
+                                 f"[0, {R * max_tokens}) rows")
+        return interop.unwrap(src_info), raw_range, max_tokens, hidden, num_experts
+
+    # ---- the API ------------------------------------------------------------------------------------
+    def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats, wait_stats, use_fp8,
+                 round_scale, use_ue8m0, async_finish, return_recv_hook, check_values: bool):
+        import cupy
+        max_tokens, num_tokens, hidden, flags = self.check_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats, wait_stats, use_fp8, round_scale,
+            use_ue8m0, async_finish, return_recv_hook, check_values)
+        use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook = flags
+        self.layout(max_tokens, hidden, num_experts)
+        R = self.buf.num_ranks
+        L, rows = num_experts // R, R * max_tokens
+        kind = interop.kind_of(x)
+        raw_x, raw_idx = interop.unwrap(x), interop.unwrap(topk_idx)
+        raw_stats = interop.unwrap(stats) if stats is not None else None
+        compute = interop.current_stream(kind, self.buf.device_id)
+        with compute:
+            recv_x = cupy.empty((L, rows, hidden), dtype=cupy.uint8 if use_fp8 else cupy.uint16)
+            scales = None
+            if use_fp8:
+                columns = hidden // 512 if use_ue8m0 else hidden // 128
+                scales = cupy.empty((L, columns, rows), dtype=cupy.int32 if use_ue8m0 else cupy.float32)
+            count = cupy.empty(L, dtype=cupy.int32)
+            src_info = cupy.empty((L, rows), dtype=cupy.int32)
+            layout_range = cupy.empty((L, R), dtype=cupy.int64)
+        index = self.next_index()
+        ctype = "long long" if raw_idx.dtype == np.int64 else "int"
+        name = f"ep::dispatch<{'true' if use_fp8 else 'false'}, {ctype}>"
+        common = self.common_args(index, max_tokens, hidden, num_experts, groups_per_block(L, self.num_blocks))
+
+        def args(phases):
+            return (recv_x, scales, count, src_info, layout_range, raw_stats, raw_x, raw_idx, np.int32(num_tokens),
+                    np.int32(raw_idx.shape[1]), np.int32(round_scale), np.int32(use_ue8m0)) + common + \
+                   (np.int32(phases), self.buf._ctx)
+        keep = (raw_x, raw_idx, raw_stats, recv_x, scales, count, src_info, layout_range)
+        phases = _SEND if return_recv_hook else _SEND | _RECV
+        event = self.run(kind, name, args, phases, async_finish, keep)
+        hook = self.make_hook(kind, name, args, keep) if return_recv_hook else None
+
+        out_x = interop.wrap(recv_x, kind, "float8_e4m3fn" if use_fp8 else "bfloat16")
+        if scales is not None:
+            out_x = (out_x, validate.last_two_transposed(
+                interop.wrap(scales, kind, "int32" if use_ue8m0 else "float32"), kind))
+        handle = (interop.wrap(src_info, kind, "int32"), interop.wrap(layout_range, kind, "int64"), max_tokens,
+                  hidden, num_experts)
+        return out_x, interop.wrap(count, kind, "int32"), handle, event, hook
+
+    def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook,
+                out, wait_stats, check_values: bool):
+        import cupy
+        layout_range, max_tokens, hidden, num_experts, num_tokens, num_topk, flags = self.check_combine(
+            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+            wait_stats, check_values)
+        _, zero_copy, async_finish, return_recv_hook = flags
+        self.layout(max_tokens, hidden, num_experts)
+        R = self.buf.num_ranks
+        kind = interop.kind_of(topk_idx)
+        raw_x = interop.unwrap(x) if (x is not None and not zero_copy) else None
+        raw_idx, raw_w = interop.unwrap(topk_idx), interop.unwrap(topk_weights)
+        compute = interop.current_stream(kind, self.buf.device_id)
+        if out is not None:
+            raw_out = interop.unwrap(out)
+        else:
+            with compute:
+                raw_out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
+        index = self.next_index()
+        ctype = "long long" if raw_idx.dtype == np.int64 else "int"
+        name = f"ep::combine<{ctype}>"
+        common = self.common_args(index, max_tokens, hidden, num_experts,
+                                  groups_per_block((num_experts // R) * R, self.num_blocks))
+
+        def args(phases):
+            return (raw_out, raw_x, layout_range, raw_idx, raw_w, np.int32(num_tokens), np.int32(num_topk),
+                    np.int32(zero_copy)) + common + (np.int32(phases), self.buf._ctx)
+        keep = (raw_x, raw_idx, raw_w, raw_out, layout_range)
+        phases = _SEND if return_recv_hook else _SEND | _RECV
+        event = self.run(kind, name, args, phases, async_finish, keep)
+        hook = self.make_hook(kind, name, args, keep) if return_recv_hook else None
+        result = out if out is not None else interop.wrap(raw_out, kind, "bfloat16")
+        return result, event, hook
+
+    def next_combine_buffer(self, handle, kind):
+        """bf16 ``[L, R*M, H]`` view of the send region of the buffer the next call uses."""
+        import cupy
+        _, _, max_tokens, hidden, num_experts = self.check_handle(handle, False)
+        lay = self.layout(max_tokens, hidden, num_experts)
+        R = self.buf.num_ranks
+        shape = (num_experts // R, R * max_tokens, hidden)
+        offset = lay["send_offset_0"] + self.index * lay["send_bytes"]
+        raw = cupy.ndarray(shape, dtype=cupy.uint16, memptr=self.memory + offset)
+        return interop.wrap(raw, kind, "bfloat16")
+
+    def clean(self, max_tokens, hidden, num_experts) -> None:
+        """Collective: NVSHMEM barrier, zero both signal regions, barrier (synchronous)."""
+        import cupy
+        validate.check_positive_int(max_tokens, "num_max_dispatch_tokens_per_rank")
+        validate.check_positive_int(hidden, "hidden")
+        if hidden % 128:
+            raise ValueError(f"hidden: must be a multiple of 128 in low-latency mode, got {hidden}")
+        validate.check_num_experts(num_experts, self.buf.num_ranks)
+        check_ll_experts(num_experts)
+        lay = self.layout(max_tokens, hidden, num_experts)
+        signals = cupy.ndarray((2 * lay["signal_bytes"] // 4,), dtype=cupy.int32, memptr=self.memory)
+        half = lay["signal_bytes"] // 4
+        self.kernel("ep::clean_low_latency_buffer")((1,), (256,), (
+            signals[:half], np.int32(num_experts), signals[half:], np.int32(num_experts)),
+            stream=self.buf.comm_stream)
+        self.buf.comm_stream.synchronize()
+
+    def destroy(self) -> None:
+        """Collective: free the symmetric buffer and finalize NVSHMEM (after the device is idle)."""
+        import cupy
+        if self.nv is None:
+            return
+        cupy.cuda.runtime.deviceSynchronize()
+        self.nv.barrier_all()
+        self.nv.free(self.base)
+        self.nv.finalize()
+        self.nv = None
+        self.memory = self.nvlink_peers = self.no_peers = self.workspace = None
+
+
+def check_ll_experts(num_experts: int) -> None:
+    if num_experts > _config.LL_MAX_EXPERTS:
+        raise ValueError(f"num_experts: the low-latency kernels support up to {_config.LL_MAX_EXPERTS} experts, "
+                         f"got {num_experts}")
+
+
+__all__ = ["LowLatencyState", "groups_per_block", "set_nvshmem_env", "check_ll_experts", "LOW_LATENCY_MAX_TOPK",
+           "EventOverlap"]

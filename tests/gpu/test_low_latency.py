@@ -1,0 +1,295 @@
+"""Low-latency dispatch / combine on the GPU (NVSHMEM), bit for bit against cupy_ep.reference.
+
+The kernels order rows deterministically (source rank, token, k) and mirror the reference's arithmetic (FP8
+cast: the same fp32 operations and an RNE satfinite e4m3 conversion; combine: fp32 product then fp32 sum per
+k ascending, no FMA, one bf16 rounding), so every valid row, scale, count, src_info, layout_range and the
+combined output are compared exactly. One Buffer per module (one NVSHMEM init per process); the forced-put
+path is switched on the same buffer (``buf._ll.force_put``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+import pytest
+
+import cupy_ep
+from cupy_ep import config as cfgmod, reference
+from tests.helpers import all_ok, gather_all, make_inputs, random_bf16, same_bytes, to_numpy
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+MAX_TOKENS = 128
+MAX_HIDDEN = 7168
+MAX_EXPERTS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    tokens: int
+    hidden: int
+    topk: int
+    local_experts: int
+    use_fp8: bool = False
+    round_scale: bool = False
+    use_ue8m0: bool = False
+    mask_prob: float = 0.0
+    duplicates: bool = False
+    zero_rank: int | None = None
+    idx: str = "int64"
+    lib: str = "cupy"
+
+
+CASES = [
+    Case("bf16", 100, 2048, 8, 16),
+    Case("fp8", 100, 2048, 8, 16, use_fp8=True),
+    Case("fp8_round_scale", 90, 2048, 8, 16, use_fp8=True, round_scale=True),
+    Case("fp8_ue8m0", 90, 4096, 8, 16, use_fp8=True, round_scale=True, use_ue8m0=True),
+    Case("decode_shape", 128, 7168, 8, 0, use_fp8=True),               # local_experts 0: 256 experts in all
+    Case("masks_int32", 77, 1024, 6, 8, mask_prob=0.3, idx="int32"),
+    Case("zero_tokens_rank1", 64, 2048, 4, 8, use_fp8=True, zero_rank=1),
+    Case("duplicates", 40, 512, 8, 4, duplicates=True),
+    Case("torch_fp8", 50, 2048, 8, 16, use_fp8=True, lib="torch"),
+    Case("topk11", 33, 512, 11, 16),
+]
+
+
+def _experts(case: Case, num_ranks: int) -> int:
+    return MAX_EXPERTS if case.local_experts == 0 else case.local_experts * num_ranks
+
+
+def _buffer_bytes(num_ranks: int) -> int:
+    return cfgmod.low_latency_rdma_size_hint(MAX_TOKENS, MAX_HIDDEN, num_ranks, MAX_EXPERTS)
+
+
+@pytest.fixture(scope="module")
+def ll_buf(comm):
+    from tests.gpu.conftest import nvl_bytes_for
+    buf = cupy_ep.Buffer(comm, num_nvl_bytes=nvl_bytes_for(comm.Get_size(), 8192, 24),
+                         num_rdma_bytes=_buffer_bytes(comm.Get_size()), low_latency_mode=True, backend="cuda",
+                         timeout_s=60)
+    yield buf
+    buf.destroy()
+
+
+def _dev(a, lib="cupy"):
+    import cupy
+    if a is None:
+        return None
+    if a.dtype == reference.bfloat16:
+        out = cupy.asarray(a.view(np.uint16)).view(cupy_ep.interop.BF16)
+    else:
+        out = cupy.asarray(a)
+    if lib == "torch":
+        import torch
+        t = torch.from_dlpack(out.view(cupy.int16) if a.dtype == reference.bfloat16 else out)
+        return t.view(torch.bfloat16) if a.dtype == reference.bfloat16 else t
+    return out
+
+
+def _inputs(case: Case, comm, seed: int):
+    rank, R = comm.Get_rank(), comm.Get_size()
+    rng = np.random.default_rng([seed, rank, zlib.crc32(case.name.encode())])
+    E = _experts(case, R)
+    T = 0 if case.zero_rank == rank else case.tokens - 3 * rank
+    inp = make_inputs(rng, T, 16, case.topk, E, R, mask_prob=case.mask_prob, duplicates=case.duplicates)
+    x = random_bf16(rng, (T, case.hidden))
+    idx = inp.topk_idx.astype(np.int32 if case.idx == "int32" else np.int64)
+    return x, idx, inp.topk_weights, E
+
+
+def _small_int_rows(rng, shape):
+    """bf16 expert outputs that sum exactly in fp32 (small integers)."""
+    return rng.integers(-8, 9, size=shape).astype(np.float32).astype(reference.bfloat16)
+
+
+def _compare_dispatch(errors, got, want, case: Case):
+    recv_x, count, handle = got
+    data, scales = (recv_x if isinstance(recv_x, tuple) else (recv_x, None))
+    data, count = to_numpy(data), to_numpy(count)
+    src_info, layout_range = to_numpy(handle[0]), to_numpy(handle[1])
+    if not np.array_equal(count, want.recv_count):
+        errors.append(f"recv_count {count} != {want.recv_count}")
+        return
+    if not np.array_equal(layout_range, want.layout_range):
+        errors.append("layout_range differs")
+    scales = to_numpy(scales)
+    for e, n in enumerate(want.recv_count):
+        if not same_bytes(np.ascontiguousarray(data[e, :n]).view(np.uint8),
+                          np.ascontiguousarray(want.recv_x[e, :n]).view(np.uint8)):
+            errors.append(f"recv_x rows of expert {e} differ")
+        if not np.array_equal(src_info[e, :n], want.src_info[e, :n]):
+            errors.append(f"src_info of expert {e} differs")
+        if scales is not None and not same_bytes(np.ascontiguousarray(scales[e, :n]),
+                                                 np.ascontiguousarray(want.recv_x_scales[e, :n])):
+            errors.append(f"scales of expert {e} differ")
+
+
+def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_out=False):
+    """One dispatch + combine of ``case``; returns this rank's list of mismatches."""
+    import cupy
+    rank, R = comm.Get_rank(), comm.Get_size()
+    x, idx, w, E = _inputs(case, comm, seed)
+    L = E // R
+    stats = _dev(np.zeros(L, dtype=np.int32), case.lib)
+    out_x, count, handle, _, h = buf.low_latency_dispatch(
+        _dev(x, case.lib), _dev(idx, case.lib), MAX_TOKENS, E, cumulative_local_expert_recv_stats=stats,
+        use_fp8=case.use_fp8, round_scale=case.round_scale, use_ue8m0=case.use_ue8m0, return_recv_hook=hook)
+    if hook:
+        h()
+    gathered = gather_all(comm, (x, idx, w))
+    want = reference.low_latency_dispatch([g[0] for g in gathered], [g[1] for g in gathered], MAX_TOKENS, E, rank,
+                                          use_fp8=case.use_fp8, round_scale=case.round_scale,
+                                          use_ue8m0=case.use_ue8m0)
+    errors = []
+    _compare_dispatch(errors, (out_x, count, handle), want, case)
+    if not np.array_equal(to_numpy(stats), want.recv_count):
+        errors.append("cumulative_local_expert_recv_stats != recv_count")
+
+    rng = np.random.default_rng([seed, rank, 99])
+    y = _small_int_rows(rng, (L, R * MAX_TOKENS, case.hidden))
+    weights = (np.float32(2.0) ** rng.integers(-2, 3, size=w.shape)).astype(np.float32)
+    out = _dev(np.zeros((idx.shape[0], case.hidden), dtype=reference.bfloat16), case.lib) if use_out else None
+    y_arg = _dev(y, case.lib)
+    if zero_copy:
+        target = buf.get_next_low_latency_combine_buffer(handle)
+        target[...] = y_arg
+        y_arg = None
+    combined, _, h = buf.low_latency_combine(y_arg, _dev(idx, case.lib), _dev(weights, case.lib), handle,
+                                             zero_copy=zero_copy, return_recv_hook=hook, out=out)
+    if hook:
+        h()
+    if use_out and combined is not out:
+        errors.append("combine(out=...) did not return out")
+    gathered = gather_all(comm, (y, idx, weights))
+    want_c = reference.low_latency_combine([g[0] for g in gathered], [g[1] for g in gathered],
+                                           [g[2] for g in gathered], MAX_TOKENS, E, rank)
+    cupy.cuda.runtime.deviceSynchronize()
+    if not same_bytes(combined, want_c):
+        errors.append("combined_x differs")
+    buf.check_health()
+    return errors
+
+
+@pytest.mark.parametrize("force_put", [False, True], ids=["store", "put"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_low_latency_matches_reference(comm, ll_buf, case, force_put):
+    if case.lib == "torch":
+        pytest.importorskip("torch")
+    ll_buf._ll.force_put = force_put
+    try:
+        errors = _round(ll_buf, comm, case, seed=1)
+    finally:
+        ll_buf._ll.force_put = False
+    assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
+
+
+@pytest.mark.parametrize("force_put", [False, True], ids=["store", "put"])
+def test_hook_zero_copy_out_and_alternating_buffers(comm, ll_buf, force_put):
+    """Five consecutive rounds (both buffers used twice) mixing hook mode, zero_copy and out=."""
+    ll_buf._ll.force_put = force_put
+    errors = []
+    try:
+        for i, (hook, zero_copy, use_out) in enumerate([(True, False, False), (False, True, False),
+                                                        (True, True, True), (False, False, True),
+                                                        (True, False, False)]):
+            errors += [f"round {i}: {e}" for e in _round(ll_buf, comm, CASES[1], seed=10 + i, hook=hook,
+                                                         zero_copy=zero_copy, use_out=use_out)]
+    finally:
+        ll_buf._ll.force_put = False
+    assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
+
+
+def test_cuda_graph_capture_and_replay_with_new_data(comm, ll_buf):
+    """Dispatch + combine captured once; replays after new inputs are copied in give the reference's answers."""
+    import cupy
+    rank, R = comm.Get_rank(), comm.Get_size()
+    case = CASES[1]
+    x0, idx0, _, E = _inputs(case, comm, 50)
+    L = E // R
+    x_d, idx_d = _dev(x0), _dev(idx0)
+    w_d = cupy.ones(idx0.shape, dtype=cupy.float32)
+    y_d = cupy.zeros((L, R * MAX_TOKENS, case.hidden), dtype=cupy.uint16).view(cupy_ep.interop.BF16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    errors = []
+    with stream:
+        ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E)  # warm-up (compiles outside the capture)
+        ll_buf.low_latency_combine(y_d, idx_d, w_d, ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E)[2])
+        stream.synchronize()
+        comm.Barrier()
+        stream.begin_capture()
+        (data, scales), count, handle, _, _ = ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E)
+        combined, _, _ = ll_buf.low_latency_combine(y_d, idx_d, w_d, handle)
+        graph = stream.end_capture()
+    for it in range(3):
+        # idx must stay (T, K): new values, same shape, from this rank's generator
+        x, idx, _, _ = _inputs(case, comm, 60 + it)
+        rng = np.random.default_rng([it, rank])
+        y = _small_int_rows(rng, (L, R * MAX_TOKENS, case.hidden))
+        x_d[...] = _dev(x)
+        idx_d[...] = _dev(idx)
+        y_d[...] = _dev(y)
+        stream.synchronize()
+        comm.Barrier()
+        graph.launch(stream)
+        stream.synchronize()
+        gathered = gather_all(comm, (x, idx, y))
+        want = reference.low_latency_dispatch([g[0] for g in gathered], [g[1] for g in gathered], MAX_TOKENS, E,
+                                              rank, use_fp8=True)
+        _compare_dispatch(errors, ((data, scales), count, handle), want, case)
+        ones = [np.ones(g[1].shape, dtype=np.float32) for g in gathered]
+        want_c = reference.low_latency_combine([g[2] for g in gathered], [g[1] for g in gathered], ones,
+                                               MAX_TOKENS, E, rank)
+        if not same_bytes(combined, want_c):
+            errors.append(f"replay {it}: combined_x differs")
+    ll_buf.check_health()
+    assert all_ok(comm, not errors), f"rank {rank}: {errors}"
+
+
+def test_layout_matches_config(comm, ll_buf):
+    """ll_carve_probe (the device's LowLatencyLayout) == config.low_latency_layout, and <= the size hint."""
+    import cupy
+    from cupy_ep import jit
+    k = jit.get_kernel("low_latency.cu", "ep::ll_carve_probe")
+    ok = True
+    for M, H, E in ((128, 7168, 256), (16, 512, 8 * comm.Get_size()), (256, 4096, 64)):
+        out = cupy.zeros(7, dtype=cupy.int64)
+        k((1,), (1,), (np.int32(M), np.int32(H), np.int32(comm.Get_size()), np.int32(E), out))
+        lay = cfgmod.low_latency_layout(M, H, comm.Get_size(), E)
+        want = [lay[n] for n in ("signal_bytes", "send_bytes", "recv_bytes", "total_bytes", "signal_offset_1",
+                                 "send_offset_0", "recv_offset_0")]
+        ok &= out.get().tolist() == want
+    assert all_ok(comm, ok)
+
+
+def test_bad_arguments_raise_and_buffer_stays_usable(comm, ll_buf):
+    import cupy
+    case = CASES[0]
+    x, idx, w, E = _inputs(case, comm, 3)
+    x_d, idx_d = _dev(x), _dev(idx)
+    with pytest.raises(ValueError, match="^use_ue8m0"):
+        ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E, use_fp8=True, round_scale=False, use_ue8m0=True)
+    with pytest.raises(ValueError, match="^x: has"):
+        ll_buf.low_latency_dispatch(x_d, idx_d, 8, E)
+    with pytest.raises(TypeError, match="^x"):
+        ll_buf.low_latency_dispatch(x_d.view(cupy.uint16), idx_d, MAX_TOKENS, E)
+    with pytest.raises(ValueError, match="^num_rdma_bytes"):
+        ll_buf.low_latency_dispatch(_dev(np.zeros((4, 8192), dtype=reference.bfloat16)),
+                                    _dev(np.zeros((4, 8), dtype=np.int64)), 4096, 4096)
+    assert all_ok(comm, not _round(ll_buf, comm, case, seed=4))
+
+
+def test_normal_mode_still_works_on_a_low_latency_buffer(comm, ll_buf):
+    """The intranode dispatch runs on the same Buffer (num_nvl_bytes and num_rdma_bytes together)."""
+    rng = np.random.default_rng(comm.Get_rank())
+    R = comm.Get_size()
+    inp = make_inputs(rng, 64, 2048, 4, 8 * R, R)
+    x = _dev(random_bf16(rng, (64, 2048)))
+    idx, w = _dev(inp.topk_idx), _dev(inp.topk_weights)
+    layout = ll_buf.get_dispatch_layout(idx, 8 * R)
+    recv_x, _, _, _, handle, _ = ll_buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                                                 num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w)
+    combined, _, _ = ll_buf.combine(recv_x, handle)
+    assert all_ok(comm, combined.shape == (64, 2048))

@@ -1,0 +1,55 @@
+"""A dead peer in low-latency mode: rank SKIPPER skips a low_latency_dispatch, the others get CommTimeoutError
+in bounded time naming the low-latency dispatch's receiver, and the buffer then refuses further use.
+(Named zz_ so it runs last; its own process state: one NVSHMEM init. Every rank reaches destroy().)"""
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+import cupy_ep
+from cupy_ep import BufferUnusableError, CommTimeoutError, config as cfgmod
+from tests.helpers import all_ok, make_inputs, random_bf16
+
+TIMEOUT_S = 3.0
+SKIPPER = 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rank_skipping_low_latency_dispatch_times_out(comm):
+    import cupy
+    rank, R = comm.Get_rank(), comm.Get_size()
+    M, H, E = 32, 1024, 8 * R
+    buf = cupy_ep.Buffer(comm, num_rdma_bytes=cfgmod.low_latency_rdma_size_hint(M, H, R, E),
+                         low_latency_mode=True, backend="cuda", timeout_s=TIMEOUT_S)
+    ok = True
+    try:
+        rng = np.random.default_rng(rank)
+        inp = make_inputs(rng, M, 16, 4, E, R)
+        x = cupy.asarray(random_bf16(rng, (M, H)).view(np.uint16)).view(cupy_ep.interop.BF16)
+        idx = cupy.asarray(inp.topk_idx)
+        if rank != SKIPPER:
+            start = time.monotonic()
+            try:
+                buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+                cupy.cuda.runtime.deviceSynchronize()
+                buf.check_health()
+                ok = False
+                print(f"rank {rank}: no exception", flush=True)
+            except CommTimeoutError as e:
+                elapsed = time.monotonic() - start
+                print(f"rank {rank}: CommTimeoutError after {elapsed:.1f} s: {e.record}", flush=True)
+                ok = (elapsed < TIMEOUT_S + 10 and e.record.get("kernel") == "low_latency_dispatch"
+                      and e.record.get("role") == "receiver" and e.record.get("peer") == SKIPPER)
+            except Exception:
+                ok = False
+                traceback.print_exc()
+            try:
+                buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+                ok = False
+                print(f"rank {rank}: a call after the timeout did not raise", flush=True)
+            except BufferUnusableError:
+                pass
+    finally:
+        buf.destroy()
+    assert all_ok(comm, ok)
