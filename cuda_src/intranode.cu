@@ -233,8 +233,25 @@ __device__ __forceinline__ void warp_copy_row(int4* dst, const int4* src, int n)
 
 // ---------------------------------------------------------------------------------------------------
 // dispatch: grid 2C, Groups<R>::kThreads threads. Even block = sender of channel blockIdx/2, odd block =
-// its receiver. Warps are grouped per peer rank (destination for senders, source for receivers).
+// its receiver.
+// Sender: warps grouped per destination rank. Rows for a peer go through the peer's ring (c, rank); rows
+//   for the own rank skip the ring: that group writes them straight into the outputs at their final rows
+//   (one local copy instead of x -> ring -> recv_x, and no flow control), with the same send_head values.
+// Receiver: warps grouped per source rank; it drains the rings of the other ranks only, and for the own
+//   rank just records the start offset (recv_channel_prefix_matrix).
 // ---------------------------------------------------------------------------------------------------
+// Receiver warp groups. Only where the own rank's warps give every remote source more warps (R <= 5) are
+// the groups regrouped over the R-1 sources; otherwise group g serves source g and the own group idles
+// (same width, and the plain mapping keeps the kernel within its 80 registers).
+template <int kNumRanks>
+struct DispatchRecvGroups {
+    static constexpr int kRemoteRanks = kNumRanks > 1 ? kNumRanks - 1 : 1;  // R = 1: nothing to drain
+    static constexpr bool kRegroup = Groups<kNumRanks>::kWarps / kRemoteRanks > Groups<kNumRanks>::kWarpsPerRank;
+    static constexpr int kWarpsPerPeer = kRegroup ? Groups<kNumRanks>::kWarps / kRemoteRanks
+                                                  : Groups<kNumRanks>::kWarpsPerRank;
+    static constexpr int kThreadsPerPeer = kWarpsPerPeer * kWarpSize;
+};
+
 template <int kNumRanks, typename IdxT>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
 dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights,
@@ -245,13 +262,10 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
          long long scale_token_stride, long long scale_hidden_stride,
          void** buffer_ptrs, int rank, int num_max_send_tokens, int num_slots, const DeviceCtx* ctx) {
     using G = Groups<kNumRanks>;
+    using RG = DispatchRecvGroups<kNumRanks>;
     const int num_channels = gridDim.x / 2;
     const int channel = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
-    const int peer = warp_id() / G::kWarpsPerRank;       // destination (sender) or source (receiver)
-    const int warp_in_group = warp_id() % G::kWarpsPerRank;
-    const bool leader = warp_in_group == 0 && lane_id() == 0;
-    const int bar_id = 1 + peer;
     __shared__ int s_value[kNumRanks];
     __shared__ int s_abort[kNumRanks];
     __shared__ int s_start[kNumRanks];
@@ -260,151 +274,204 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
 
     const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
     if (is_sender) {
-        void* dst_base = buffer_ptrs[peer];
-        int* tail_ptr = layout.tail.on(dst_base, channel, rank);
-        const int* head_ptr = layout.head.on(dst_base, channel, rank);
-        int4* ring_x = layout.x.on(dst_base, channel, rank);
-        int* ring_src = layout.src_idx.on(dst_base, channel, rank);
-        int* ring_topk = layout.topk_idx.on(dst_base, channel, rank);
-        float* ring_weights = layout.topk_weights.on(dst_base, channel, rank);
-        float* ring_scales = layout.scales.on(dst_base, channel, rank);
+        const int peer = warp_id() / G::kWarpsPerRank;  // destination
+        const int warp_in_group = warp_id() % G::kWarpsPerRank;
+        const bool leader = warp_in_group == 0 && lane_id() == 0;
+        const int bar_id = 1 + peer;
         const int experts_per_rank = num_experts / kNumRanks;
         int begin, end;
         channel_range(num_tokens, num_channels, channel, begin, end);
-
-        if (leader) {  // -v-1 so that 0 keeps meaning "not written yet"
-            const int prev = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
-            st_relaxed_sys(layout.start.on(dst_base, channel, rank), -prev - 1);
-            st_relaxed_sys(layout.end.on(dst_base, channel, rank), -channel_prefix_matrix[peer * num_channels + channel] - 1);
-        }
         // Tokens are scanned in windows of 32: one coalesced load + ballot gives the window's selected
         // tokens and their ring counters; the k-th selected token goes to warp (counter % warps).
-        int cached_tail = 0, cached_head = 0, published = 0;  // cached_head: leader only
-        for (int w0 = begin, window = 0; w0 < end; w0 += kWarpSize, ++window) {
-            if (leader) {
-                bool ok = true;
-                if (num_slots - (cached_tail - cached_head) < kWarpSize) {
-                    ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleSender, channel, peer},
-                                    [&] {
-                                        cached_head = ld_volatile(head_ptr);
-                                        return num_slots - (cached_tail - cached_head) >= kWarpSize;
-                                    },
-                                    [&](long long& h, long long& tl, long long& ex) {
-                                        h = cached_head; tl = cached_tail; ex = kWarpSize;
-                                    });
-                }
-                s_abort[peer] = !ok;
-            }
-            group_sync(bar_id, G::kThreadsPerRank);
-            if (s_abort[peer]) break;
-            const int t_lane = w0 + lane_id();
-            const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + peer];
-            const unsigned mask = __ballot_sync(0xffffffffu, selected);
-            const int num_selected = __popc(mask);
-            if (send_head != nullptr && window % G::kWarpsPerRank == warp_in_group && t_lane < end)
-                send_head[(long long)t_lane * kNumRanks + peer] =
-                    selected ? cached_tail + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
-            int j = (warp_in_group - cached_tail % G::kWarpsPerRank + G::kWarpsPerRank) % G::kWarpsPerRank;
-            for (; j < num_selected; j += G::kWarpsPerRank) {
-                const int t = w0 + nth_set_bit(mask, j);
-                const int slot = (cached_tail + j) % num_slots;
-                warp_copy_row<false>(ring_x + (long long)slot * hidden_int4, x + (long long)t * hidden_int4,
-                                     hidden_int4);
-                if (lane_id() == 0) ring_src[slot] = t;
-                if (topk_idx != nullptr) {
-                    for (int k = lane_id(); k < num_topk; k += kWarpSize) {
-                        const long long e = (long long)topk_idx[(long long)t * num_topk + k];
-                        const long long local = e - (long long)peer * experts_per_rank;
-                        const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
-                        ring_topk[slot * num_topk + k] = owned ? (int)local : -1;
-                        ring_weights[slot * num_topk + k] =
-                            owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
+        if (peer == rank) {
+            // Own rank: no ring, so no waits and no barriers; every warp counts the selected tokens itself
+            // (the counter is the row offset, and the ring counter send_head records, as for any peer).
+            // First output row of this channel's own tokens: what the receiver of a ring computes from the
+            // start offset its sender publishes (rank_prefix_matrix of the source + channel_prefix_matrix).
+            const int row_begin = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) +
+                                  (channel > 0 ? channel_prefix_matrix[rank * num_channels + channel - 1] : 0);
+            int count = 0;
+            for (int w0 = begin, window = 0; w0 < end; w0 += kWarpSize, ++window) {
+                const int t_lane = w0 + lane_id();
+                const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + peer];
+                const unsigned mask = __ballot_sync(0xffffffffu, selected);
+                if (send_head != nullptr && window % G::kWarpsPerRank == warp_in_group && t_lane < end)
+                    send_head[(long long)t_lane * kNumRanks + peer] =
+                        selected ? count + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
+                int j = (warp_in_group - count % G::kWarpsPerRank + G::kWarpsPerRank) % G::kWarpsPerRank;
+                for (; j < __popc(mask); j += G::kWarpsPerRank) {
+                    const int t = w0 + nth_set_bit(mask, j);
+                    const long long out = row_begin + count + j;
+                    warp_copy_row<false>(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, hidden_int4);
+                    if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = t;
+                    if (recv_topk_idx != nullptr) {
+                        for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+                            const long long e = (long long)topk_idx[(long long)t * num_topk + k];
+                            const long long local = e - (long long)rank * experts_per_rank;
+                            const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
+                            recv_topk_idx[out * num_topk + k] = (IdxT)(owned ? local : -1);
+                            recv_topk_weights[out * num_topk + k] =
+                                owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
+                        }
                     }
+                    for (int i = lane_id(); i < num_scales; i += kWarpSize)
+                        recv_x_scales[out * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
                 }
-                for (int i = lane_id(); i < num_scales; i += kWarpSize)
-                    ring_scales[slot * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
+                count += __popc(mask);
             }
-            cached_tail += num_selected;
-            // Publish once a chunk has accumulated (and at the end): all warps of the group wrote their rows.
-            if (cached_tail - published >= num_max_send_tokens || w0 + kWarpSize >= end) {
-                group_sync(bar_id, G::kThreadsPerRank);
-                if (leader) st_release_sys(tail_ptr, cached_tail);
-                published = cached_tail;
-            }
-        }
-    } else {
-        void* mine = buffer_ptrs[rank];
-        int* start_ptr = layout.start.on(mine, channel, peer);
-        int* end_ptr = layout.end.on(mine, channel, peer);
-        int* head_ptr = layout.head.on(mine, channel, peer);
-        const int* tail_ptr = layout.tail.on(mine, channel, peer);
-        const int4* ring_x = layout.x.on(mine, channel, peer);
-        const int* ring_src = layout.src_idx.on(mine, channel, peer);
-        const int* ring_topk = layout.topk_idx.on(mine, channel, peer);
-        const float* ring_weights = layout.topk_weights.on(mine, channel, peer);
-        const float* ring_scales = layout.scales.on(mine, channel, peer);
+        } else {
+            void* dst_base = buffer_ptrs[peer];
+            int* tail_ptr = layout.tail.on(dst_base, channel, rank);
+            const int* head_ptr = layout.head.on(dst_base, channel, rank);
+            int4* ring_x = layout.x.on(dst_base, channel, rank);
+            int* ring_src = layout.src_idx.on(dst_base, channel, rank);
+            int* ring_topk = layout.topk_idx.on(dst_base, channel, rank);
+            float* ring_weights = layout.topk_weights.on(dst_base, channel, rank);
+            float* ring_scales = layout.scales.on(dst_base, channel, rank);
 
-        if (leader) {
-            int start = 0, stop = 0;
-            const bool ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
-                                       [&] {
-                                           start = ld_volatile(start_ptr);
-                                           stop = ld_volatile(end_ptr);
-                                           return start != 0 && stop != 0;
-                                       },
-                                       [&](long long& h, long long& tl, long long& ex) {
-                                           h = start; tl = stop; ex = -1;
-                                       });
-            s_abort[peer] = !ok;
-            s_start[peer] = -start - 1;
-            s_count[peer] = (-stop - 1) - (-start - 1);
-            if (ok && recv_channel_prefix_matrix != nullptr)
-                recv_channel_prefix_matrix[peer * num_channels + channel] = -start - 1;
-        }
-        group_sync(bar_id, G::kThreadsPerRank);
-        const bool aborted = s_abort[peer];
-        const int num_to_recv = s_count[peer];
-        int row = (peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + rank] : 0) + s_start[peer];
-        group_sync(bar_id, G::kThreadsPerRank);  // everyone has read s_abort before the leader reuses it
-        if (!aborted) {
-            int cached_head = 0;
-            while (cached_head < num_to_recv) {
+            if (leader) {  // -v-1 so that 0 keeps meaning "not written yet"
+                const int prev = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
+                st_relaxed_sys(layout.start.on(dst_base, channel, rank), -prev - 1);
+                st_relaxed_sys(layout.end.on(dst_base, channel, rank),
+                               -channel_prefix_matrix[peer * num_channels + channel] - 1);
+            }
+            int cached_tail = 0, cached_head = 0, published = 0;  // cached_head: leader only
+            for (int w0 = begin, window = 0; w0 < end; w0 += kWarpSize, ++window) {
                 if (leader) {
-                    int tail = cached_head;
-                    const bool ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
-                                               [&] { return (tail = ld_acquire_sys(tail_ptr)) != cached_head; },
-                                               [&](long long& h, long long& tl, long long& ex) {
-                                                   h = cached_head; tl = tail; ex = num_to_recv;
-                                               });
+                    bool ok = true;
+                    if (num_slots - (cached_tail - cached_head) < kWarpSize) {
+                        ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleSender, channel, peer},
+                                        [&] {
+                                            cached_head = ld_volatile(head_ptr);
+                                            return num_slots - (cached_tail - cached_head) >= kWarpSize;
+                                        },
+                                        [&](long long& h, long long& tl, long long& ex) {
+                                            h = cached_head; tl = cached_tail; ex = kWarpSize;
+                                        });
+                    }
                     s_abort[peer] = !ok;
-                    s_value[peer] = tail;
                 }
                 group_sync(bar_id, G::kThreadsPerRank);
                 if (s_abort[peer]) break;
-                const int tail = s_value[peer];
-                for (int i = warp_in_group; i < tail - cached_head; i += G::kWarpsPerRank) {
-                    const int slot = (cached_head + i) % num_slots;
-                    const long long out = row + i;
-                    warp_copy_row<true>(recv_x + out * hidden_int4, ring_x + (long long)slot * hidden_int4,
-                                        hidden_int4);
-                    if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = ld_volatile(&ring_src[slot]);
-                    if (recv_topk_idx != nullptr) {
+                const int t_lane = w0 + lane_id();
+                const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + peer];
+                const unsigned mask = __ballot_sync(0xffffffffu, selected);
+                const int num_selected = __popc(mask);
+                if (send_head != nullptr && window % G::kWarpsPerRank == warp_in_group && t_lane < end)
+                    send_head[(long long)t_lane * kNumRanks + peer] =
+                        selected ? cached_tail + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
+                int j = (warp_in_group - cached_tail % G::kWarpsPerRank + G::kWarpsPerRank) % G::kWarpsPerRank;
+                for (; j < num_selected; j += G::kWarpsPerRank) {
+                    const int t = w0 + nth_set_bit(mask, j);
+                    const int slot = (cached_tail + j) % num_slots;
+                    warp_copy_row<false>(ring_x + (long long)slot * hidden_int4, x + (long long)t * hidden_int4,
+                                         hidden_int4);
+                    if (lane_id() == 0) ring_src[slot] = t;
+                    if (topk_idx != nullptr) {
                         for (int k = lane_id(); k < num_topk; k += kWarpSize) {
-                            recv_topk_idx[out * num_topk + k] = (IdxT)ld_volatile(&ring_topk[slot * num_topk + k]);
-                            recv_topk_weights[out * num_topk + k] = ld_volatile(&ring_weights[slot * num_topk + k]);
+                            const long long e = (long long)topk_idx[(long long)t * num_topk + k];
+                            const long long local = e - (long long)peer * experts_per_rank;
+                            const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
+                            ring_topk[slot * num_topk + k] = owned ? (int)local : -1;
+                            ring_weights[slot * num_topk + k] =
+                                owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
                         }
                     }
-                    for (int s = lane_id(); s < num_scales; s += kWarpSize)
-                        recv_x_scales[out * num_scales + s] = ld_volatile(&ring_scales[slot * num_scales + s]);
+                    for (int i = lane_id(); i < num_scales; i += kWarpSize)
+                        ring_scales[slot * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
                 }
-                row += tail - cached_head;
-                cached_head = tail;
-                group_sync(bar_id, G::kThreadsPerRank);  // all reads of the slots are done
-                if (leader) st_release_sys(head_ptr, cached_head);
+                cached_tail += num_selected;
+                // Publish once a chunk has accumulated (and at the end): all warps of the group wrote their rows.
+                if (cached_tail - published >= num_max_send_tokens || w0 + kWarpSize >= end) {
+                    group_sync(bar_id, G::kThreadsPerRank);
+                    if (leader) st_release_sys(tail_ptr, cached_tail);
+                    published = cached_tail;
+                }
+            }
+        }
+    } else {
+        // The own rank's rows were written by the sender block; only its start offset is recorded here.
+        if (threadIdx.x == 0 && recv_channel_prefix_matrix != nullptr)
+            recv_channel_prefix_matrix[rank * num_channels + channel] =
+                channel > 0 ? channel_prefix_matrix[rank * num_channels + channel - 1] : 0;
+        const int group = warp_id() / RG::kWarpsPerPeer;
+        const int peer = RG::kRegroup && group >= rank ? group + 1 : group;  // source
+        if (kNumRanks > 1 && (RG::kRegroup ? group < kNumRanks - 1 : group != rank)) {  // else: it idles
+            const int warp_in_group = warp_id() % RG::kWarpsPerPeer;
+            const bool leader = warp_in_group == 0 && lane_id() == 0;
+            const int bar_id = 1 + peer;
+            void* mine = buffer_ptrs[rank];
+            int* start_ptr = layout.start.on(mine, channel, peer);
+            int* end_ptr = layout.end.on(mine, channel, peer);
+            int* head_ptr = layout.head.on(mine, channel, peer);
+            const int* tail_ptr = layout.tail.on(mine, channel, peer);
+            const int4* ring_x = layout.x.on(mine, channel, peer);
+            const int* ring_src = layout.src_idx.on(mine, channel, peer);
+            const int* ring_topk = layout.topk_idx.on(mine, channel, peer);
+            const float* ring_weights = layout.topk_weights.on(mine, channel, peer);
+            const float* ring_scales = layout.scales.on(mine, channel, peer);
+
+            if (leader) {
+                int start = 0, stop = 0;
+                const bool ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
+                                           [&] {
+                                               start = ld_volatile(start_ptr);
+                                               stop = ld_volatile(end_ptr);
+                                               return start != 0 && stop != 0;
+                                           },
+                                           [&](long long& h, long long& tl, long long& ex) {
+                                               h = start; tl = stop; ex = -1;
+                                           });
+                s_abort[peer] = !ok;
+                s_start[peer] = -start - 1;
+                s_count[peer] = (-stop - 1) - (-start - 1);
+                if (ok && recv_channel_prefix_matrix != nullptr)
+                    recv_channel_prefix_matrix[peer * num_channels + channel] = -start - 1;
+            }
+            group_sync(bar_id, RG::kThreadsPerPeer);
+            const bool aborted = s_abort[peer];
+            const int num_to_recv = s_count[peer];
+            int row = (peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + rank] : 0) + s_start[peer];
+            group_sync(bar_id, RG::kThreadsPerPeer);  // everyone has read s_abort before the leader reuses it
+            if (!aborted) {
+                int cached_head = 0;
+                while (cached_head < num_to_recv) {
+                    if (leader) {
+                        int tail = cached_head;
+                        const bool ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
+                                                   [&] { return (tail = ld_acquire_sys(tail_ptr)) != cached_head; },
+                                                   [&](long long& h, long long& tl, long long& ex) {
+                                                       h = cached_head; tl = tail; ex = num_to_recv;
+                                                   });
+                        s_abort[peer] = !ok;
+                        s_value[peer] = tail;
+                    }
+                    group_sync(bar_id, RG::kThreadsPerPeer);
+                    if (s_abort[peer]) break;
+                    const int tail = s_value[peer];
+                    for (int i = warp_in_group; i < tail - cached_head; i += RG::kWarpsPerPeer) {
+                        const int slot = (cached_head + i) % num_slots;
+                        const long long out = row + i;
+                        warp_copy_row<true>(recv_x + out * hidden_int4, ring_x + (long long)slot * hidden_int4,
+                                            hidden_int4);
+                        if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = ld_volatile(&ring_src[slot]);
+                        if (recv_topk_idx != nullptr) {
+                            for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+                                recv_topk_idx[out * num_topk + k] = (IdxT)ld_volatile(&ring_topk[slot * num_topk + k]);
+                                recv_topk_weights[out * num_topk + k] = ld_volatile(&ring_weights[slot * num_topk + k]);
+                            }
+                        }
+                        for (int s = lane_id(); s < num_scales; s += kWarpSize)
+                            recv_x_scales[out * num_scales + s] = ld_volatile(&ring_scales[slot * num_scales + s]);
+                    }
+                    row += tail - cached_head;
+                    cached_head = tail;
+                    group_sync(bar_id, RG::kThreadsPerPeer);  // all reads of the slots are done
+                    if (leader) st_release_sys(head_ptr, cached_head);
+                }
             }
         }
     }
-
     // num_worst_tokens: rows past the real count carry recv_topk_idx = -1 (the rest is left as is).
     if (num_worst_tokens > 0 && recv_topk_idx != nullptr) {
         const long long num_recv = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + rank];

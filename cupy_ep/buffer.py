@@ -47,10 +47,13 @@ class Buffer:
         comm: mpi4py communicator of the expert-parallel group (default ``MPI.COMM_WORLD``).
         num_nvl_bytes: bytes of the NVLink (CUDA IPC) buffer; size it with
             ``Config.get_nvl_buffer_size_hint`` or :meth:`get_nvl_buffer_size_hint`.
-        num_rdma_bytes: bytes of the RDMA (NVSHMEM) buffer; 0 for a single node.
-        low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
-        explicitly_destroy, enable_shrink: as in DeepEP. Low-latency mode runs on the host backend only
-            so far (the GPU kernels are in progress: the CUDA backend refuses it).
+        num_rdma_bytes: bytes of the NVSHMEM symmetric buffer; 0 for the intranode normal mode, and at
+            least :meth:`get_low_latency_rdma_size_hint` with ``low_latency_mode=True``.
+        low_latency_mode: also set up the low-latency (decode) path: NVSHMEM is initialised over ``comm``
+            and ``low_latency_dispatch``/``low_latency_combine`` become available (the normal-mode calls
+            keep working when ``num_nvl_bytes`` is given too).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy,
+            enable_shrink: accepted for DeepEP compatibility.
         backend: ``"cuda"``, ``"host"`` or None (auto: cuda when a GPU is visible).
         device: GPU ordinal; default local rank modulo the visible GPUs.
         timeout_s: device-wait timeout in seconds (default ``CUPY_EP_TIMEOUT_S`` or 100).

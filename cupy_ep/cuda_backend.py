@@ -118,6 +118,9 @@ class CudaBuffer(Buffer):
             self._ll = (cuda_low_latency.LowLatencyState(self, num_rdma_bytes, self.topology.num_nodes == 1)
                         if low_latency_mode else None)
             self._device.synchronize()
+        # Make this buffer's GPU current, as DeepEP users do with torch.cuda.set_device(local_rank): arrays
+        # the caller creates next land on the right GPU (a wrong one is refused with a clear error anyway).
+        self._device.use()
         self.comm.Barrier()
 
     # ---- lifetime and health --------------------------------------------------------------------------
@@ -125,14 +128,21 @@ class CudaBuffer(Buffer):
         """Collective: wait for the device, close the IPC mappings, free everything."""
         if self._destroyed:
             return
-        with self._device:
-            self._device.synchronize()
-            if self._ll is not None:
-                self._ll.destroy()
-            self._nvl.close()
-            self._host.free()
-        self._workspace = self._ctx = self._abort = None
-        super().destroy()
+        try:
+            with self._device:
+                try:
+                    self._device.synchronize()
+                except Exception:
+                    pass  # a sticky device error: the collective steps below still run on every rank
+                try:
+                    if self._ll is not None:
+                        self._ll.destroy()  # agrees over MPI before any NVSHMEM collective
+                finally:
+                    self._nvl.close()       # ends with an MPI barrier that every rank reaches
+                    self._host.free()
+        finally:
+            self._workspace = self._ctx = self._abort = None
+            super().destroy()               # never run the collectives twice
 
     def __del__(self):
         pass  # release is explicit (destroy / context manager): a collective must not run in a finalizer

@@ -95,6 +95,7 @@ class LowLatencyState:
         self.workspace = cupy.zeros(_WORKSPACE_INTS, dtype=cupy.int32)
         self.index = 0                             # the buffer the next call uses
         self.num_blocks = buf.num_device_sms       # one resident block per SM (blocks wait for each other)
+        self.leaked: str | None = None             # why destroy() skipped the NVSHMEM teardown, if it did
         self._kernels: dict = {}
         cupy.cuda.runtime.deviceSynchronize()
         self.nv.barrier_all()
@@ -359,16 +360,38 @@ class LowLatencyState:
         self.buf.comm_stream.synchronize()
 
     def destroy(self) -> None:
-        """Collective: free the symmetric buffer and finalize NVSHMEM (after the device is idle)."""
+        """Collective: free the symmetric buffer and finalize NVSHMEM (after the device is idle).
+
+        NVSHMEM's barrier, free and finalize are device collectives with no timeout: a rank that enters them
+        while a peer cannot take part (its GPU hit a sticky error, so its NVSHMEM calls fail) waits forever.
+        So each rank first drains its device, and the ranks agree over MPI (host only, no GPU involved) that
+        every device is healthy; then every rank runs the NVSHMEM teardown, or none does (the symmetric heap
+        is then left to process exit, a ``RuntimeWarning`` names the ranks, ``leaked`` keeps the reason). A
+        buffer that is merely unusable after a device-wait timeout is torn down normally: the waiting kernel
+        returned, the device and NVSHMEM are fine, and every rank is here. (A rank that never calls destroy
+        cannot be told apart from a slow one, so the MPI exchange waits for it: giving up on a timer would
+        let the late rank see "all healthy" and enter the NVSHMEM barrier alone.)"""
         import cupy
         if self.nv is None:
             return
-        cupy.cuda.runtime.deviceSynchronize()
-        self.nv.barrier_all()
-        self.nv.free(self.base)
-        self.nv.finalize()
-        self.nv = None
+        reason = None
+        try:
+            cupy.cuda.runtime.deviceSynchronize()
+        except Exception as e:  # CUDARuntimeError: a sticky device error
+            reason = f"{type(e).__name__}: {e}"
+        reasons = self.buf.comm.allgather(reason)
+        nv, self.nv = self.nv, None
         self.memory = self.nvlink_peers = self.no_peers = self.workspace = None
+        bad = {r: m for r, m in enumerate(reasons) if m}
+        if bad:
+            import warnings
+            self.leaked = f"NVSHMEM not finalized (a device failed on rank(s) {sorted(bad)}: {bad})"
+            warnings.warn(f"rank {self.buf.rank}: {self.leaked}; the symmetric heap is released at process exit",
+                          RuntimeWarning, stacklevel=2)
+            return
+        nv.barrier_all()
+        nv.free(self.base)
+        nv.finalize()
 
 
 def check_ll_experts(num_experts: int) -> None:

@@ -1,5 +1,5 @@
 """GPU-less checks of the low-latency GPU path's pure-Python logic: layout sizes vs the DeepEP size hint,
-warp-group choice, NVSHMEM environment defaults."""
+warp-group choice, NVSHMEM environment defaults, the teardown decision of LowLatencyState.destroy."""
 import os
 
 import pytest
@@ -46,3 +46,65 @@ def test_nvshmem_env_defaults(monkeypatch):
     monkeypatch.setenv("NVSHMEM_REMOTE_TRANSPORT", "ibrc")
     set_nvshmem_env(single_node=True)
     assert os.environ["NVSHMEM_REMOTE_TRANSPORT"] == "ibrc"     # a user setting wins
+
+
+class _FakeComm:
+    def __init__(self, rank, reasons_of_others):
+        self.rank, self.others = rank, reasons_of_others
+
+    def allgather(self, mine):
+        return self.others[:self.rank] + [mine] + self.others[self.rank:]
+
+
+class _FakeNvshmem:
+    def __init__(self):
+        self.calls = []
+
+    def barrier_all(self):
+        self.calls.append("barrier_all")
+
+    def free(self, ptr):
+        self.calls.append(("free", ptr))
+
+    def finalize(self):
+        self.calls.append("finalize")
+
+
+def _fake_state(comm, rank=0):
+    from types import SimpleNamespace
+
+    from cupy_ep.cuda_low_latency import LowLatencyState
+    state = LowLatencyState.__new__(LowLatencyState)
+    state.buf = SimpleNamespace(comm=comm, rank=rank)
+    state.nv, state.base, state.leaked = _FakeNvshmem(), 0x1000, None
+    state.memory = state.nvlink_peers = state.no_peers = state.workspace = object()
+    return state
+
+
+def test_destroy_tears_nvshmem_down_when_every_device_is_healthy(monkeypatch):
+    import cupy
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceSynchronize", lambda: None)
+    state = _fake_state(_FakeComm(0, [None]))
+    nv = state.nv
+    state.destroy()
+    assert nv.calls == ["barrier_all", ("free", 0x1000), "finalize"]
+    assert state.nv is None and state.leaked is None
+    state.destroy()                                            # idempotent
+    assert len(nv.calls) == 3
+
+
+@pytest.mark.parametrize("broken", ["here", "peer"])
+def test_destroy_skips_every_nvshmem_collective_when_a_device_failed(monkeypatch, broken):
+    """No rank may enter NVSHMEM's (timeout-less) barrier when a peer cannot: every rank skips it alike."""
+    import cupy
+
+    def sync():
+        raise cupy.cuda.runtime.CUDARuntimeError(700)         # cudaErrorIllegalAddress: sticky
+
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceSynchronize", sync if broken == "here" else (lambda: None))
+    state = _fake_state(_FakeComm(1, ["CUDARuntimeError: peer" if broken == "peer" else None]), rank=1)
+    nv = state.nv
+    with pytest.warns(RuntimeWarning, match="NVSHMEM not finalized"):
+        state.destroy()
+    assert nv.calls == [] and state.nv is None
+    assert ("rank(s) [0]" if broken == "peer" else "rank(s) [1]") in state.leaked

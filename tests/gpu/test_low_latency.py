@@ -5,10 +5,18 @@ cast: the same fp32 operations and an RNE satfinite e4m3 conversion; combine: fp
 k ascending, no FMA, one bf16 rounding), so every valid row, scale, count, src_info, layout_range and the
 combined output are compared exactly. One Buffer per module (one NVSHMEM init per process); the forced-put
 path is switched on the same buffer (``buf._ll.force_put``).
+
+Failing loudly, never hanging: every test runs with the buffer's GPU current (rank r uses GPU r; arrays made
+on another GPU are refused with a ValueError). Inputs are gathered and the reference computed before any
+collective call; each rank's calls run in ``_step``, which prints a rank-prefixed traceback and then agrees
+with the other ranks (one allreduce), so when any rank raised, all ranks stop the test together; a rank whose
+kernel was already launched drains it first (its device wait ends after the Buffer's short timeout as a
+recorded CommTimeoutError).
 """
 from __future__ import annotations
 
 import dataclasses
+import traceback
 import zlib
 
 import numpy as np
@@ -23,6 +31,7 @@ pytestmark = pytest.mark.mpi(min_size=2)
 MAX_TOKENS = 128
 MAX_HIDDEN = 7168
 MAX_EXPERTS = 256
+TIMEOUT_S = 15          # a device wait for a peer that failed costs seconds, not minutes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +78,46 @@ def ll_buf(comm):
     from tests.gpu.conftest import nvl_bytes_for
     buf = cupy_ep.Buffer(comm, num_nvl_bytes=nvl_bytes_for(comm.Get_size(), 8192, 24),
                          num_rdma_bytes=_buffer_bytes(comm.Get_size()), low_latency_mode=True, backend="cuda",
-                         timeout_s=60)
+                         timeout_s=TIMEOUT_S)
     yield buf
     buf.destroy()
+
+
+@pytest.fixture(autouse=True)
+def _on_buffer_device(ll_buf):
+    """Arrays, streams and syncs of every test on the buffer's GPU (without it, rank 1 makes its arrays on
+    GPU 0 and every call raises "x: is on GPU 0, but this buffer uses GPU 1")."""
+    import cupy
+    with cupy.cuda.Device(ll_buf.device_id):
+        yield
+
+
+def _guarded(comm, errors: list, what: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``; an exception is printed (rank-prefixed traceback) and appended to ``errors``."""
+    try:
+        return fn(*args, **kwargs)
+    except (Exception, pytest.fail.Exception) as e:   # a failed pytest.raises too: every rank must go on
+        rank = comm.Get_rank()
+        lines = traceback.format_exc().rstrip().splitlines()
+        print("\n".join(f"[rank {rank}] {line}" for line in [f"{what} raised:"] + lines), flush=True)
+        errors.append(f"{what} raised {type(e).__name__}: {e}")
+        return None
+
+
+def _step(buf, comm, what: str, fn, *args, **kwargs):
+    """Collective: run ``fn`` guarded on every rank, then agree; if any rank raised, every rank drains its
+    device (a launched kernel whose peer never launched ends by the Buffer timeout) and fails the test."""
+    import cupy
+    raised: list = []
+    result = _guarded(comm, raised, what, fn, *args, **kwargs)
+    if all_ok(comm, not raised):
+        return result
+    try:
+        cupy.cuda.runtime.deviceSynchronize()
+        buf.check_health()
+    except Exception as e:
+        raised.append(f"then draining the device: {type(e).__name__}: {e}")
+    pytest.fail(f"rank {comm.Get_rank()}: {what} failed on some rank; here: {raised or 'no error'}", pytrace=False)
 
 
 def _dev(a, lib="cupy"):
@@ -131,45 +177,73 @@ def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_ou
     """One dispatch + combine of ``case``; returns this rank's list of mismatches."""
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()
-    x, idx, w, E = _inputs(case, comm, seed)
-    L = E // R
-    stats = _dev(np.zeros(L, dtype=np.int32), case.lib)
-    out_x, count, handle, _, h = buf.low_latency_dispatch(
-        _dev(x, case.lib), _dev(idx, case.lib), MAX_TOKENS, E, cumulative_local_expert_recv_stats=stats,
-        use_fp8=case.use_fp8, round_scale=case.round_scale, use_ue8m0=case.use_ue8m0, return_recv_hook=hook)
-    if hook:
-        h()
-    gathered = gather_all(comm, (x, idx, w))
-    want = reference.low_latency_dispatch([g[0] for g in gathered], [g[1] for g in gathered], MAX_TOKENS, E, rank,
-                                          use_fp8=case.use_fp8, round_scale=case.round_scale,
-                                          use_ue8m0=case.use_ue8m0)
-    errors = []
-    _compare_dispatch(errors, (out_x, count, handle), want, case)
-    if not np.array_equal(to_numpy(stats), want.recv_count):
-        errors.append("cumulative_local_expert_recv_stats != recv_count")
 
-    rng = np.random.default_rng([seed, rank, 99])
-    y = _small_int_rows(rng, (L, R * MAX_TOKENS, case.hidden))
-    weights = (np.float32(2.0) ** rng.integers(-2, 3, size=w.shape)).astype(np.float32)
-    out = _dev(np.zeros((idx.shape[0], case.hidden), dtype=reference.bfloat16), case.lib) if use_out else None
-    y_arg = _dev(y, case.lib)
-    if zero_copy:
-        target = buf.get_next_low_latency_combine_buffer(handle)
-        target[...] = y_arg
-        y_arg = None
-    combined, _, h = buf.low_latency_combine(y_arg, _dev(idx, case.lib), _dev(weights, case.lib), handle,
-                                             zero_copy=zero_copy, return_recv_hook=hook, out=out)
-    if hook:
-        h()
-    if use_out and combined is not out:
-        errors.append("combine(out=...) did not return out")
-    gathered = gather_all(comm, (y, idx, weights))
-    want_c = reference.low_latency_combine([g[0] for g in gathered], [g[1] for g in gathered],
-                                           [g[2] for g in gathered], MAX_TOKENS, E, rank)
-    cupy.cuda.runtime.deviceSynchronize()
-    if not same_bytes(combined, want_c):
-        errors.append("combined_x differs")
-    buf.check_health()
+    def prepare():  # this rank's inputs; every rank's, and the reference's answers, before any collective call
+        x, idx, w, E = _inputs(case, comm, seed)
+        rng = np.random.default_rng([seed, rank, 99])
+        y = _small_int_rows(rng, (E // R, R * MAX_TOKENS, case.hidden))
+        weights = (np.float32(2.0) ** rng.integers(-2, 3, size=w.shape)).astype(np.float32)
+        return x, idx, E, y, weights
+
+    x, idx, E, y, weights = _step(buf, comm, "preparing the inputs", prepare)
+    gathered = gather_all(comm, (x, idx, y, weights))
+
+    def references(gathered):
+        want = reference.low_latency_dispatch([g[0] for g in gathered], [g[1] for g in gathered], MAX_TOKENS, E,
+                                              rank, use_fp8=case.use_fp8, round_scale=case.round_scale,
+                                              use_ue8m0=case.use_ue8m0)
+        want_c = reference.low_latency_combine([g[2] for g in gathered], [g[1] for g in gathered],
+                                               [g[3] for g in gathered], MAX_TOKENS, E, rank)
+        return want, want_c
+
+    want, want_c = _step(buf, comm, "the reference", references, gathered)
+    del gathered
+    L = E // R
+
+    def dispatch():
+        stats = _dev(np.zeros(L, dtype=np.int32), case.lib)
+        out_x, count, handle, _, h = buf.low_latency_dispatch(
+            _dev(x, case.lib), _dev(idx, case.lib), MAX_TOKENS, E, cumulative_local_expert_recv_stats=stats,
+            use_fp8=case.use_fp8, round_scale=case.round_scale, use_ue8m0=case.use_ue8m0,
+            return_recv_hook=hook)
+        if hook:
+            h()
+        return out_x, count, handle, stats
+
+    out_x, count, handle, stats = _step(buf, comm, "low_latency_dispatch", dispatch)
+    errors: list = []
+
+    def check_dispatch():
+        _compare_dispatch(errors, (out_x, count, handle), want, case)
+        if not np.array_equal(to_numpy(stats), want.recv_count):
+            errors.append("cumulative_local_expert_recv_stats != recv_count")
+
+    _guarded(comm, errors, "comparing the dispatch", check_dispatch)
+
+    def combine():
+        out = _dev(np.zeros((idx.shape[0], case.hidden), dtype=reference.bfloat16), case.lib) if use_out else None
+        y_arg = _dev(y, case.lib)
+        if zero_copy:
+            target = buf.get_next_low_latency_combine_buffer(handle)
+            target[...] = y_arg
+            y_arg = None
+        combined, _, h = buf.low_latency_combine(y_arg, _dev(idx, case.lib), _dev(weights, case.lib), handle,
+                                                 zero_copy=zero_copy, return_recv_hook=hook, out=out)
+        if hook:
+            h()
+        return combined, out
+
+    combined, out = _step(buf, comm, "low_latency_combine", combine)
+
+    def check_combine():
+        if use_out and combined is not out:
+            errors.append("combine(out=...) did not return out")
+        cupy.cuda.runtime.deviceSynchronize()
+        if not same_bytes(combined, want_c):
+            errors.append("combined_x differs")
+        buf.check_health()
+
+    _guarded(comm, errors, "comparing the combine", check_combine)
     return errors
 
 
@@ -214,37 +288,67 @@ def test_cuda_graph_capture_and_replay_with_new_data(comm, ll_buf):
     y_d = cupy.zeros((L, R * MAX_TOKENS, case.hidden), dtype=cupy.uint16).view(cupy_ep.interop.BF16)
     stream = cupy.cuda.Stream(non_blocking=True)
     errors = []
-    with stream:
-        ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E)  # warm-up (compiles outside the capture)
-        ll_buf.low_latency_combine(y_d, idx_d, w_d, ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E)[2])
-        stream.synchronize()
-        comm.Barrier()
-        stream.begin_capture()
-        (data, scales), count, handle, _, _ = ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E)
-        combined, _, _ = ll_buf.low_latency_combine(y_d, idx_d, w_d, handle)
-        graph = stream.end_capture()
+
+    def warm_up():  # compiles outside the capture
+        with stream:
+            ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E)
+            ll_buf.low_latency_combine(y_d, idx_d, w_d, ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E)[2])
+            stream.synchronize()
+
+    def capture():  # nothing runs while capturing: no peer is waited for
+        with stream:
+            stream.begin_capture()
+            try:
+                (data, scales), count, handle, _, _ = ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E)
+                combined, _, _ = ll_buf.low_latency_combine(y_d, idx_d, w_d, handle)
+            finally:
+                graph = stream.end_capture()
+        return data, scales, count, handle, combined, graph
+
+    _step(ll_buf, comm, "warm-up dispatch + combine", warm_up)   # its agreement is the barrier before capture
+    data, scales, count, handle, combined, graph = _step(ll_buf, comm, "graph capture", capture)
     for it in range(3):
-        # idx must stay (T, K): new values, same shape, from this rank's generator
-        x, idx, _, _ = _inputs(case, comm, 60 + it)
-        rng = np.random.default_rng([it, rank])
-        y = _small_int_rows(rng, (L, R * MAX_TOKENS, case.hidden))
-        x_d[...] = _dev(x)
-        idx_d[...] = _dev(idx)
-        y_d[...] = _dev(y)
-        stream.synchronize()
-        comm.Barrier()
-        graph.launch(stream)
-        stream.synchronize()
+        def prepare():
+            # idx must stay (T, K): new values, same shape, from this rank's generator
+            x, idx, _, _ = _inputs(case, comm, 60 + it)
+            rng = np.random.default_rng([it, rank])
+            return x, idx, _small_int_rows(rng, (L, R * MAX_TOKENS, case.hidden))
+
+        x, idx, y = _step(ll_buf, comm, f"replay {it}: preparing the inputs", prepare)
         gathered = gather_all(comm, (x, idx, y))
-        want = reference.low_latency_dispatch([g[0] for g in gathered], [g[1] for g in gathered], MAX_TOKENS, E,
-                                              rank, use_fp8=True)
-        _compare_dispatch(errors, ((data, scales), count, handle), want, case)
-        ones = [np.ones(g[1].shape, dtype=np.float32) for g in gathered]
-        want_c = reference.low_latency_combine([g[2] for g in gathered], [g[1] for g in gathered], ones,
-                                               MAX_TOKENS, E, rank)
-        if not same_bytes(combined, want_c):
-            errors.append(f"replay {it}: combined_x differs")
-    ll_buf.check_health()
+
+        def references(gathered):
+            want = reference.low_latency_dispatch([g[0] for g in gathered], [g[1] for g in gathered], MAX_TOKENS,
+                                                  E, rank, use_fp8=True)
+            ones = [np.ones(g[1].shape, dtype=np.float32) for g in gathered]
+            want_c = reference.low_latency_combine([g[2] for g in gathered], [g[1] for g in gathered], ones,
+                                                   MAX_TOKENS, E, rank)
+            return want, want_c
+
+        want, want_c = _step(ll_buf, comm, f"replay {it}: the reference", references, gathered)
+        del gathered
+
+        def copy_in():
+            x_d[...] = _dev(x)
+            idx_d[...] = _dev(idx)
+            y_d[...] = _dev(y)
+            stream.synchronize()
+
+        _step(ll_buf, comm, f"replay {it}: copying the inputs", copy_in)   # agreement = barrier before replay
+
+        def replay():
+            graph.launch(stream)
+            stream.synchronize()
+
+        _step(ll_buf, comm, f"replay {it}", replay)
+
+        def compare():
+            _compare_dispatch(errors, ((data, scales), count, handle), want, case)
+            if not same_bytes(combined, want_c):
+                errors.append(f"replay {it}: combined_x differs")
+
+        _guarded(comm, errors, f"replay {it}: comparing", compare)
+    _guarded(comm, errors, "check_health", ll_buf.check_health)
     assert all_ok(comm, not errors), f"rank {rank}: {errors}"
 
 
@@ -252,44 +356,59 @@ def test_layout_matches_config(comm, ll_buf):
     """ll_carve_probe (the device's LowLatencyLayout) == config.low_latency_layout, and <= the size hint."""
     import cupy
     from cupy_ep import jit
-    k = jit.get_kernel("low_latency.cu", "ep::ll_carve_probe")
-    ok = True
-    for M, H, E in ((128, 7168, 256), (16, 512, 8 * comm.Get_size()), (256, 4096, 64)):
-        out = cupy.zeros(7, dtype=cupy.int64)
-        k((1,), (1,), (np.int32(M), np.int32(H), np.int32(comm.Get_size()), np.int32(E), out))
-        lay = cfgmod.low_latency_layout(M, H, comm.Get_size(), E)
-        want = [lay[n] for n in ("signal_bytes", "send_bytes", "recv_bytes", "total_bytes", "signal_offset_1",
-                                 "send_offset_0", "recv_offset_0")]
-        ok &= out.get().tolist() == want
-    assert all_ok(comm, ok)
+    errors = []
+
+    def probe():
+        k = jit.get_kernel("low_latency.cu", "ep::ll_carve_probe")
+        for M, H, E in ((128, 7168, 256), (16, 512, 8 * comm.Get_size()), (256, 4096, 64)):
+            out = cupy.zeros(7, dtype=cupy.int64)
+            k((1,), (1,), (np.int32(M), np.int32(H), np.int32(comm.Get_size()), np.int32(E), out))
+            lay = cfgmod.low_latency_layout(M, H, comm.Get_size(), E)
+            want = [lay[n] for n in ("signal_bytes", "send_bytes", "recv_bytes", "total_bytes", "signal_offset_1",
+                                     "send_offset_0", "recv_offset_0")]
+            if out.get().tolist() != want:
+                errors.append(f"(M, H, E) = {(M, H, E)}: device {out.get().tolist()} != config {want}")
+
+    _guarded(comm, errors, "ll_carve_probe", probe)
+    assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
 
 
 def test_bad_arguments_raise_and_buffer_stays_usable(comm, ll_buf):
     import cupy
     case = CASES[0]
-    x, idx, w, E = _inputs(case, comm, 3)
-    x_d, idx_d = _dev(x), _dev(idx)
-    with pytest.raises(ValueError, match="^use_ue8m0"):
-        ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E, use_fp8=True, round_scale=False, use_ue8m0=True)
-    with pytest.raises(ValueError, match="^x: has"):
-        ll_buf.low_latency_dispatch(x_d, idx_d, 8, E)
-    with pytest.raises(TypeError, match="^x"):
-        ll_buf.low_latency_dispatch(x_d.view(cupy.uint16), idx_d, MAX_TOKENS, E)
-    with pytest.raises(ValueError, match="^num_rdma_bytes"):
-        ll_buf.low_latency_dispatch(_dev(np.zeros((4, 8192), dtype=reference.bfloat16)),
-                                    _dev(np.zeros((4, 8), dtype=np.int64)), 4096, 4096)
-    assert all_ok(comm, not _round(ll_buf, comm, case, seed=4))
+
+    def bad_calls():  # refused on the host before any launch: nothing collective happens
+        x, idx, w, E = _inputs(case, comm, 3)
+        x_d, idx_d = _dev(x), _dev(idx)
+        with pytest.raises(ValueError, match="^use_ue8m0"):
+            ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E, use_fp8=True, round_scale=False, use_ue8m0=True)
+        with pytest.raises(ValueError, match="^x: has"):
+            ll_buf.low_latency_dispatch(x_d, idx_d, 8, E)
+        with pytest.raises(TypeError, match="^x"):
+            ll_buf.low_latency_dispatch(x_d.view(cupy.uint16), idx_d, MAX_TOKENS, E)
+        with pytest.raises(ValueError, match="^num_rdma_bytes"):
+            ll_buf.low_latency_dispatch(_dev(np.zeros((4, 8192), dtype=reference.bfloat16)),
+                                        _dev(np.zeros((4, 8), dtype=np.int64)), 4096, 4096)
+
+    _step(ll_buf, comm, "the bad calls", bad_calls)
+    errors = _round(ll_buf, comm, case, seed=4)
+    assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
 
 
 def test_normal_mode_still_works_on_a_low_latency_buffer(comm, ll_buf):
     """The intranode dispatch runs on the same Buffer (num_nvl_bytes and num_rdma_bytes together)."""
-    rng = np.random.default_rng(comm.Get_rank())
     R = comm.Get_size()
-    inp = make_inputs(rng, 64, 2048, 4, 8 * R, R)
-    x = _dev(random_bf16(rng, (64, 2048)))
-    idx, w = _dev(inp.topk_idx), _dev(inp.topk_weights)
-    layout = ll_buf.get_dispatch_layout(idx, 8 * R)
-    recv_x, _, _, _, handle, _ = ll_buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                                                 num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w)
-    combined, _, _ = ll_buf.combine(recv_x, handle)
+
+    def prepare():
+        rng = np.random.default_rng(comm.Get_rank())
+        inp = make_inputs(rng, 64, 2048, 4, 8 * R, R)
+        x = _dev(random_bf16(rng, (64, 2048)))
+        idx, w = _dev(inp.topk_idx), _dev(inp.topk_weights)
+        return x, idx, w, ll_buf.get_dispatch_layout(idx, 8 * R)
+
+    x, idx, w, layout = _step(ll_buf, comm, "inputs and get_dispatch_layout", prepare)
+    recv_x, _, _, _, handle, _ = _step(ll_buf, comm, "dispatch", lambda: ll_buf.dispatch(
+        x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=idx,
+        topk_weights=w))
+    combined, _, _ = _step(ll_buf, comm, "combine", lambda: ll_buf.combine(recv_x, handle))
     assert all_ok(comm, combined.shape == (64, 2048))
