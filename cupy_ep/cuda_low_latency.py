@@ -94,6 +94,7 @@ class LowLatencyState:
         self.force_put = os.environ.get("CUPY_EP_LL_FORCE_PUT", "0") not in ("", "0")
         self.workspace = cupy.zeros(_WORKSPACE_INTS, dtype=cupy.int32)
         self.index = 0                             # the buffer the next call uses
+        self.signal_shape = None                   # (M, H, E) the signal regions were last cleaned for
         self.num_blocks = buf.num_device_sms       # one resident block per SM (blocks wait for each other)
         self.leaked: str | None = None             # why destroy() skipped the NVSHMEM teardown, if it did
         self._kernels: dict = {}
@@ -117,6 +118,24 @@ class LowLatencyState:
 
     def launch(self, name: str, args) -> None:
         self.kernel(name)((self.num_blocks,), (_THREADS,), args, stream=self.buf.comm_stream)
+
+    def prepare(self, max_tokens: int, hidden: int, num_experts: int) -> dict:
+        """The layout of a call; cleans the signal regions first when the shape changed (or on first use).
+
+        As in DeepEP the regions' offsets depend on E, so after a change of (M, H, E) the new signal regions
+        may hold stale bytes of the old layout's data regions (and freshly allocated symmetric memory holds
+        anything): read as counts, those would send the receivers out of bounds. Every rank makes the same
+        sequence of calls, so all ranks clean here together (a collective, not capturable in a CUDA graph:
+        warm up each shape before capturing it)."""
+        lay = self.layout(max_tokens, hidden, num_experts)
+        if self.signal_shape != (max_tokens, hidden, num_experts):
+            from .cuda_backend import _capturing
+            if _capturing():
+                raise RuntimeError("low-latency shape (num_max_dispatch_tokens_per_rank, hidden, num_experts) = "
+                                   f"{(max_tokens, hidden, num_experts)} used for the first time inside a CUDA-graph "
+                                   "capture: call it once before capturing (its buffers must be cleaned first)")
+            self.clean(max_tokens, hidden, num_experts)
+        return lay
 
     def layout(self, max_tokens: int, hidden: int, num_experts: int) -> dict:
         lay = _config.low_latency_layout(max_tokens, hidden, self.buf.num_ranks, num_experts)
@@ -259,7 +278,7 @@ class LowLatencyState:
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats, wait_stats, use_fp8, round_scale,
             use_ue8m0, async_finish, return_recv_hook, check_values)
         use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook = flags
-        self.layout(max_tokens, hidden, num_experts)
+        self.prepare(max_tokens, hidden, num_experts)
         R = self.buf.num_ranks
         L, rows = num_experts // R, R * max_tokens
         kind = interop.kind_of(x)
@@ -304,7 +323,7 @@ class LowLatencyState:
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
             wait_stats, check_values)
         _, zero_copy, async_finish, return_recv_hook = flags
-        self.layout(max_tokens, hidden, num_experts)
+        self.prepare(max_tokens, hidden, num_experts)
         R = self.buf.num_ranks
         kind = interop.kind_of(topk_idx)
         raw_x = interop.unwrap(x) if (x is not None and not zero_copy) else None
@@ -355,9 +374,10 @@ class LowLatencyState:
         signals = cupy.ndarray((2 * lay["signal_bytes"] // 4,), dtype=cupy.int32, memptr=self.memory)
         half = lay["signal_bytes"] // 4
         self.kernel("ep::clean_low_latency_buffer")((1,), (256,), (
-            signals[:half], np.int32(num_experts), signals[half:], np.int32(num_experts)),
+            signals[:half], np.int32(half), signals[half:], np.int32(half)),
             stream=self.buf.comm_stream)
         self.buf.comm_stream.synchronize()
+        self.signal_shape = (max_tokens, hidden, num_experts)
 
     def destroy(self) -> None:
         """Collective: free the symmetric buffer and finalize NVSHMEM (after the device is idle).

@@ -100,7 +100,8 @@ CASES = {
                                                           topk_weights=c.cp.zeros((c.N + 1, 3), c.cp.float32)),
                                   "topk_weights:"),
     "combine/config-str": (lambda c: c.buf.combine(c.recv_x, c.handle, config="fast"), "config:"),
-    "Buffer/low_latency_mode": (lambda c: Buffer(c.comm, backend="cuda", low_latency_mode=True), "low_latency_mode"),
+    "Buffer/low_latency_mode_without_num_rdma_bytes": (lambda c: Buffer(c.comm, backend="cuda", low_latency_mode=True),
+                                                       "num_rdma_bytes"),
 }
 
 
