@@ -87,6 +87,14 @@ class CudaBuffer(Buffer):
             raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain (unless low_latency_mode)")
         self.device_id = bootstrap.choose_device(self.topology.local_rank, device)
         self._device = cupy.cuda.Device(self.device_id)
+        ranks_per_gpu = -(-self.topology.local_size // max(1, _gpu_count()))
+        if low_latency_mode and ranks_per_gpu > 1:
+            # Checked on every rank alike, before anything collective: no rank is left waiting.
+            raise ValueError(
+                f"low_latency_mode: needs one GPU per rank, but {self.topology.local_size} ranks share "
+                f"{_gpu_count()} GPU(s) on this node. NVSHMEM supports several processes per GPU only in a limited "
+                "way (CUDA MPS), and the low-latency kernels keep every block resident while they wait for peers' "
+                "signals; run one rank per GPU (the normal-mode calls do work with ranks sharing a GPU)")
         with self._device:
             rt = cupy.cuda.runtime
             self.num_device_sms = rt.getDeviceProperties(self.device_id)["multiProcessorCount"]

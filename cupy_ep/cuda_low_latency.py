@@ -362,8 +362,12 @@ class LowLatencyState:
         return interop.wrap(raw, kind, "bfloat16")
 
     def clean(self, max_tokens, hidden, num_experts) -> None:
-        """Collective: NVSHMEM barrier, zero both signal regions, barrier (synchronous)."""
-        import cupy
+        """Collective: zero both signal regions of the (M, H, E) layout on every rank (synchronous).
+
+        Host-side, with a timeout: each rank drains its device (its low-latency kernels, their NVSHMEM puts
+        included, are done), a timed MPI barrier (no rank still writes signals), zero the own regions, a
+        second timed barrier (no rank signals before every rank has zeroed). A rank that never comes makes
+        the others raise CommTimeoutError instead of hanging (NVSHMEM's device barrier has no timeout)."""
         validate.check_positive_int(max_tokens, "num_max_dispatch_tokens_per_rank")
         validate.check_positive_int(hidden, "hidden")
         if hidden % 128:
@@ -371,13 +375,26 @@ class LowLatencyState:
         validate.check_num_experts(num_experts, self.buf.num_ranks)
         check_ll_experts(num_experts)
         lay = self.layout(max_tokens, hidden, num_experts)
-        signals = cupy.ndarray((2 * lay["signal_bytes"] // 4,), dtype=cupy.int32, memptr=self.memory)
-        half = lay["signal_bytes"] // 4
-        self.kernel("ep::clean_low_latency_buffer")((1,), (256,), (
-            signals[:half], np.int32(half), signals[half:], np.int32(half)),
-            stream=self.buf.comm_stream)
         self.buf.comm_stream.synchronize()
+        self.timed_barrier("before zeroing")
+        self.memory.memset_async(0, 2 * lay["signal_bytes"], self.buf.comm_stream)
+        self.buf.comm_stream.synchronize()
+        self.timed_barrier("after zeroing")
         self.signal_shape = (max_tokens, hidden, num_experts)
+
+    def timed_barrier(self, what: str) -> None:
+        """MPI barrier over the buffer's communicator that gives up after the buffer's timeout."""
+        import time
+        from .errors import CommTimeoutError
+        request = self.buf.comm.Ibarrier()
+        deadline = time.monotonic() + self.buf.timeout_s
+        while not request.Test():
+            if time.monotonic() > deadline:
+                record = {"rank": self.buf.rank, "kernel": "clean_low_latency_buffer", "role": f"host barrier {what}"}
+                self.buf._unusable_reason = f"a peer never reached clean_low_latency_buffer: {record}"
+                raise CommTimeoutError(f"rank {self.buf.rank}: peers did not reach the low-latency buffer clean "
+                                       f"({what}) within {self.buf.timeout_s} s", record)
+            time.sleep(20e-6)
 
     def destroy(self) -> None:
         """Collective: free the symmetric buffer and finalize NVSHMEM (after the device is idle).

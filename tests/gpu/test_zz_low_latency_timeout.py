@@ -16,8 +16,23 @@ SKIPPER = 1
 
 
 @pytest.mark.mpi(min_size=2)
+def test_ranks_sharing_a_gpu_are_refused(comm):
+    """With several ranks per GPU, Buffer(low_latency_mode=True) raises a ValueError naming
+    low_latency_mode on every rank, before anything collective (nobody hangs)."""
+    from tests.gpu.test_low_latency import ranks_share_a_gpu
+    if not ranks_share_a_gpu(comm):
+        pytest.skip("one rank per GPU here: low_latency_mode is allowed")
+    with pytest.raises(ValueError, match="^low_latency_mode: needs one GPU per rank"):
+        cupy_ep.Buffer(comm, num_rdma_bytes=1 << 20, low_latency_mode=True, backend="cuda")
+    comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_rank_skipping_low_latency_dispatch_times_out(comm):
     import cupy
+    from tests.gpu.test_low_latency import ranks_share_a_gpu
+    if ranks_share_a_gpu(comm):
+        pytest.skip("low_latency_mode needs one GPU per rank (see test_ranks_sharing_a_gpu_are_refused)")
     rank, R = comm.Get_rank(), comm.Get_size()
     M, H, E = 32, 1024, 8 * R
     buf = cupy_ep.Buffer(comm, num_rdma_bytes=cfgmod.low_latency_rdma_size_hint(M, H, R, E),
@@ -28,6 +43,11 @@ def test_rank_skipping_low_latency_dispatch_times_out(comm):
         inp = make_inputs(rng, M, 16, 4, E, R)
         x = cupy.asarray(random_bf16(rng, (M, H)).view(np.uint16)).view(cupy_ep.interop.BF16)
         idx = cupy.asarray(inp.topk_idx)
+        # Every rank makes the first call of this shape (it also cleans the signal regions, a host-side
+        # collective); then SKIPPER skips the next one.
+        buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        cupy.cuda.runtime.deviceSynchronize()
+        buf.check_health()
         if rank != SKIPPER:
             start = time.monotonic()
             try:
