@@ -16,28 +16,11 @@ import numpy as np
 import cupy_ep
 from cupy_ep import Buffer, reference
 from cupy_ep import config as cfgmod
-from cupy_ep.bench import GpuTimer, NcclAllToAll, Timing, _git_commit
+from cupy_ep.bench import GpuTimer, NcclAllToAll, _git_commit
 
 
 class LatencyTimer(GpuTimer):
-    """GpuTimer that also keeps the per-iteration times (slowest rank per iteration) for percentiles."""
-
-    def _time(self, stream, launch) -> Timing:
-        import cupy
-        times = []
-        for i in range(self.warmup + self.iters):
-            self.flush.fill(i & 0xff)
-            cupy.cuda.runtime.deviceSynchronize()
-            self.comm.Barrier()
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            launch()
-            end.record(stream)
-            end.synchronize()
-            if i >= self.warmup:
-                times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
-        self.last = np.max(np.array(self.comm.allgather(times)), axis=0)
-        return Timing(float(np.median(self.last)), float(np.min(self.last)))
+    """GpuTimer; its ``last`` holds the per-iteration times (slowest rank per iteration) for percentiles."""
 
     def p99(self) -> float:
         return float(np.percentile(self.last, 99))

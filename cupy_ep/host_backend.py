@@ -729,35 +729,8 @@ class HostBuffer(Buffer):
                              "low_latency_mode=True")
 
     def _check_low_latency_handle(self, handle):
-        """``(src_info raw, layout_range raw, M, H, E)`` of a low-latency dispatch handle, after checking
-        its types and shapes (and, with ``check_values``, that every layout range fits its expert's rows)."""
-        if not isinstance(handle, (tuple, list)) or len(handle) != 5:
-            got = type(handle).__name__ + (f" of {len(handle)}" if isinstance(handle, (tuple, list)) else "")
-            raise ValueError("handle: must be the 5-tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank, "
-                             f"hidden, num_experts) low_latency_dispatch returned, got {got}")
-        src_info, layout_range, max_tokens, hidden, num_experts = handle
-        for value, name in ((max_tokens, "num_max_dispatch_tokens_per_rank"), (hidden, "hidden"),
-                            (num_experts, "num_experts")):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"handle: its {name} must be a positive int, got {value!r}")
-        max_tokens, hidden, num_experts = int(max_tokens), int(hidden), int(num_experts)
-        if hidden % 128 or num_experts % self.num_ranks:
-            raise ValueError(f"handle: hidden={hidden} must be a multiple of 128 and num_experts={num_experts} "
-                             f"a multiple of the rank count {self.num_ranks}")
-        num_local = num_experts // self.num_ranks
-        validate.check_array(src_info, "handle.src_info", ("int32",), ndim=2)
-        validate.check_array(layout_range, "handle.layout_range", ("int64",), ndim=2)
-        for a, name, shape in ((src_info, "src_info", (num_local, self.num_ranks * max_tokens)),
-                               (layout_range, "layout_range", (num_local, self.num_ranks))):
-            if tuple(a.shape) != shape:
-                raise ValueError(f"handle.{name}: must have shape {shape}, got {tuple(a.shape)}")
-        raw_range = interop.unwrap(layout_range)
-        if self.check_values:
-            begin, count = reference.low_latency_unpack_range(raw_range)
-            if np.any(begin < 0) or np.any(begin + count > self.num_ranks * max_tokens):
-                raise ValueError("handle.layout_range: a (begin << 32) | count entry runs outside "
-                                 f"[0, {self.num_ranks * max_tokens}) rows")
-        return interop.unwrap(src_info), raw_range, max_tokens, hidden, num_experts
+        """``(src_info raw, layout_range raw, M, H, E)`` of a low-latency dispatch handle (validate.py)."""
+        return validate.check_low_latency_handle(handle, self.num_ranks, self.check_values)
 
     # ---- shared helpers -----------------------------------------------------------------------------
     def _check_handle(self, handle, config: Config, num_tokens: int | None) -> tuple:

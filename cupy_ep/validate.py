@@ -84,7 +84,7 @@ def check_x(x, device=None, name: str = "x") -> XInfo:
         if len(x) != 2:
             _fail(name, f"an FP8 input must be the pair (x_e4m3, scales), got {len(x)} items")
         data, scales = x
-        dt = check_array(data, f"{name}[0]", ("float8_e4m3fn", "uint8"), ndim=2, device=device)
+        check_array(data, f"{name}[0]", ("float8_e4m3fn", "uint8"), ndim=2, device=device)
         if scales is None:
             _fail(f"{name}[1]", "FP8 dispatch needs the per-128-channel scales", TypeError)
         check_array(scales, f"{name}[1]", ("float32",), ndim=2, device=device, contiguous=False)
@@ -178,3 +178,36 @@ def check_low_latency_topk(topk_idx, num_experts: int, check_values: bool, devic
 def last_two_transposed(a, kind: interop.Kind):
     """A view of ``a`` (3-D, numpy, CuPy or torch) with its last two dimensions swapped."""
     return a.transpose(1, 2) if kind.lib == "torch" else a.transpose(0, 2, 1)
+
+
+def check_low_latency_handle(handle, num_ranks: int, check_values: bool, device=None) -> tuple:
+    """``(src_info raw, layout_range raw, M, H, E)`` of a low-latency dispatch handle, after checking its types
+    and shapes (and, with ``check_values``, that every ``(begin << 32) | count`` range fits its expert's rows;
+    that reads ``layout_range`` on the host)."""
+    if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+        got = type(handle).__name__ + (f" of {len(handle)}" if isinstance(handle, (tuple, list)) else "")
+        raise ValueError("handle: must be the 5-tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank, "
+                         f"hidden, num_experts) low_latency_dispatch returned, got {got}")
+    src_info, layout_range, max_tokens, hidden, num_experts = handle
+    for value, name in ((max_tokens, "num_max_dispatch_tokens_per_rank"), (hidden, "hidden"),
+                        (num_experts, "num_experts")):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"handle: its {name} must be a positive int, got {value!r}")
+    max_tokens, hidden, num_experts = int(max_tokens), int(hidden), int(num_experts)
+    if hidden % 128 or num_experts % num_ranks:
+        raise ValueError(f"handle: hidden={hidden} must be a multiple of 128 and num_experts={num_experts} "
+                         f"a multiple of the rank count {num_ranks}")
+    num_local, rows = num_experts // num_ranks, num_ranks * max_tokens
+    check_array(src_info, "handle.src_info", ("int32",), ndim=2, device=device)
+    check_array(layout_range, "handle.layout_range", ("int64",), ndim=2, device=device)
+    for a, name, shape in ((src_info, "src_info", (num_local, rows)), (layout_range, "layout_range", (num_local, num_ranks))):
+        if tuple(a.shape) != shape:
+            raise ValueError(f"handle.{name}: must have shape {shape}, got {tuple(a.shape)}")
+    raw_range = interop.unwrap(layout_range)
+    if check_values:
+        packed = np.asarray(raw_range.get() if hasattr(raw_range, "get") else raw_range)
+        begin, count = packed >> 32, packed & 0xFFFFFFFF
+        if np.any(begin < 0) or np.any(begin + count > rows):
+            raise ValueError(f"handle.layout_range: a (begin << 32) | count entry runs outside [0, {rows}) rows")
+    return interop.unwrap(src_info), raw_range, max_tokens, hidden, num_experts
+

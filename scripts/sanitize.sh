@@ -18,7 +18,7 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
         "$EP_PYTHON" -m cupy_ep.soak --iters "${SANITIZE_ITERS:-3}" --max-tokens 256 --check-every 1 \
         >"$log" 2>&1
     r=$?
-    echo "$tool: rc=$r; $(grep -h 'ERROR SUMMARY' "$log" | sort | uniq -c | tr -s ' \n' ' ')"
+    echo "$tool: rc=$r; $(grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sort | uniq -c | tr -s ' \n' ' ')"
     [[ $r == 0 ]] || rc=1
 done
 exit "$rc"
