@@ -94,7 +94,6 @@ def check_x(x, device=None, name: str = "x") -> XInfo:
             _fail(f"{name}[1]", f"scales must have shape {(num_tokens, num_scales)}, got {tuple(scales.shape)}")
         hidden_bytes = hidden
         info = XInfo(data, scales, "float8_e4m3fn", num_tokens, hidden, hidden_bytes, num_scales)
-        del dt
     else:
         check_array(x, name, ("bfloat16",), ndim=2, device=device)
         num_tokens, hidden = x.shape
