@@ -5,11 +5,12 @@
 #   bash scripts/gpu_check.sh                         # every step
 #   GPU_CHECK_STEPS="nvidia_smi gpu2" bash scripts/gpu_check.sh
 #
-# Steps (in this order): nvidia_smi unit gpu2 gpu4 gpu8 bench soak sanitize
+# Steps (in this order): nvidia_smi unit gpu2 gpu4 gpu8 bench llbench soak sanitize
 #   nvidia_smi  GPUs, links and software versions
 #   unit        the single-process tests (tests/, without tests/gpu)
 #   gpuN        tests/gpu under the MPI launcher with N ranks (4 and 8: several ranks per GPU)
 #   bench       python -m cupy_ep.bench --out $OUT_DIR at 2 ranks
+#   llbench     python -m cupy_ep.bench --mode low-latency --out $OUT_DIR at 2 ranks
 #   soak        python -m cupy_ep.soak (SOAK_ITERS, default 10000) at 2 ranks
 #   sanitize    scripts/sanitize.sh: compute-sanitizer memcheck/racecheck/synccheck/initcheck at 2 ranks
 # Every step's output goes to $OUT_DIR/<step>.log (OUT_DIR=${OUT:-./out}). A failed step is recorded and
@@ -52,7 +53,7 @@ else
     ep_log "[env] no .carry/wheels/*.whl (pytest-mpi must already be installed)"
 fi
 
-ALL_STEPS="nvidia_smi unit gpu2 gpu4 gpu8 bench soak sanitize"
+ALL_STEPS="nvidia_smi unit gpu2 gpu4 gpu8 bench llbench soak sanitize"
 STEPS="${GPU_CHECK_STEPS:-$ALL_STEPS}"
 for s in $STEPS; do
     [[ " $ALL_STEPS " == *" $s "* ]] || ep_record "$s" - - - - FAILED "unknown step (known: $ALL_STEPS)"
@@ -90,6 +91,9 @@ for n in 2 4 8; do
 done
 if want bench; then
     ep_mpirun_argv 2 "$EP_PYTHON" -m cupy_ep.bench --out "$OUT_DIR" && ep_plain_step bench "${EP_ARGV[@]}"
+fi
+if want llbench; then
+    ep_mpirun_argv 2 "$EP_PYTHON" -m cupy_ep.bench --mode low-latency --out "$OUT_DIR" && ep_plain_step llbench "${EP_ARGV[@]}"
 fi
 if want soak; then
     ep_mpirun_argv 2 "$EP_PYTHON" -m cupy_ep.soak --iters "${SOAK_ITERS:-10000}" && ep_plain_step soak "${EP_ARGV[@]}"
