@@ -194,4 +194,155 @@ struct LowLatencyLayout {
     }
 };
 
+// ---------------------------------------------------------------------------------------------------
+// Internode layouts (cuda_src/internode.cu). Two buffers per rank:
+//   RDMA buffer (NVSHMEM symmetric heap, or an IPC allocation for the test transport), shared by the N ranks
+//     with the same GPU index ("the RDMA domain", indexed by node):
+//       [barrier: int[kMaxRdmaRanks]][notify: SymBuffer<int>(1 channel, N, RdmaNotify ints)][channel area]
+//   NVLink buffer (CUDA IPC), shared by the G ranks of one node:
+//       [signals: kSignalBytes][notify: AsymBuffer<int>(1 channel, G, NvlNotify ints)][channel area]
+// The channel area is InternodeDispatchRdma / InternodeCombineRdma (resp. ...Nvl): dispatch and combine
+// carve the same bytes differently (they never run at once; the notify kernels zero the meta between
+// barriers). Meta (counters) comes first in every carve so that one contiguous memset clears it.
+// cupy_ep/config.py (internode_layout) mirrors every sum; internode_carve_probe lets a GPU test compare.
+// ---------------------------------------------------------------------------------------------------
+constexpr int kMaxRdmaRanks = 32;   // nodes (one warp lane each); mirrors config.MAX_RDMA_RANKS
+
+// One token on the internode wire, in bytes from the token's start, rounded up to 16 bytes:
+//   dispatch: [x: hidden_int4 * 16][scales: S float][pad to 8][SourceMeta: 2 int][topk_idx: K int32 (global)]
+//             [weights: K float]
+//   combine:  [x: hidden_int4 * 16 (bf16)][weights: K float]
+struct TokenFormat {
+    long long scales_off, meta_off, idx_off, weights_off, bytes;
+    int int4s;
+    __host__ __device__ TokenFormat(int hidden_int4, int num_scales, int num_topk, bool dispatch) {
+        scales_off = (long long)hidden_int4 * 16;
+        meta_off = align_up(scales_off + (dispatch ? 4LL * num_scales : 0), 8);  // SourceMeta is stored as an int2
+        idx_off = meta_off + (dispatch ? 8 : 0);
+        weights_off = idx_off + (dispatch ? 4LL * num_topk : 0);
+        bytes = align_up(weights_off + 4LL * num_topk, 16);
+        int4s = (int)(bytes / 16);
+    }
+};
+
+// RDMA notify vector from one node to another: [call words][tokens per GPU of the destination node: G]
+// [tokens needing the destination node: 1][tokens per expert of the destination node: G * kMaxLocalExperts].
+// Padded to 4 ints so that a put of it is a whole number of int4.
+__host__ __device__ __forceinline__ int rdma_notify_ints(int num_nvl_ranks) {
+    return (int)align_up(kCallWords + num_nvl_ranks + 1 + (long long)num_nvl_ranks * kMaxLocalExperts, 4);
+}
+// NVL notify vector from GPU g to GPU j of the same node: [call words][tokens from (node n, GPU g) to j:
+// kMaxRdmaRanks][per local expert of j, tokens from every source with GPU index g: kMaxLocalExperts].
+constexpr int kNvlNotifyInts = kCallWords + kMaxRdmaRanks + kMaxLocalExperts;
+
+struct InternodeRdmaNotify {
+    Buffer<int> barrier;    // [kMaxRdmaRanks] arrivals (added to by each peer only), [kMaxRdmaRanks] my epoch
+    SymBuffer<int> counts;  // [send|recv][1][N][rdma_notify_ints(G)]
+    long long end;
+    __device__ InternodeRdmaNotify(int num_rdma_ranks, int num_nvl_ranks) {
+        Carver c(0);
+        barrier = Buffer<int>(c, 2 * kMaxRdmaRanks);
+        counts = SymBuffer<int>(c, 1, num_rdma_ranks, rdma_notify_ints(num_nvl_ranks));
+        end = c.offset;
+    }
+};
+
+struct InternodeNvlNotify {
+    AsymBuffer<int> counts;  // [1][G (source GPU)][kNvlNotifyInts], in the receiving GPU's buffer
+    long long end;
+    __device__ explicit InternodeNvlNotify(int num_nvl_ranks) {
+        Carver c(kSignalBytes);
+        counts = AsymBuffer<int>(c, 1, num_nvl_ranks, kNvlNotifyInts);
+        end = c.offset;
+    }
+};
+
+// Dispatch meta per (channel, source node): ints [0, G) -v-1 encoded start of the source's tokens for each
+// GPU of this node, [G, 2G) their end, 2G / 2G+1 the start / end of its tokens for this node; padded to 4.
+__host__ __device__ __forceinline__ int rdma_meta_ints(int num_nvl_ranks) {
+    return (int)align_up(2LL * num_nvl_ranks + 2, 4);
+}
+
+// RDMA domain, dispatch: indexed [channel][node].
+//   meta / data: SymBuffer (send half = staging for puts to that node, recv half = landing from that node)
+//   head: in the *sender's* buffer [channel][destination node] (added to by the destination's
+//         kForwarderCoordinator, lazily); tail: in the *receiver's* buffer [channel][source node] (added to by
+//         the source's kRDMASenderCoordinator after each chunk put).
+struct InternodeDispatchRdma {
+    SymBuffer<int> meta;
+    AsymBuffer<int> head, tail;
+    SymBuffer<int4> data;       // [slots][token int4s]
+    long long begin, meta_end, total_end;
+    __device__ InternodeDispatchRdma(int num_rdma_ranks, int num_nvl_ranks, int num_channels, int num_slots,
+                                     int token_int4s) {
+        Carver c(InternodeRdmaNotify(num_rdma_ranks, num_nvl_ranks).end);
+        begin = c.offset;
+        meta = SymBuffer<int>(c, num_channels, num_rdma_ranks, rdma_meta_ints(num_nvl_ranks));
+        head = AsymBuffer<int>(c, num_channels, num_rdma_ranks, 1);
+        tail = AsymBuffer<int>(c, num_channels, num_rdma_ranks, 1);
+        meta_end = c.offset;
+        data = SymBuffer<int4>(c, num_channels, num_rdma_ranks, (long long)num_slots * token_int4s);
+        total_end = c.offset;
+    }
+};
+
+// NVLink domain, dispatch: rings from a forwarder GPU to a receiving GPU of the same node, indexed
+// [channel][other GPU]. prefix_start/prefix_end (-v-1 encoded, per source node), tail and x live in the
+// receiver's buffer; head lives in the forwarder's buffer (each side polls its own memory).
+struct InternodeDispatchNvl {
+    AsymBuffer<int> prefix_start, prefix_end;   // [N] per (channel, forwarder)
+    AsymBuffer<int> head, tail;
+    AsymBuffer<int4> x;                         // [slots][token int4s]
+    long long begin, meta_end, total_end;
+    __device__ InternodeDispatchNvl(int num_rdma_ranks, int num_nvl_ranks, int num_channels, int num_slots,
+                                    int token_int4s) {
+        Carver c(InternodeNvlNotify(num_nvl_ranks).end);
+        begin = c.offset;
+        prefix_start = AsymBuffer<int>(c, num_channels, num_nvl_ranks, num_rdma_ranks);
+        prefix_end = AsymBuffer<int>(c, num_channels, num_nvl_ranks, num_rdma_ranks);
+        head = AsymBuffer<int>(c, num_channels, num_nvl_ranks, 1);
+        tail = AsymBuffer<int>(c, num_channels, num_nvl_ranks, 1);
+        meta_end = c.offset;
+        x = AsymBuffer<int4>(c, num_channels, num_nvl_ranks, (long long)num_slots * token_int4s);
+        total_end = c.offset;
+    }
+};
+
+// RDMA domain, combine: the forwarder (reduced over its node) sends to the token's origin node.
+// head in the forwarder's buffer [channel][origin node]; tail and data (recv half) in the origin's buffer.
+struct InternodeCombineRdma {
+    AsymBuffer<int> head, tail;
+    SymBuffer<int4> data;
+    long long begin, meta_end, total_end;
+    __device__ InternodeCombineRdma(int num_rdma_ranks, int num_nvl_ranks, int num_channels, int num_slots,
+                                    int token_int4s) {
+        Carver c(InternodeRdmaNotify(num_rdma_ranks, num_nvl_ranks).end);
+        begin = c.offset;
+        head = AsymBuffer<int>(c, num_channels, num_rdma_ranks, 1);
+        tail = AsymBuffer<int>(c, num_channels, num_rdma_ranks, 1);
+        meta_end = c.offset;
+        data = SymBuffer<int4>(c, num_channels, num_rdma_ranks, (long long)num_slots * token_int4s);
+        total_end = c.offset;
+    }
+};
+
+// NVLink domain, combine: expert rows go back to the GPU that forwarded them. Each (channel, source GPU)
+// ring is split into N sub-rings of slots / N, one per origin node (a slow origin node cannot block the
+// others). x and tail [N] live in the forwarder's buffer; head [N] in the sending GPU's buffer.
+struct InternodeCombineNvl {
+    AsymBuffer<int> head, tail;   // [N] per (channel, other GPU)
+    AsymBuffer<int4> x;
+    long long begin, meta_end, total_end;
+    __device__ InternodeCombineNvl(int num_rdma_ranks, int num_nvl_ranks, int num_channels, int num_slots,
+                                   int token_int4s) {
+        Carver c(InternodeNvlNotify(num_nvl_ranks).end);
+        begin = c.offset;
+        head = AsymBuffer<int>(c, num_channels, num_nvl_ranks, num_rdma_ranks);
+        tail = AsymBuffer<int>(c, num_channels, num_nvl_ranks, num_rdma_ranks);
+        meta_end = c.offset;
+        x = AsymBuffer<int4>(c, num_channels, num_nvl_ranks, (long long)num_slots * token_int4s);
+        total_end = c.offset;
+    }
+};
+
 }  // namespace ep

@@ -16,6 +16,8 @@ enum KernelId : int {
     kKernelLayout = 1, kKernelNotifyDispatch = 2, kKernelCachedNotifyDispatch = 3, kKernelDispatch = 4,
     kKernelCachedNotifyCombine = 5, kKernelCombine = 6, kKernelBarrier = 7,
     kKernelLowLatencyDispatch = 8, kKernelLowLatencyCombine = 9,
+    kKernelInternodeNotifyDispatch = 10, kKernelInternodeCachedNotify = 11, kKernelInternodeDispatch = 12,
+    kKernelInternodeCombine = 13,
 };
 enum Role : int { kRoleBarrier = 0, kRoleSender = 1, kRoleReceiver = 2, kRoleNotify = 3, kRoleCallCheck = 4,
                  kRoleSignaller = 5 };

@@ -554,8 +554,9 @@ def parse_args(argv=None, gpu: bool = True):
     p.add_argument("--skew", type=float, default=0.0, help="fraction of tokens routed to rank 0 only")
     p.add_argument("--backend", choices=["cuda", "host"], default=None)
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--mode", choices=["normal", "low-latency"], default="normal",
-                   help="low-latency: decode dispatch/combine latency (cupy_ep/bench_ll.py; --tokens defaults to 128)")
+    p.add_argument("--mode", choices=["normal", "low-latency", "internode"], default="normal",
+                   help="low-latency: decode dispatch/combine latency (cupy_ep/bench_ll.py; --tokens defaults to 128); "
+                        "internode: RDMA/NVLink-domain bandwidth across nodes (cupy_ep/bench_internode.py)")
     return p.parse_args(argv)
 
 
@@ -574,6 +575,10 @@ def main(argv=None):
         if not any(a.startswith("--tokens") for a in (sys.argv[1:] if argv is None else argv)):
             args.tokens = 128
         bench_ll.main(args, comm)
+        return
+    if args.mode == "internode":
+        from . import bench_internode
+        bench_internode.main(args, comm)
         return
     if not cupy_ep.gpu_available() and comm.Get_rank() == 0:
         print("cupy_ep.bench: NO GPU visible -> host backend (numpy + MPI); the numbers are not GPU numbers",

@@ -57,7 +57,10 @@ class Buffer:
         backend: ``"cuda"``, ``"host"`` or None (auto: cuda when a GPU is visible).
         device: GPU ordinal; default local rank modulo the visible GPUs.
         timeout_s: device-wait timeout in seconds (default ``CUPY_EP_TIMEOUT_S`` or 100).
-        num_ranks_per_node: GPUs per NVLink domain (default: the MPI shared-memory split).
+        num_ranks_per_node: GPUs per NVLink domain (default: the MPI shared-memory split). When the ranks span
+            more than one such domain, the internode path runs (cupy_ep/cuda_internode.py).
+        internode_transport: ``"nvshmem"`` (default; env ``CUPY_EP_INTERNODE_TRANSPORT``) or ``"ipc"`` (the RDMA
+            domain through CUDA-IPC stores: for testing several "nodes" on one box). CUDA backend only.
         check_values: check ``topk_idx`` values on the host (costs a device sync; off for benchmarks).
     """
 

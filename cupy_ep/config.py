@@ -111,18 +111,31 @@ class Config:
                                    hidden_bytes, MAX_TOPK, num_scales),
             combine_channel_bytes(self.num_channels, num_nvl_ranks, self.num_max_nvl_chunked_recv_tokens,
                                   hidden_bytes, MAX_TOPK))
-        return align_up(NOTIFY_BYTES + channel)
+        intranode = align_up(NOTIFY_BYTES + channel)
+        if num_ranks <= MAX_NVL_RANKS:
+            return intranode
+        # above one NVLink domain (DeepEP: 8 GPUs per node) the internode NVLink buffer may need more
+        return max(intranode, internode_buffer_bytes(num_ranks // MAX_NVL_RANKS, MAX_NVL_RANKS, hidden_bytes,
+                                                     self)[0])
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """RDMA bytes (internode only): 0 while the job fits one NVLink domain."""
+        """RDMA bytes (internode only): 0 while the job fits one NVLink domain, else the RDMA half of
+        :func:`internode_buffer_bytes` for ``num_ranks / 8`` nodes of 8 GPUs (DeepEP's assumption)."""
         if num_ranks <= MAX_NVL_RANKS:
             return 0
-        raise NotImplementedError("internode buffers are not implemented yet (issue 7)")
+        return internode_buffer_bytes(num_ranks // MAX_NVL_RANKS, MAX_NVL_RANKS, hidden_bytes, self)[1]
 
 
 # DeepEP's defaults (research/deepep.md §1.3): (nvl_send, nvl_recv, rdma_send, rdma_recv)
 _DEFAULT_DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128)}
 _DEFAULT_COMBINE = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128)}
+# Internode (more than one node): DeepEP's table for 8 GPUs per node, 16..160 ranks.
+_DEFAULT_INTERNODE_DISPATCH = {16: (36, 288, 20, 128), 24: (32, 288, 8, 128), 32: (32, 288, 8, 128),
+                               48: (32, 288, 8, 128), 64: (32, 288, 8, 128), 96: (20, 480, 12, 128),
+                               128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
+_DEFAULT_INTERNODE_COMBINE = {16: (4, 288, 12, 128), 24: (1, 288, 8, 128), 32: (1, 288, 8, 128),
+                              48: (1, 288, 8, 128), 64: (1, 288, 8, 128), 96: (1, 480, 8, 128),
+                              128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
 
 
 def _default_for(table: dict, num_ranks: int) -> tuple:
@@ -130,6 +143,11 @@ def _default_for(table: dict, num_ranks: int) -> tuple:
         return table[num_ranks]
     if 2 <= num_ranks <= MAX_NVL_RANKS:       # odd rank counts: take the next tabulated one
         return table[min(k for k in table if k >= num_ranks)]
+    if table is _DEFAULT_DISPATCH or table is _DEFAULT_COMBINE:
+        internode = _DEFAULT_INTERNODE_DISPATCH if table is _DEFAULT_DISPATCH else _DEFAULT_INTERNODE_COMBINE
+        if num_ranks > MAX_NVL_RANKS:      # the next tabulated internode size, or the largest
+            larger = [k for k in internode if k >= num_ranks]
+            return internode[min(larger) if larger else max(internode)]
     raise ValueError(f"num_ranks={num_ranks} has no default config (intranode supports 2..8 ranks)")
 
 
@@ -237,3 +255,121 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
     return {"msg_bytes": msg, "row_bytes": row, "signal_bytes": signal, "send_bytes": send, "recv_bytes": recv,
             "total_bytes": 2 * (signal + send + recv), "signal_offset_1": signal, "send_offset_0": 2 * signal,
             "recv_offset_0": 2 * (signal + send)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Internode buffers (mirrors the Internode* structs of cuda_src/buffer.cuh; internode_carve_probe compares)
+# ---------------------------------------------------------------------------------------------------------
+#: Nodes the internode kernels support (one warp lane each; mirrors kMaxRdmaRanks in buffer.cuh).
+MAX_RDMA_RANKS = 32
+_NVL_NOTIFY_INTS = CALL_WORDS + MAX_RDMA_RANKS + MAX_LOCAL_EXPERTS   # kNvlNotifyInts
+
+
+def internode_token_bytes(hidden_bytes: int, num_scales: int, num_topk: int, dispatch: bool) -> int:
+    """Bytes of one token on the internode wire (buffer.cuh ``TokenFormat``): dispatch
+    ``[x | scales S float | pad to 8 | SourceMeta 8 B | topk_idx K int32 | weights K float]``, combine
+    ``[x (bf16) | weights K float]``, rounded up to 16 bytes. ``hidden_bytes`` is a multiple of 16."""
+    extra = align_up(4 * num_scales, 8) + 8 + 4 * num_topk if dispatch else 0
+    return align_up(hidden_bytes + extra + 4 * num_topk, 16)
+
+
+def _sym(num_channels: int, num_ranks: int, bytes_per_slice: int) -> int:
+    """Bytes of one ``[send|recv][channel][rank][bytes_per_slice]`` SymBuffer."""
+    return align_up(2 * num_channels * num_ranks * bytes_per_slice)
+
+
+def internode_layout(num_nodes: int, gpus_per_node: int, num_channels: int, num_rdma_slots: int,
+                     num_nvl_slots: int, hidden_bytes: int, num_scales: int, num_topk: int) -> dict:
+    """End offsets of every internode carve, exactly as the GPU computes them (``internode_carve_probe``).
+
+    RDMA buffer: ``[barrier 2*32 int][notify SymBuffer(1, N, align4(8 + G + 1 + 1024 G) int)][channel area]``,
+    channel area = dispatch ``meta SymBuffer(C, N, align4(2G + 2) int) | head (C, N) | tail (C, N) |
+    data SymBuffer(C, N, Qr * token)`` or combine ``head | tail | data``.
+    NVLink buffer: ``[signals 128 B][notify (G, 8 + 32 + 1024 int)][channel area]``, dispatch
+    ``prefix_start (C, G, N) | prefix_end | head (C, G) | tail | x (C, G, Qn * token)``, combine
+    ``head (C, G, N) | tail (C, G, N) | x``. Every array rounded up to 128 bytes.
+
+    ``hidden_bytes`` is the dispatch row size (bf16: 2H; fp8: H, with ``num_scales`` floats); the combine row
+    is always bf16 of the same hidden size, i.e. ``2 * hidden`` -- pass the bf16 size for combine sizing.
+
+    Returns:
+        dict with ``rdma_channel_begin, rdma_dispatch_end, rdma_combine_end, nvl_channel_begin,
+        nvl_dispatch_end, nvl_combine_end, dispatch_token_bytes, combine_token_bytes`` (same order as the
+        probe's output).
+    """
+    n, g, c = num_nodes, gpus_per_node, num_channels
+    d_tok = internode_token_bytes(hidden_bytes, num_scales, num_topk, True)
+    c_tok = internode_token_bytes(hidden_bytes, 0, num_topk, False)
+    rdma_notify_ints = align_up(CALL_WORDS + g + 1 + g * MAX_LOCAL_EXPERTS, 4)
+    rdma_begin = align_up(2 * MAX_RDMA_RANKS * 4) + _sym(1, n, rdma_notify_ints * 4)
+    meta_ints = align_up(2 * g + 2, 4)
+    rdma_dispatch = (rdma_begin + _sym(c, n, meta_ints * 4) + 2 * _asym(c, n, 4)
+                     + _sym(c, n, num_rdma_slots * d_tok))
+    rdma_combine = rdma_begin + 2 * _asym(c, n, 4) + _sym(c, n, num_rdma_slots * c_tok)
+    nvl_begin = SIGNAL_BYTES + _asym(1, g, _NVL_NOTIFY_INTS * 4)
+    nvl_dispatch = nvl_begin + 2 * _asym(c, g, 4 * n) + 2 * _asym(c, g, 4) + _asym(c, g, num_nvl_slots * d_tok)
+    nvl_combine = nvl_begin + 2 * _asym(c, g, 4 * n) + _asym(c, g, num_nvl_slots * c_tok)
+    return {"rdma_channel_begin": rdma_begin, "rdma_dispatch_end": rdma_dispatch, "rdma_combine_end": rdma_combine,
+            "nvl_channel_begin": nvl_begin, "nvl_dispatch_end": nvl_dispatch, "nvl_combine_end": nvl_combine,
+            "dispatch_token_bytes": d_tok, "combine_token_bytes": c_tok}
+
+
+def internode_buffer_bytes(num_nodes: int, gpus_per_node: int, hidden_bytes: int, config: Config | None = None,
+                           num_topk: int = MAX_TOPK) -> tuple[int, int]:
+    """``(num_nvl_bytes, num_rdma_bytes)`` that internode dispatch and combine with ``config`` need.
+
+    ``hidden_bytes`` = ``hidden * max(element_size, 2)`` (FP8 sized as BF16, as DeepEP's hints); assumes one
+    float scale per 128 elements and ``num_topk`` (default the largest, 32). ``num_nvl_bytes`` excludes the
+    128 signal bytes the buffer adds itself (as for intranode). Both rounded up to 128 bytes.
+    """
+    config = config or Config()
+    for name, value in (("num_nodes", num_nodes), ("gpus_per_node", gpus_per_node), ("hidden_bytes", hidden_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}: must be a positive int, got {value!r}")
+    if not 2 <= num_nodes <= MAX_RDMA_RANKS:
+        raise ValueError(f"num_nodes: must be in [2, {MAX_RDMA_RANKS}], got {num_nodes}")
+    if gpus_per_node > MAX_NVL_RANKS:
+        raise ValueError(f"gpus_per_node: must be at most {MAX_NVL_RANKS}, got {gpus_per_node}")
+    num_scales = -(-(hidden_bytes // 2) // 128)
+    lay = internode_layout(num_nodes, gpus_per_node, config.num_channels, config.num_max_rdma_chunked_recv_tokens,
+                           config.num_max_nvl_chunked_recv_tokens, hidden_bytes, num_scales, num_topk)
+    nvl = max(lay["nvl_dispatch_end"], lay["nvl_combine_end"]) - SIGNAL_BYTES
+    rdma = max(lay["rdma_dispatch_end"], lay["rdma_combine_end"])
+    return align_up(nvl), align_up(rdma)
+
+
+def internode_table(hidden: int = 7168, gpus_per_node: int = 8, nodes=(2, 3, 4, 6, 8, 12, 16, 20, 24, 32)) -> str:
+    """Markdown table of :func:`internode_buffer_bytes` with the default internode configs (DeepEP's table,
+    ``Buffer.num_sms`` SMs) for ``gpus_per_node`` x ``nodes``: BF16 rows of ``hidden``, top-k 32."""
+    from .buffer import Buffer
+    lines = [("| nodes x GPUs | ranks | dispatch config (nvl_send, nvl_recv, rdma_send, rdma_recv) | "
+              "num_nvl_bytes | num_rdma_bytes |"), "|---|---|---|---|---|"]
+    for n in nodes:
+        r = n * gpus_per_node
+        cfgs = [get_dispatch_config(r, Buffer.num_sms), get_combine_config(r, Buffer.num_sms)]
+        sizes = [internode_buffer_bytes(n, gpus_per_node, 2 * hidden, cfg) for cfg in cfgs]
+        nvl, rdma = max(s[0] for s in sizes), max(s[1] for s in sizes)
+        d = cfgs[0]
+        lines.append(f"| {n} x {gpus_per_node} | {r} | {d.num_max_nvl_chunked_send_tokens}, "
+                     f"{d.num_max_nvl_chunked_recv_tokens}, {d.num_max_rdma_chunked_send_tokens}, "
+                     f"{d.num_max_rdma_chunked_recv_tokens} | {nvl:,} ({nvl / 2**20:.1f} MiB) | "
+                     f"{rdma:,} ({rdma / 2**20:.1f} MiB) |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m cupy_ep.config", description=__doc__.splitlines()[0])
+    parser.add_argument("--internode-table", action="store_true", help="print the internode buffer-size table")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    args = parser.parse_args(argv)
+    if args.internode_table:
+        print(internode_table(args.hidden, args.gpus_per_node))
+        return 0
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

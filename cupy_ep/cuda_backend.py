@@ -8,11 +8,12 @@ or an ``EventOverlap`` is returned (``async_finish=True``).
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import numpy as np
 
-from . import bootstrap, cuda_low_latency, interop, jit, validate
+from . import bootstrap, cuda_internode, cuda_low_latency, interop, jit, validate
 from . import config as _config
 from .buffer import Buffer
 from .errors import CallMismatchError, CommTimeoutError
@@ -20,8 +21,13 @@ from .event import EventOverlap
 
 _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
                  5: "cached_notify_combine", 6: "combine", 7: "barrier", 8: "low_latency_dispatch",
-                 9: "low_latency_combine"}
-_ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check", 5: "signaller"}
+                 9: "low_latency_combine", 10: "internode_notify_dispatch", 11: "internode_cached_notify",
+                 12: "internode_dispatch", 13: "internode_combine"}
+_ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check", 5: "signaller",
+               # internode.cu WarpRole
+               10: "kRDMASender", 11: "kRDMASenderCoordinator", 12: "kRDMAAndNVLForwarder",
+               13: "kForwarderCoordinator", 14: "kNVLReceivers", 15: "kNVLSender", 16: "kNVLAndRDMAForwarder",
+               17: "kRDMAReceiver", 18: "kCoordinator", 19: "rdma_barrier", 20: "nvl_barrier", 22: "capacity"}
 # Mirror of the CallWords a notify kernel compares (intranode.cu): index -> name.
 _CALL_WORDS = ("op", "num_channels (num_sms / 2)", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
                "num_scales", "num_experts", "reserved")
@@ -71,20 +77,30 @@ class CudaBuffer(Buffer):
     def __init__(self, comm=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode=False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
-                 backend=None, device=None, timeout_s=None, num_ranks_per_node=None, check_values=True):
+                 backend=None, device=None, timeout_s=None, num_ranks_per_node=None, check_values=True,
+                 internode_transport=None):
         super().__init__(comm, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                          allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, enable_shrink,
                          backend=backend, device=device, timeout_s=timeout_s,
                          num_ranks_per_node=num_ranks_per_node, check_values=check_values)
         import cupy
         self.topology = bootstrap.topology(self.comm, num_ranks_per_node)
-        if self.topology.num_nodes > 1:
-            raise NotImplementedError(
-                f"the job spans {self.topology.num_nodes} nodes; the internode path is not implemented yet")
-        if not 1 <= self.num_ranks <= _config.MAX_NVL_RANKS:
-            raise ValueError(f"comm: intranode supports 1..{_config.MAX_NVL_RANKS} ranks, got {self.num_ranks}")
-        if num_rdma_bytes and not low_latency_mode:
-            raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain (unless low_latency_mode)")
+        internode = self.topology.num_nodes > 1
+        if internode:  # checked on every rank alike, before anything collective
+            if os.environ.get("CUPY_EP_EXPERIMENTAL_INTERNODE") != "1":
+                raise NotImplementedError(
+                    f"the job spans {self.topology.num_nodes} nodes: the internode kernels are written but have not "
+                    "run on a GPU yet; set CUPY_EP_EXPERIMENTAL_INTERNODE=1 to try them (tests/gpu/test_internode.py)")
+            transport = cuda_internode.resolve_transport(internode_transport)
+            cuda_internode.check_topology(self.num_ranks, self.topology.num_ranks_per_node)
+            if low_latency_mode:
+                raise NotImplementedError("low_latency_mode: not implemented together with the internode path "
+                                          "(one NVSHMEM world would have to serve both); use one Buffer per mode")
+        else:
+            if not 1 <= self.num_ranks <= _config.MAX_NVL_RANKS:
+                raise ValueError(f"comm: intranode supports 1..{_config.MAX_NVL_RANKS} ranks, got {self.num_ranks}")
+            if num_rdma_bytes and not low_latency_mode:
+                raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain (unless low_latency_mode)")
         self.device_id = bootstrap.choose_device(self.topology.local_rank, device)
         self._device = cupy.cuda.Device(self.device_id)
         ranks_per_gpu = -(-self.topology.local_size // max(1, _gpu_count()))
@@ -98,7 +114,8 @@ class CudaBuffer(Buffer):
         with self._device:
             rt = cupy.cuda.runtime
             self.num_device_sms = rt.getDeviceProperties(self.device_id)["multiProcessorCount"]
-            self._nvl = bootstrap.IpcBuffer(self.comm, num_nvl_bytes + _config.SIGNAL_BYTES)
+            # internode: the NVLink buffer spans one node only; InternodeState makes it
+            self._nvl = None if internode else bootstrap.IpcBuffer(self.comm, num_nvl_bytes + _config.SIGNAL_BYTES)
             self._workspace = cupy.zeros(_config.WORKSPACE_BYTES // 4, dtype=cupy.int32)
             self._abort = cupy.zeros(4, dtype=cupy.int32)
             # host-mapped: [0] receive counter, [4..] per-expert counters, then the timeout record
@@ -125,6 +142,9 @@ class CudaBuffer(Buffer):
             # low-latency mode: NVSHMEM world + symmetric buffer (cupy_ep/cuda_low_latency.py)
             self._ll = (cuda_low_latency.LowLatencyState(self, num_rdma_bytes, self.topology.num_nodes == 1)
                         if low_latency_mode else None)
+            # internode path (cupy_ep/cuda_internode.py): NVLink buffer of the node + RDMA buffer
+            self._internode = (cuda_internode.InternodeState(self, num_nvl_bytes, num_rdma_bytes, transport)
+                               if internode else None)
             self._device.synchronize()
         # Make this buffer's GPU current, as DeepEP users do with torch.cuda.set_device(local_rank): arrays
         # the caller creates next land on the right GPU (a wrong one is refused with a clear error anyway).
@@ -145,8 +165,11 @@ class CudaBuffer(Buffer):
                 try:
                     if self._ll is not None:
                         self._ll.destroy()  # agrees over MPI before any NVSHMEM collective
+                    if self._internode is not None:
+                        self._internode.destroy()
                 finally:
-                    self._nvl.close()       # ends with an MPI barrier that every rank reaches
+                    if self._nvl is not None:
+                        self._nvl.close()   # ends with an MPI barrier that every rank reaches
                     self._host.free()
         finally:
             self._workspace = self._ctx = self._abort = None
@@ -173,6 +196,12 @@ class CudaBuffer(Buffer):
                 raise CallMismatchError(f"rank {self.rank}: rank {rec['peer']} made a different call ({word}: "
                                         f"{mine} here, {theirs} there); every rank must call with the same "
                                         "config, hidden size and top-k", info)
+            if rec["role"] == "capacity":  # internode notify: num_worst_tokens smaller than what arrives
+                what = "rows received over RDMA" if rec["expected"] == 1 else "received rows"
+                self._unusable_reason = f"num_worst_tokens too small: {rec}"
+                raise CommTimeoutError(f"rank {self.rank}: num_worst_tokens={rec['tail']} is smaller than the "
+                                       f"{rec['head']} {what} of this dispatch; the buffer stopped before writing "
+                                       "out of bounds (T * num_ranks is always enough)", rec)
             self._unusable_reason = f"a device wait timed out: {rec}"
             raise CommTimeoutError(f"rank {self.rank}: device wait timed out after {self.timeout_s} s", rec)
 
@@ -245,8 +274,9 @@ class CudaBuffer(Buffer):
             num_experts: E, a multiple of the rank count.
 
         Returns:
-            ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank None, num_tokens_per_expert [E] int32,
-            is_token_in_rank [T, R] bool, EventOverlap)``, arrays of ``topk_idx``'s kind.
+            ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [N] int32 (internode; None inside one
+            node), num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, EventOverlap)``, arrays of
+            ``topk_idx``'s kind.
         """
         import cupy
         self._check_usable()
@@ -263,16 +293,18 @@ class CudaBuffer(Buffer):
                 per_rank = cupy.empty(self.num_ranks, dtype=cupy.int32)
                 per_expert = cupy.empty(num_experts, dtype=cupy.int32)
                 in_rank = cupy.empty((num_tokens, self.num_ranks), dtype=cupy.bool_)
-            columns = num_experts + self.num_ranks
+                per_rdma = (cupy.empty(self.topology.num_nodes, dtype=cupy.int32) if self._internode is not None
+                            else None)
+            columns = num_experts + self.num_ranks + (self.topology.num_nodes if per_rdma is not None else 0)
             grid = max(1, min(-(-num_tokens // _LAYOUT_THREADS), 2 * self.num_device_sms))
             ctype = "long long" if idx_name == "int64" else "int"
             self._launch("layout.cu", f"ep::get_dispatch_layout<{ctype}>", grid, _LAYOUT_THREADS,
                          (raw_idx, np.int32(num_tokens), np.int32(num_topk), np.int32(num_experts),
                           np.int32(self.num_ranks), np.int32(self.topology.num_ranks_per_node),
-                          per_rank, None, per_expert, in_rank, self._workspace), shared_mem=4 * columns)
-            event = self._finish(compute, async_finish, (raw_idx, per_rank, per_expert, in_rank))
-        return (interop.wrap(per_rank, kind, "int32"), None, interop.wrap(per_expert, kind, "int32"),
-                interop.wrap(in_rank, kind, "bool"), event)
+                          per_rank, per_rdma, per_expert, in_rank, self._workspace), shared_mem=4 * columns)
+            event = self._finish(compute, async_finish, (raw_idx, per_rank, per_rdma, per_expert, in_rank))
+        return (interop.wrap(per_rank, kind, "int32"), interop.wrap(per_rdma, kind, "int32"),
+                interop.wrap(per_expert, kind, "int32"), interop.wrap(in_rank, kind, "bool"), event)
 
     # ---- dispatch -----------------------------------------------------------------------------------
     def _unpack_handle(self, handle, num_tokens: int, num_channels: int):
@@ -325,6 +357,8 @@ class CudaBuffer(Buffer):
             ``(recv_x | (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
             num_recv_tokens_per_expert_list, handle, EventOverlap)``; rows ordered by (source rank, source
             token). Cached mode returns ``(recv_x[, scales], None, None, None, None, EventOverlap)``.
+            Across nodes (cupy_ep/cuda_internode.py) ``num_tokens_per_rdma_rank`` is required and the handle is
+            DeepEP's internode 10-tuple.
         """
         import cupy
         self._check_usable()
@@ -334,6 +368,12 @@ class CudaBuffer(Buffer):
         validate.check_expert_alignment(expert_alignment)
         validate.check_num_worst_tokens(num_worst_tokens, self.num_ranks, info.num_tokens)
         validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        if self._internode is not None:
+            with self._device:
+                return self._internode.dispatch(
+                    info, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, cfg,
+                    previous_event, async_finish, allocate_on_comm_stream, self.check_values and not _capturing())
         R, C, T = self.num_ranks, cfg.num_channels, info.num_tokens
         cached = handle is not None
         num_topk, idx_name, num_experts = 0, "int64", 0
@@ -469,6 +509,15 @@ class CudaBuffer(Buffer):
         """
         import cupy
         self._check_usable()
+        if self._internode is not None:
+            def config_getter(num_channels):
+                cfg = self._resolve_config(config, "combine", 2 * int(x.shape[1]) if getattr(x, "ndim", 0) == 2 else None,
+                                           num_channels)
+                self._check_sms(cfg)
+                return cfg
+            with self._device:
+                return self._internode.combine(x, handle, topk_weights, bias, config_getter, previous_event,
+                                               async_finish, allocate_on_comm_stream)
         validate.check_array(x, "x", ("bfloat16",), ndim=2, device=self.device_id)
         num_recv, hidden = x.shape
         if (hidden * 2) % 16:
@@ -591,8 +640,11 @@ class CudaBuffer(Buffer):
         """Device-side barrier of all ranks on the communication stream (tests and benchmarks)."""
         self._check_usable()
         with self._device:
-            self._launch("intranode.cu", f"ep::barrier<{self.num_ranks}>", 1, 32,
-                         (self._nvl.ptr_table, np.int32(self.rank), self._ctx))
+            if self._internode is not None:
+                self._internode.barrier()
+            else:
+                self._launch("intranode.cu", f"ep::barrier<{self.num_ranks}>", 1, 32,
+                             (self._nvl.ptr_table, np.int32(self.rank), self._ctx))
             self.comm_stream.synchronize()
         self.check_health()
 

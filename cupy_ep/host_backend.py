@@ -143,7 +143,10 @@ class HostBuffer(Buffer):
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, *,
                  backend: str | None = None, device: int | None = None, timeout_s: float | None = None,
-                 num_ranks_per_node: int | None = None, check_values: bool = True):
+                 num_ranks_per_node: int | None = None, check_values: bool = True,
+                 internode_transport: str | None = None):
+        if internode_transport not in (None, "nvshmem", "ipc"):  # accepted for the CUDA backend's sake
+            raise ValueError(f"internode_transport: must be 'nvshmem', 'ipc' or None, got {internode_transport!r}")
         super().__init__(comm, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                          allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, enable_shrink,
                          backend=backend, device=device, timeout_s=timeout_s,

@@ -152,8 +152,13 @@ class CompileResult:
 
 # ---- NVSHMEM: files that include nvshmem.cuh are compiled relocatable and linked with the wheel's
 # ---- libnvshmem_device.a by nvJitLink (no compiler toolchain; research/nvshmem.md §2)
-def uses_nvshmem(filename: str) -> bool:
-    return '#include "nvshmem.cuh"' in (source_dir() / filename).read_text()
+#: Compile option that selects NVSHMEM inside a file that supports both transports (internode.cu: its
+#: NvshmemRdma transport exists only with it); such a compile is relocatable and linked like an NVSHMEM file.
+NVSHMEM_DEFINE = "-DCUPY_EP_NVSHMEM"
+
+
+def uses_nvshmem(filename: str, extra_options=()) -> bool:
+    return NVSHMEM_DEFINE in extra_options or '#include "nvshmem.cuh"' in (source_dir() / filename).read_text()
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,7 +240,7 @@ def compile_cubin(filename: str, name_expressions, arch: str = "sm_90", extra_op
     nvrtc = _nvrtc()
     src_dir = source_dir()
     source = (src_dir / filename).read_text()
-    nvshmem = uses_nvshmem(filename)
+    nvshmem = uses_nvshmem(filename, tuple(extra_options))
     options = _OPTIONS + (f"-arch={arch}", f"-I{src_dir}") + tuple(extra_options)
     if nvshmem:
         options += _nvshmem_options()
@@ -247,13 +252,13 @@ def compile_cubin(filename: str, name_expressions, arch: str = "sm_90", extra_op
     return CompileResult(cubin, mapping, log, arch)
 
 
-def compile_only(filename: str, name_expressions, arch: str = "sm_90") -> CompileResult:
+def compile_only(filename: str, name_expressions, arch: str = "sm_90", extra_options=()) -> CompileResult:
     """GPU-free compile used by the tests; ``.resources()`` reports registers and spills."""
-    return compile_cubin(filename, list(name_expressions), arch=arch, verbose=True)
+    return compile_cubin(filename, list(name_expressions), arch=arch, extra_options=extra_options, verbose=True)
 
 
 def _cache_key(filename: str, name: str, arch: str, extra_options) -> str:
-    linked = nvshmem_paths()["version"] if uses_nvshmem(filename) else None
+    linked = nvshmem_paths()["version"] if uses_nvshmem(filename, tuple(extra_options)) else None
     text = json.dumps([filename, name, arch, list(_OPTIONS), list(extra_options), nvrtc_version(), linked])
     return hashlib.sha1(text.encode()).hexdigest()
 

@@ -6,8 +6,8 @@ compiled relocatable and linked with ``libnvshmem_device.a`` by :mod:`cupy_ep.ji
 needs :meth:`Nvshmem.init_module` (it copies the device state into the module). research/nvshmem.md §2e gives
 the struct layouts used here (verified against the 3.4.5 headers).
 
-Status: the low-latency and internode kernels that will use this are not written yet (issues 6 and 7); this
-file has been checked for symbol resolution without a GPU, not run on a GPU.
+Used by the low-latency path (cuda_low_latency.py, run on GPUs) and the internode path (cuda_internode.py: one
+world per GPU index over the ranks of that index; not yet run on a GPU).
 """
 from __future__ import annotations
 

@@ -16,10 +16,27 @@ def intranode_names():
     return names
 
 
+# Internode: instantiated on demand for any (nodes, GPUs per node); compile a representative set: every GPU
+# count at 2 nodes (the GPU tests use 2 x 1 and 2 x 2) and cluster shapes of 8 GPUs per node up to 32 nodes.
+INTERNODE_SHAPES = [(2, 1), (2, 2), (2, 4), (2, 8), (3, 8), (4, 8), (8, 8), (16, 8), (20, 8), (32, 8)]
+
+
+def internode_names(transport):
+    names = ["ep::internode_carve_probe"] if transport == "ep::IpcRdma" else []
+    for n, g in INTERNODE_SHAPES:
+        names += [f"ep::internode_notify_dispatch<{n}, {g}, {transport}>",
+                  f"ep::internode_cached_notify<{n}, {g}, {transport}>",
+                  f"ep::internode_combine<{n}, {g}, {transport}>"]
+        names += [f"ep::internode_dispatch<{n}, {g}, {transport}, {t}>" for t in ("long long", "int")]
+    return names + [f"ep::internode_put_bandwidth<{transport}>"]
+
+
 KERNELS = {
     "layout.cu": ["ep::get_dispatch_layout<long long>", "ep::get_dispatch_layout<int>"],
     "intranode.cu": intranode_names(),
     "copy.cu": ["ep::p2p_copy"],
+    # the IPC transport: no NVSHMEM header, not relocatable (the NVSHMEM one is test_internode_nvshmem_...)
+    "internode.cu": internode_names("ep::IpcRdma"),
     # relocatable + linked with NVSHMEM's device library
     "low_latency.cu": ["ep::clean_low_latency_buffer", "ep::ll_carve_probe", "ep::combine<long long>",
                        "ep::combine<int>"] + [f"ep::dispatch<{fp8}, {t}>" for fp8 in ("true", "false")
@@ -80,3 +97,24 @@ def test_nvshmem_kernels_are_linked():
     assert b"nvshmemi_device_state_d" in result.cubin
     e_type = int.from_bytes(result.cubin[16:18], "little")
     assert e_type == 2, f"ELF type {e_type}: not an executable (linked) cubin"
+
+
+def test_internode_nvshmem_transport_compiles_links_without_spills():
+    """internode.cu with -DCUPY_EP_NVSHMEM: the same kernels over NVSHMEM, relocatable and linked with NVSHMEM's
+    device library; registers within the 128 the launch bounds allow, no spills."""
+    names = internode_names("ep::NvshmemRdma")
+    assert not jit.uses_nvshmem("internode.cu") and jit.uses_nvshmem("internode.cu", (jit.NVSHMEM_DEFINE,))
+    result = jit.compile_only("internode.cu", names, extra_options=(jit.NVSHMEM_DEFINE,))
+    assert b"nvshmemi_device_state_d" in result.cubin
+    assert int.from_bytes(result.cubin[16:18], "little") == 2, "not an executable (linked) cubin"
+    resources = result.resources()
+    for expr, lowered in result.mapping.items():
+        res = resources[lowered]
+        assert res.get("spill_stores", 0) == 0, f"{expr} spills: {res}"
+        assert 0 < res["registers"] <= 128, f"{expr}: {res}"
+
+
+def test_internode_ipc_transport_needs_no_nvshmem():
+    """The IPC instantiations compile without NVSHMEM: not relocatable, no NVSHMEM state in the cubin."""
+    result = jit.compile_only("internode.cu", ["ep::internode_dispatch<2, 2, ep::IpcRdma, long long>"])
+    assert b"nvshmemi_device_state_d" not in result.cubin

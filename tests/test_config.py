@@ -8,6 +8,7 @@ import pytest
 
 from cupy_ep import Buffer, Config
 from cupy_ep import config as cfg
+from cupy_ep.config import internode_buffer_bytes
 
 
 @pytest.fixture
@@ -67,12 +68,21 @@ def test_default_tables(num_ranks, dispatch, combine, no_tuned_file):
     assert dataclasses.astuple(cfg.get_combine_config(num_ranks, 24)) == (24,) + combine
 
 
-@pytest.mark.parametrize("num_ranks", [1, 9, 16])
+@pytest.mark.parametrize("num_ranks", [0, 1])
 def test_default_tables_reject_unsupported_rank_counts(num_ranks):
     with pytest.raises(ValueError, match="num_ranks"):
         cfg.get_dispatch_config(num_ranks, 20)
     with pytest.raises(ValueError, match="num_ranks"):
         cfg.get_combine_config(num_ranks, 20)
+
+
+@pytest.mark.parametrize("num_ranks, tabulated", [(16, 16), (9, 16), (40, 48), (160, 160), (256, 160)])
+def test_default_tables_above_one_node_are_deepeps_internode_table(num_ranks, tabulated, no_tuned_file):
+    d, c = cfg.get_dispatch_config(num_ranks, 24), cfg.get_combine_config(num_ranks, 24)
+    assert d == Config(24, *cfg._DEFAULT_INTERNODE_DISPATCH[tabulated])
+    assert c == Config(24, *cfg._DEFAULT_INTERNODE_COMBINE[tabulated])
+    assert cfg.get_dispatch_config(16, 24) == Config(24, 36, 288, 20, 128)   # research/deepep.md §1.3
+    assert cfg.get_combine_config(16, 24) == Config(24, 4, 288, 12, 128)
 
 
 def test_buffer_configs_follow_set_num_sms(restore_num_sms, no_tuned_file):
@@ -131,8 +141,10 @@ def test_size_hint_monotone_in_hidden_and_ranks(no_tuned_file):
         c = Config()
         hints = [c.get_nvl_buffer_size_hint(hidden_bytes, r) for r in range(2, 9)]
         assert all(a < b for a, b in zip(hints, hints[1:])), hints
-        # above one NVLink domain the intranode part stops growing
-        assert c.get_nvl_buffer_size_hint(hidden_bytes, 16) == hints[-1]
+        # above one NVLink domain the intranode part stops growing (the internode NVLink buffer may need more)
+        assert c.get_nvl_buffer_size_hint(hidden_bytes, 16) >= hints[-1]
+        assert c.get_nvl_buffer_size_hint(hidden_bytes, 16) == max(
+            hints[-1], internode_buffer_bytes(2, 8, hidden_bytes, c)[0])
 
 
 def test_size_hint_grows_with_num_sms(restore_num_sms, no_tuned_file):
@@ -143,8 +155,8 @@ def test_size_hint_grows_with_num_sms(restore_num_sms, no_tuned_file):
 
 def test_rdma_hint_is_zero_within_one_domain():
     assert Config().get_rdma_buffer_size_hint(14336, 8) == 0
-    with pytest.raises(NotImplementedError):
-        Config().get_rdma_buffer_size_hint(14336, 16)
+    # above: the RDMA half of the internode size model, nodes of 8 GPUs (DeepEP's assumption)
+    assert Config().get_rdma_buffer_size_hint(14336, 16) == internode_buffer_bytes(2, 8, 14336, Config())[1] > 0
 
 
 # ---- tuned configs -----------------------------------------------------------------------------------

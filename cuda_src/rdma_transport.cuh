@@ -1,0 +1,76 @@
+// rdma_transport.cuh: the RDMA-domain transport of the internode kernels, one small device interface with two
+// implementations chosen at compile time (a template parameter of every internode kernel):
+//
+//   put_warp(dst_offset, src, bytes, pe)  warp-collective: copy `bytes` (multiple of 16) of local memory `src` to
+//                                         byte offset dst_offset of PE pe's RDMA buffer (non-blocking)
+//   add(dst_offset, value, pe)            one thread: atomic add of an int at dst_offset on PE pe
+//   fence()                               one thread: this PE's earlier puts to a PE land before its later
+//                                         add to the same PE (a tail signal never overtakes its data)
+//   quiet()                               one thread: every earlier put / add of this PE has completed
+//
+// Offsets are from the base of the RDMA buffer, which has the same layout on every PE (buffer.cuh). PE = node
+// index: the RDMA domain of a rank is the ranks with its GPU index, one per node.
+//
+//   IpcRdma      CUDA-IPC stores into a table of peer base pointers: for testing several "nodes" on one box
+//                (2 nodes x 2 ranks on 2 GPUs). No NVSHMEM header, so its instantiations compile without -rdc.
+//   NvshmemRdma  NVSHMEM device API (the path for real clusters; over NVLink on one box when
+//                NVSHMEM_REMOTE_TRANSPORT=none). Only defined when compiled with -DCUPY_EP_NVSHMEM, which
+//                cupy_ep/jit.py pairs with -rdc and the link against libnvshmem_device.a.
+// Nothing else differs between the two: the kernels see only this interface.
+#pragma once
+#include "common.cuh"
+
+namespace ep {
+
+// What a kernel gets from the host: its own base address (NVSHMEM: the symmetric address), the peers' bases
+// as mapped in this process (IPC only; NVSHMEM ignores it) and its PE index.
+struct RdmaArgs {
+    char* base;
+    const unsigned long long* peer_bases;
+    int pe;
+};
+
+struct IpcRdma {
+    RdmaArgs a;
+    __device__ explicit IpcRdma(RdmaArgs args) : a(args) {}
+    __device__ char* remote(long long offset, int pe) const {
+        return reinterpret_cast<char*>(a.peer_bases[pe]) + offset;
+    }
+    __device__ void put_warp(long long dst_offset, const void* src, long long bytes, int pe) const {
+        int4* dst = reinterpret_cast<int4*>(remote(dst_offset, pe));
+        const int4* s = static_cast<const int4*>(src);
+        const long long n = bytes / 16;
+        // src was written by other warps of this block (made visible by the caller's fence); L2 loads.
+        for (long long i = lane_id(); i < n; i += kWarpSize) dst[i] = ld_ring_v4(s + i);
+    }
+    __device__ void add(long long dst_offset, int value, int pe) const {
+        atomicAdd_system(reinterpret_cast<int*>(remote(dst_offset, pe)), value);
+    }
+    // The put's stores were made by the whole warp; the caller runs __syncwarp() first, and a system-scope
+    // fence is cumulative over what this thread observed through it.
+    __device__ void fence() const { __threadfence_system(); }
+    __device__ void quiet() const { __threadfence_system(); }
+};
+
+}  // namespace ep
+
+#ifdef CUPY_EP_NVSHMEM
+#include "nvshmem.cuh"
+
+namespace ep {
+
+struct NvshmemRdma {
+    RdmaArgs a;
+    __device__ explicit NvshmemRdma(RdmaArgs args) : a(args) {}
+    __device__ void put_warp(long long dst_offset, const void* src, long long bytes, int pe) const {
+        nvshmemx_putmem_nbi_warp(a.base + dst_offset, src, (size_t)bytes, pe);
+    }
+    __device__ void add(long long dst_offset, int value, int pe) const {
+        nvshmem_int_atomic_add(reinterpret_cast<int*>(a.base + dst_offset), value, pe);
+    }
+    __device__ void fence() const { nvshmem_fence(); }
+    __device__ void quiet() const { nvshmem_quiet(); }
+};
+
+}  // namespace ep
+#endif

@@ -1,0 +1,507 @@
+"""The GPU internode path: ``InternodeState`` owns the node-local NVLink buffer, the RDMA buffer (NVSHMEM
+symmetric heap, or CUDA IPC for testing) and the launches of ``cuda_src/internode.cu``. ``CudaBuffer`` creates one
+when the job spans more than one node and routes ``dispatch`` / ``combine`` here.
+
+Decisions (research/deepep.md §1.5, §3 is the model):
+
+* topology: node = ``rank // G`` and GPU index = ``rank % G`` with G = ``num_ranks_per_node`` (default: the MPI
+  shared-memory split). The NVLink domain is the G ranks of a node (one CUDA-IPC buffer each), the RDMA domain
+  the N ranks with the same GPU index (NVSHMEM PE = node index);
+* transport (``internode_transport=`` or env ``CUPY_EP_INTERNODE_TRANSPORT``): ``"nvshmem"`` (default, the path
+  for clusters) or ``"ipc"``: the same kernels with the RDMA puts done as CUDA-IPC stores, so that
+  2 nodes x 2 ranks can be tested on one box with 2 GPUs (ranks of one "RDMA domain" may then share a GPU);
+* the handle is DeepEP's internode 10-tuple ``(is_token_in_rank, rdma_channel_prefix_matrix,
+  gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
+  recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, send_nvl_head)``
+  with ``recv_src_meta [num_recv, 8] uint8`` (int32 source node, int32 bit mask of destination GPUs) and
+  ``send_nvl_head [num_rdma_recv, G]``; combine does not modify it;
+* combine is deterministic with a fixed order: per node a bf16-rounded fp32 sum over its GPUs in ascending
+  order, then at the owner an fp32 sum of bias0, bias1 and the node partials in ascending node order, rounded
+  once more (see :func:`cupy_ep.internode_reference.combine`);
+* ``num_worst_tokens`` works: outputs get that many rows, ``send_nvl_head`` too; the notify kernel stops the
+  buffer (``CommTimeoutError`` with role ``capacity``) if a rank would receive more.
+
+STATUS: written and compile-checked without a GPU; not yet run (see the issue 7 report).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from . import bootstrap, interop, jit, validate
+from . import config as _config
+from .errors import CommTimeoutError
+
+_FILE = "internode.cu"
+_NOTIFY_THREADS = 256            # kNotifyThreads
+_SENDER_WARPS = 6                # kDispatchSenderWarps
+_COMBINE_RECV_WARPS = 6          # kCombineRecvWarps
+_MAX_COMBINE_FORWARDER_WARPS = 16
+_OP_CACHED_DISPATCH, _OP_COMBINE = 12, 13   # InternodeCallOp
+TRANSPORTS = ("nvshmem", "ipc")
+_TRANSPORT_TYPES = {"nvshmem": "ep::NvshmemRdma", "ipc": "ep::IpcRdma"}
+
+HANDLE_FIELDS = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
+                 "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
+                 "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head", "send_nvl_head")
+_HANDLE_DTYPES = ("bool", "int32", "int32", "int32", "int32", "int32", "int32", "uint8", "int32", "int32")
+
+
+# ---- pure logic (CPU-tested) ---------------------------------------------------------------------------
+def resolve_transport(transport: str | None) -> str:
+    """``transport`` or env ``CUPY_EP_INTERNODE_TRANSPORT`` or ``"nvshmem"``; checked."""
+    value = transport if transport is not None else os.environ.get("CUPY_EP_INTERNODE_TRANSPORT") or "nvshmem"
+    if value not in TRANSPORTS:
+        raise ValueError(f"internode_transport: must be one of {TRANSPORTS}, got {value!r}")
+    return value
+
+
+def check_topology(num_ranks: int, num_ranks_per_node: int) -> tuple[int, int]:
+    """``(N, G)`` of an internode job; ValueError naming what is out of range."""
+    if num_ranks % num_ranks_per_node:
+        raise ValueError(f"num_ranks_per_node: must divide the world size {num_ranks}, got {num_ranks_per_node}")
+    num_nodes = num_ranks // num_ranks_per_node
+    if not 2 <= num_nodes <= _config.MAX_RDMA_RANKS:
+        raise ValueError(f"comm: the internode kernels support 2..{_config.MAX_RDMA_RANKS} nodes, got {num_nodes}")
+    if not 1 <= num_ranks_per_node <= _config.MAX_NVL_RANKS:
+        raise ValueError(f"num_ranks_per_node: the internode kernels support 1..{_config.MAX_NVL_RANKS} GPUs per "
+                         f"node, got {num_ranks_per_node}")
+    return num_nodes, num_ranks_per_node
+
+
+def check_config(cfg: _config.Config, num_nodes: int, kind: str) -> None:
+    """The ring-size relations the internode kernels rely on (besides what ``Config`` checks itself)."""
+    if kind == "combine":
+        sub = cfg.num_max_nvl_chunked_recv_tokens // num_nodes
+        if sub < cfg.num_max_nvl_chunked_send_tokens:
+            raise ValueError(f"config: internode combine splits each NVLink ring into {num_nodes} sub-rings (one per "
+                             f"node): num_max_nvl_chunked_recv_tokens // {num_nodes} = {sub} must be >= "
+                             f"num_max_nvl_chunked_send_tokens = {cfg.num_max_nvl_chunked_send_tokens}")
+
+
+def threads(kind: str, num_nodes: int, gpus_per_node: int) -> int:
+    """Block size of the dispatch / combine kernel (mirrors DispatchShape / CombineShape in internode.cu)."""
+    if kind == "dispatch":
+        return (_SENDER_WARPS + 1 + gpus_per_node) * 32
+    even = gpus_per_node + _COMBINE_RECV_WARPS + 1
+    odd = min(num_nodes, _MAX_COMBINE_FORWARDER_WARPS)
+    return max(even, odd) * 32
+
+
+def check_buffer_sizes(lay: dict, what: str, num_nvl_bytes: int, num_rdma_bytes: int) -> None:
+    """ValueError naming the buffer that is too small for a call's carve (``config.internode_layout``)."""
+    nvl = lay[f"nvl_{what}_end"] - _config.SIGNAL_BYTES
+    rdma = lay[f"rdma_{what}_end"]
+    if nvl > num_nvl_bytes:
+        raise ValueError(f"num_nvl_bytes: this internode {what} needs at least {nvl} bytes of NVLink buffer, the buffer "
+                         f"has {num_nvl_bytes} (use cupy_ep.config.internode_buffer_bytes)")
+    if rdma > num_rdma_bytes:
+        raise ValueError(f"num_rdma_bytes: this internode {what} needs at least {rdma} bytes of RDMA buffer, the buffer "
+                         f"has {num_rdma_bytes} (use cupy_ep.config.internode_buffer_bytes)")
+
+
+def check_handle(handle, num_ranks: int, num_nodes: int, gpus_per_node: int, num_channels: int | None,
+                 device: int | None = None) -> dict:
+    """Kinds, dtypes and shapes of an internode handle; returns ``{field: array}`` (arrays unchanged).
+
+    ``num_channels`` None takes it from the handle (combine); otherwise it must match (cached dispatch)."""
+    if not isinstance(handle, (tuple, list)) or len(handle) != len(HANDLE_FIELDS):
+        raise ValueError(f"handle: must be the {len(HANDLE_FIELDS)}-tuple returned by an internode dispatch "
+                         f"({', '.join(HANDLE_FIELDS)})")
+    fields = {}
+    for name, dt, a in zip(HANDLE_FIELDS, _HANDLE_DTYPES, handle):
+        validate.check_array(a, f"handle.{name}", (dt,), ndim=1 if name.endswith("prefix_sum") else 2, device=device)
+        fields[name] = a
+    R, N, G = num_ranks, num_nodes, gpus_per_node
+    C = num_channels if num_channels is not None else int(fields["rdma_channel_prefix_matrix"].shape[1])
+    T = int(fields["is_token_in_rank"].shape[0])
+    num_rdma_recv = int(fields["send_nvl_head"].shape[0])
+    expected = {"is_token_in_rank": (T, R), "rdma_channel_prefix_matrix": (N, C), "gbl_channel_prefix_matrix": (R, C),
+                "recv_rdma_channel_prefix_matrix": (N, C), "recv_rdma_rank_prefix_sum": (N,),
+                "recv_gbl_channel_prefix_matrix": (R, C), "recv_gbl_rank_prefix_sum": (R,),
+                "send_rdma_head": (T, N), "send_nvl_head": (num_rdma_recv, G)}
+    for name, shape in expected.items():
+        if tuple(fields[name].shape) != shape:
+            raise ValueError(f"handle.{name}: expected shape {shape} ({N} nodes x {G} GPUs, {T} tokens, {C} channels), "
+                             f"got {tuple(fields[name].shape)}; was the handle made by another buffer, other inputs or "
+                             "another num_sms?")
+    if fields["recv_src_meta"].shape[1] != 8:
+        raise ValueError(f"handle.recv_src_meta: expected shape (num_recv, 8), got {tuple(fields['recv_src_meta'].shape)}")
+    return fields
+
+
+def kernel_name(kind: str, num_nodes: int, gpus_per_node: int, transport: str, idx_ctype: str | None = None) -> str:
+    """Name expression of one internode kernel instantiation."""
+    t = _TRANSPORT_TYPES[transport]
+    if kind == "dispatch":
+        return f"ep::internode_dispatch<{num_nodes}, {gpus_per_node}, {t}, {idx_ctype}>"
+    return f"ep::internode_{kind}<{num_nodes}, {gpus_per_node}, {t}>"
+
+
+# ---- the GPU state --------------------------------------------------------------------------------------
+class InternodeState:
+    """Buffers and launches of the internode path for one ``CudaBuffer``.
+
+    Args:
+        buf: the owning ``CudaBuffer`` (comm, device, streams, DeviceCtx, ``_begin``/``_finish``, health).
+        num_nvl_bytes / num_rdma_bytes: sizes of the node-local NVLink buffer and the RDMA buffer
+            (:func:`cupy_ep.config.internode_buffer_bytes`).
+        transport: ``"nvshmem"`` or ``"ipc"`` (already resolved).
+    """
+
+    def __init__(self, buf, num_nvl_bytes: int, num_rdma_bytes: int, transport: str):
+        import cupy
+        topo = buf.topology
+        self.buf = buf
+        self.num_nodes, self.gpus_per_node = check_topology(buf.num_ranks, topo.num_ranks_per_node)
+        if num_rdma_bytes <= 0 or num_rdma_bytes % _config.ALIGN:
+            raise ValueError(f"num_rdma_bytes: the internode path needs a positive multiple of {_config.ALIGN} bytes "
+                             f"(size it with cupy_ep.config.internode_buffer_bytes), got {num_rdma_bytes}")
+        if num_nvl_bytes <= 0:
+            raise ValueError("num_nvl_bytes: the internode path needs an NVLink buffer (size it with "
+                             "cupy_ep.config.internode_buffer_bytes)")
+        self.transport = transport
+        self.node, self.nvl_rank = buf.rank // self.gpus_per_node, buf.rank % self.gpus_per_node
+        # node = rank // G assumes ranks are placed node by node; with the real shared-memory split check it
+        # (collectively, so that every rank raises together)
+        real_split = topo.local_size == self.gpus_per_node
+        misplaced = buf.comm.allreduce(int(real_split and topo.local_rank != self.nvl_rank))
+        if misplaced:
+            raise ValueError(f"comm: ranks must be placed node by node (ranks [n*G, n*G + G) on node n, G = "
+                             f"{self.gpus_per_node}); {misplaced} rank(s) are not (use mpirun's by-node/block mapping)")
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.node_comm = buf.comm.Split(self.node, buf.rank)
+        self.rdma_comm = buf.comm.Split(self.nvl_rank, buf.rank)   # rank in it = node index
+        self.nvl = bootstrap.IpcBuffer(self.node_comm, num_nvl_bytes + _config.SIGNAL_BYTES)
+        self.nv = None
+        self.rdma_ipc = None
+        if transport == "nvshmem":
+            from .cuda_low_latency import set_nvshmem_env
+            from .nvshmem import Nvshmem
+            set_nvshmem_env(single_node=topo.local_size == buf.num_ranks)
+            os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE",
+                                  str(max(1 << 30, _config.align_up(num_rdma_bytes, 1 << 21) + (64 << 20))))
+            self.nv = Nvshmem(self.rdma_comm, buf.device_id)
+            self.rdma_base = self.nv.align(num_rdma_bytes)
+            cupy.cuda.runtime.memset(self.rdma_base, 0, num_rdma_bytes)
+            self.rdma_peers = cupy.zeros(self.num_nodes, dtype=cupy.uint64)   # unused by NvshmemRdma
+            cupy.cuda.runtime.deviceSynchronize()
+            self.nv.barrier_all()
+        else:
+            self.rdma_ipc = bootstrap.IpcBuffer(self.rdma_comm, num_rdma_bytes)
+            self.rdma_base = self.rdma_ipc.ptr
+            self.rdma_peers = self.rdma_ipc.ptr_table
+        # host-mapped: [0] num_recv, [1] num_rdma_recv, [2..] per local expert
+        self.host = bootstrap.HostMapped(4 * (2 + _config.MAX_LOCAL_EXPERTS))
+        self.counters = self.host.view(np.int32, 0, 2 + _config.MAX_LOCAL_EXPERTS)
+        self._kernels: dict = {}
+
+    # ---- plumbing -----------------------------------------------------------------------------------
+    def launch(self, name: str, grid: int, block: int, args) -> None:
+        k = self._kernels.get(name)
+        if k is None:
+            extra = (jit.NVSHMEM_DEFINE,) if self.transport == "nvshmem" else ()
+            k = jit.get_kernel(_FILE, name, extra)
+            if self.nv is not None:
+                self.nv.init_module(k._module.ptr)
+            self._kernels[name] = k
+        k((grid,), (block,), args, stream=self.buf.comm_stream)
+
+    def rdma_args(self):
+        return (np.uint64(self.rdma_base), self.rdma_peers)
+
+    def wait_counter(self) -> int:
+        """Host wait for the notify kernel's receive count (the only CPU sync of a non-cached dispatch)."""
+        deadline = time.monotonic() + self.buf.timeout_s + 5.0
+        while True:
+            value = int(self.counters[0])
+            if value >= 0:
+                return value
+            if int(self.buf._record["flag"][0]):
+                self.buf.check_health()
+            if time.monotonic() > deadline:
+                self.buf._unusable_reason = "host wait for internode_notify_dispatch timed out"
+                raise CommTimeoutError(f"rank {self.buf.rank}: host wait for the receive count timed out after "
+                                       f"{self.buf.timeout_s} s", {"rank": self.buf.rank,
+                                                                   "kernel": "internode_notify_dispatch",
+                                                                   "role": "host"})
+
+    def barrier(self) -> None:
+        """Both domains meet (a cached notify for combine with 1 channel: barriers + clearing, no ring in use)."""
+        self.launch(kernel_name("cached_notify", self.num_nodes, self.gpus_per_node, self.transport), 1,
+                    _NOTIFY_THREADS, (np.int32(_OP_COMBINE), np.int32(1), np.int32(2), np.int32(2), np.int32(1),
+                                      np.int32(0), np.int32(0), self.nvl.ptr_table) + self.rdma_args()
+                    + (np.int32(self.buf.rank), self.buf._ctx))
+
+    # ---- dispatch -----------------------------------------------------------------------------------
+    def dispatch(self, info, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, cfg,
+                 previous_event, async_finish, allocate_on_comm_stream, check_values: bool):
+        """See ``CudaBuffer.dispatch``; ``info`` is ``validate.check_x``'s result, ``cfg`` the resolved config."""
+        import cupy
+        buf = self.buf
+        R, N, G = buf.num_ranks, self.num_nodes, self.gpus_per_node
+        C, T = cfg.num_channels, info.num_tokens
+        dev = buf.device_id
+        check_config(cfg, N, "dispatch")
+        cached = handle is not None
+        num_topk, idx_name, num_experts = 0, "int64", 0
+        if cached:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("topk_idx/topk_weights: must be None in a cached dispatch (handle given)")
+            if num_worst_tokens:
+                raise ValueError("num_worst_tokens: must be 0 in a cached dispatch (the handle fixes the sizes)")
+            h = check_handle(handle, R, N, G, C, dev)
+            if int(h["is_token_in_rank"].shape[0]) != T:
+                raise ValueError(f"x: has {T} rows but the handle was made for {h['is_token_in_rank'].shape[0]} tokens")
+        else:
+            for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
+                                ("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank),
+                                ("is_token_in_rank", is_token_in_rank), ("num_tokens_per_expert", num_tokens_per_expert)):
+                if value is None:
+                    raise ValueError(f"{name}: required for a non-cached internode dispatch (from get_dispatch_layout)")
+            validate.check_array(num_tokens_per_rank, "num_tokens_per_rank", ("int32",), ndim=1, device=dev)
+            if tuple(num_tokens_per_rank.shape) != (R,):
+                raise ValueError(f"num_tokens_per_rank: expected shape ({R},), got {tuple(num_tokens_per_rank.shape)}")
+            validate.check_array(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", ("int32",), ndim=1, device=dev)
+            if tuple(num_tokens_per_rdma_rank.shape) != (N,):
+                raise ValueError(f"num_tokens_per_rdma_rank: expected shape ({N},), got "
+                                 f"{tuple(num_tokens_per_rdma_rank.shape)}")
+            validate.check_array(is_token_in_rank, "is_token_in_rank", ("bool",), ndim=2, device=dev)
+            if tuple(is_token_in_rank.shape) != (T, R):
+                raise ValueError(f"is_token_in_rank: expected shape {(T, R)}, got {tuple(is_token_in_rank.shape)}")
+            validate.check_array(num_tokens_per_expert, "num_tokens_per_expert", ("int32",), ndim=1, device=dev)
+            num_experts = int(num_tokens_per_expert.shape[0])
+            validate.check_num_experts(num_experts, R)
+            if (topk_idx is None) != (topk_weights is None):
+                raise ValueError("topk_idx/topk_weights: give both or neither")
+            if topk_idx is not None:
+                t2, num_topk = validate.check_topk_idx(topk_idx, num_experts, dev, check_values)
+                if t2 != T:
+                    raise ValueError(f"topk_idx: has {t2} rows but x has {T}")
+                validate.check_topk_weights(topk_weights, T, num_topk, dev)
+                idx_name = interop.dtype_name(topk_idx)
+            if num_worst_tokens and topk_idx is None:
+                raise ValueError("num_worst_tokens: needs topk_idx and topk_weights")
+        S, hidden_int4 = info.num_scales, info.hidden_bytes // 16
+        lay = _config.internode_layout(N, G, C, cfg.num_max_rdma_chunked_recv_tokens,
+                                       cfg.num_max_nvl_chunked_recv_tokens, info.hidden_bytes, S, num_topk)
+        check_buffer_sizes(lay, "dispatch", self.num_nvl_bytes, self.num_rdma_bytes)
+
+        kind = interop.kind_of(info.x)
+        raw_x = interop.unwrap(info.x, "bfloat16" if info.dtype == "bfloat16" else "float8_e4m3fn")
+        raw_scales = interop.unwrap(info.scales) if info.scales is not None else None
+        compute = buf._begin(kind, previous_event)
+        alloc_stream = buf.comm_stream if allocate_on_comm_stream else compute
+        common = (self.nvl.ptr_table,) + self.rdma_args() + (np.int32(buf.rank),)
+        per_expert_list = None
+        if cached:
+            raw = {k: interop.unwrap(v) for k, v in h.items()}
+            in_rank = raw["is_token_in_rank"]
+            rdma_cpm, gbl_cpm = raw["rdma_channel_prefix_matrix"], raw["gbl_channel_prefix_matrix"]
+            rrps, rgps = raw["recv_rdma_rank_prefix_sum"], raw["recv_gbl_rank_prefix_sum"]
+            num_recv = int(raw["recv_src_meta"].shape[0])
+            self.launch(kernel_name("cached_notify", N, G, self.transport), 1, _NOTIFY_THREADS,
+                        (np.int32(_OP_CACHED_DISPATCH), np.int32(C), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
+                         np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4), np.int32(0),
+                         np.int32(S)) + common + (buf._ctx,))
+            raw_idx = raw_w = src_meta = rrcpm = rgcpm = send_rdma_head = send_nvl_head = None
+        else:
+            in_rank = interop.unwrap(is_token_in_rank)
+            raw_idx = interop.unwrap(topk_idx) if topk_idx is not None else None
+            raw_w = interop.unwrap(topk_weights) if topk_weights is not None else None
+            with alloc_stream:
+                rdma_cpm = cupy.empty((N, C), dtype=cupy.int32)
+                gbl_cpm = cupy.empty((R, C), dtype=cupy.int32)
+                rrps = cupy.empty(N, dtype=cupy.int32)
+                rgps = cupy.empty(R, dtype=cupy.int32)
+            sync = num_worst_tokens == 0
+            if sync:
+                self.counters[0] = self.counters[1] = -1
+            self.launch(kernel_name("notify_dispatch", N, G, self.transport), 1 + N, _NOTIFY_THREADS,
+                        (interop.unwrap(num_tokens_per_rank), interop.unwrap(num_tokens_per_rdma_rank),
+                         interop.unwrap(num_tokens_per_expert), np.int32(num_experts), in_rank, np.int32(T),
+                         np.int32(C), np.int32(expert_alignment), rdma_cpm, rrps, gbl_cpm, rgps,
+                         np.uint64(self.host.ptr) if sync else None,
+                         np.int32(-1 if sync else num_worst_tokens), np.int32(-1 if sync else num_worst_tokens))
+                        + (self.nvl.ptr_table,) + self.rdma_args() + (np.int32(buf.rank),
+                           np.int32(cfg.num_max_rdma_chunked_recv_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
+                           np.int32(hidden_int4), np.int32(num_topk), np.int32(S), buf._ctx))
+            if sync:
+                num_recv = self.wait_counter()
+                num_rdma_recv = int(self.counters[1])
+                per_expert_list = [int(v) for v in self.counters[2: 2 + num_experts // R]]
+            else:
+                num_recv = num_rdma_recv = num_worst_tokens
+            with alloc_stream:
+                src_meta = cupy.empty((num_recv, 2), dtype=cupy.int32)
+                rrcpm = cupy.empty((N, C), dtype=cupy.int32)
+                rgcpm = cupy.empty((R, C), dtype=cupy.int32)
+                send_rdma_head = cupy.empty((T, N), dtype=cupy.int32)
+                send_nvl_head = cupy.empty((num_rdma_recv, G), dtype=cupy.int32)
+        with alloc_stream:
+            recv_x = cupy.empty((num_recv, info.hidden), dtype=raw_x.dtype)
+            recv_scales = cupy.empty((num_recv, S), dtype=cupy.float32) if raw_scales is not None else None
+            recv_idx = recv_w = None
+            if raw_idx is not None:
+                recv_idx = cupy.empty((num_recv, num_topk), dtype=raw_idx.dtype)
+                recv_w = cupy.empty((num_recv, num_topk), dtype=cupy.float32)
+        stride_t = stride_h = 0
+        if raw_scales is not None:
+            stride_t, stride_h = (s // 4 for s in raw_scales.strides)
+        ctype = "long long" if idx_name == "int64" else "int"
+        self.launch(kernel_name("dispatch", N, G, self.transport, ctype), 2 * C, threads("dispatch", N, G),
+                    (recv_x, recv_scales, recv_idx, recv_w, src_meta, rrcpm, rgcpm, send_rdma_head, send_nvl_head,
+                     raw_x, raw_scales, raw_idx, raw_w, in_rank, rdma_cpm, rrps, gbl_cpm, rgps, np.int32(T),
+                     np.int32(num_worst_tokens), np.int32(hidden_int4), np.int32(num_topk), np.int32(num_experts),
+                     np.int32(S), np.int64(stride_t), np.int64(stride_h)) + common
+                    + (np.int32(cfg.num_max_rdma_chunked_send_tokens), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
+                       np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
+                       buf._ctx))
+        keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, in_rank, rdma_cpm, gbl_cpm,
+                rrps, rgps, src_meta, rrcpm, rgcpm, send_rdma_head, send_nvl_head)
+        event = buf._finish(compute, async_finish, keep)
+
+        x_name = info.dtype if kind.lib != "cupy" or info.dtype == "bfloat16" else interop.dtype_name(info.x)
+        out_x = interop.wrap(recv_x, kind, x_name)
+        if recv_scales is not None:
+            out_x = (out_x, interop.wrap(recv_scales, kind, "float32"))
+        if cached:
+            return out_x, None, None, None, None, event
+        w = lambda a, name="int32": interop.wrap(a, kind, name)  # noqa: E731
+        out_handle = (is_token_in_rank, w(rdma_cpm), w(gbl_cpm), w(rrcpm), w(rrps), w(rgcpm), w(rgps),
+                      w(src_meta.view(cupy.uint8), "uint8"), w(send_rdma_head), w(send_nvl_head))
+        return (out_x, interop.wrap(recv_idx, kind, idx_name), interop.wrap(recv_w, kind, "float32"),
+                per_expert_list if per_expert_list is not None else [], out_handle, event)
+
+    # ---- combine ------------------------------------------------------------------------------------
+    def combine(self, x, handle, topk_weights, bias, config_getter, previous_event, async_finish,
+                allocate_on_comm_stream):
+        """See ``CudaBuffer.combine``. ``config_getter(num_channels)`` resolves the config for the handle's C."""
+        import cupy
+        buf = self.buf
+        R, N, G, dev = buf.num_ranks, self.num_nodes, self.gpus_per_node, buf.device_id
+        validate.check_array(x, "x", ("bfloat16",), ndim=2, device=dev)
+        num_recv, hidden = x.shape
+        if (hidden * 2) % 16:
+            raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={hidden}")
+        h = check_handle(handle, R, N, G, None, dev)
+        C = int(h["rdma_channel_prefix_matrix"].shape[1])
+        cfg = config_getter(C)
+        if cfg.num_channels != C:
+            raise ValueError(f"config: num_sms={cfg.num_sms} but the handle was made with num_sms={2 * C}")
+        check_config(cfg, N, "combine")
+        if int(h["recv_src_meta"].shape[0]) != num_recv:
+            raise ValueError(f"x: has {num_recv} rows but the handle's dispatch received {h['recv_src_meta'].shape[0]}")
+        T = int(h["is_token_in_rank"].shape[0])
+        num_topk = 0
+        if topk_weights is not None:
+            validate.check_array(topk_weights, "topk_weights", ("float32",), ndim=2, device=dev)
+            if topk_weights.shape[0] != num_recv or not 1 <= topk_weights.shape[1] <= _config.MAX_TOPK:
+                raise ValueError(f"topk_weights: expected shape ({num_recv}, K<=32), got {tuple(topk_weights.shape)}")
+            num_topk = int(topk_weights.shape[1])
+        biases = validate.check_bias(bias, T, hidden, dev)
+        validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        hidden_int4 = hidden * 2 // 16
+        lay = _config.internode_layout(N, G, C, cfg.num_max_rdma_chunked_recv_tokens,
+                                       cfg.num_max_nvl_chunked_recv_tokens, hidden * 2, 0, num_topk)
+        check_buffer_sizes(lay, "combine", self.num_nvl_bytes, self.num_rdma_bytes)
+
+        kind = interop.kind_of(x)
+        raw = {k: interop.unwrap(v) for k, v in h.items()}
+        raw_x = interop.unwrap(x)
+        raw_w = interop.unwrap(topk_weights) if topk_weights is not None else None
+        raw_b = [interop.unwrap(b) if b is not None else None for b in biases]
+        compute = buf._begin(kind, previous_event)
+        with (buf.comm_stream if allocate_on_comm_stream else compute):
+            out = cupy.empty((T, hidden), dtype=cupy.uint16)
+            out_w = cupy.empty((T, num_topk), dtype=cupy.float32) if raw_w is not None else None
+        common = (self.nvl.ptr_table,) + self.rdma_args() + (np.int32(buf.rank),)
+        self.launch(kernel_name("cached_notify", N, G, self.transport), 1, _NOTIFY_THREADS,
+                    (np.int32(_OP_COMBINE), np.int32(C), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
+                     np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4), np.int32(num_topk),
+                     np.int32(0)) + common + (buf._ctx,))
+        self.launch(kernel_name("combine", N, G, self.transport), 2 * C, threads("combine", N, G),
+                    (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], raw["recv_gbl_channel_prefix_matrix"],
+                     raw["recv_gbl_rank_prefix_sum"], raw["recv_rdma_channel_prefix_matrix"],
+                     raw["recv_rdma_rank_prefix_sum"], raw["send_rdma_head"], raw["send_nvl_head"], np.int32(T),
+                     np.int32(hidden_int4), np.int32(num_topk)) + common
+                    + (np.int32(cfg.num_max_rdma_chunked_send_tokens), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
+                       np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
+                       buf._ctx))
+        event = buf._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, *raw.values()))
+        return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
+
+    # ---- tests / tools ------------------------------------------------------------------------------
+    def put_ceiling_launcher(self, bytes_per_peer: int, num_blocks: int, threads_per_block: int = 512,
+                             chunk_bytes: int = 1 << 16):
+        """A function that launches ``internode_put_bandwidth`` once on the current stream: every GPU puts
+        ``bytes_per_peer`` to each other PE of its RDMA domain through this buffer's transport (the benchmark's
+        ceiling). Uses the channel area of the RDMA buffer as scratch: only between calls."""
+        import cupy
+        lay = _config.internode_layout(self.num_nodes, self.gpus_per_node, 1, 1, 1, 16, 0, 0)
+        offset = _config.align_up(lay["rdma_channel_begin"], 1 << 12)
+        bytes_per_peer = _config.align_up(bytes_per_peer, 16)
+        if offset + (1 + self.num_nodes) * bytes_per_peer > self.num_rdma_bytes:
+            raise ValueError(f"bytes_per_peer: {bytes_per_peer} x {1 + self.num_nodes} does not fit the RDMA buffer "
+                             f"({self.num_rdma_bytes} bytes)")
+        name = f"ep::internode_put_bandwidth<{_TRANSPORT_TYPES[self.transport]}>"
+        self.launch(name, 1, 32, (np.uint64(0), self.rdma_peers, np.int32(self.node), np.int32(1), np.int64(0),
+                                  np.int64(0), np.int64(16)))  # load + module init now, outside any timing
+        kernel = self._kernels[name]
+
+        def run():
+            kernel((num_blocks,), (threads_per_block,),
+                   (np.uint64(self.rdma_base), self.rdma_peers, np.int32(self.node), np.int32(self.num_nodes),
+                    np.int64(offset), np.int64(bytes_per_peer), np.int64(chunk_bytes)),
+                   stream=cupy.cuda.get_current_stream())
+        return run
+
+    def carve_probe(self, num_channels: int, num_rdma_slots: int, num_nvl_slots: int, hidden_int4: int,
+                    num_scales: int, num_topk: int) -> list:
+        """The device's own layout sums (``internode_carve_probe``), to compare with ``config.internode_layout``."""
+        import cupy
+        out = cupy.zeros(8, dtype=cupy.int64)
+        k = jit.get_kernel(_FILE, "ep::internode_carve_probe")
+        k((1,), (1,), (np.int32(self.num_nodes), np.int32(self.gpus_per_node), np.int32(num_channels),
+                       np.int32(num_rdma_slots), np.int32(num_nvl_slots), np.int32(hidden_int4), np.int32(num_scales),
+                       np.int32(num_topk), out))
+        return [int(v) for v in out.get()]
+
+    def destroy(self) -> None:
+        """Collective: close the NVLink (and IPC "RDMA") buffers; free the symmetric buffer and finalize NVSHMEM
+        only when every rank's device is healthy (as LowLatencyState.destroy, which explains why)."""
+        import cupy
+        reason = None
+        try:
+            cupy.cuda.runtime.deviceSynchronize()
+        except Exception as e:  # noqa: BLE001  (CUDARuntimeError: a sticky device error)
+            reason = f"{type(e).__name__}: {e}"
+        reasons = self.buf.comm.allgather(reason)
+        try:
+            self.nvl.close()
+            if self.rdma_ipc is not None:
+                self.rdma_ipc.close()
+            if self.nv is not None:
+                nv, self.nv = self.nv, None
+                if any(reasons):
+                    import warnings
+                    warnings.warn(f"rank {self.buf.rank}: NVSHMEM not finalized (a device failed: {reasons}); the "
+                                  "symmetric heap is released at process exit", RuntimeWarning, stacklevel=2)
+                else:
+                    nv.barrier_all()
+                    nv.free(self.rdma_base)
+                    nv.finalize()
+        finally:
+            self.host.free()
+            for comm in (self.node_comm, self.rdma_comm):
+                try:
+                    comm.Free()
+                except Exception:  # noqa: BLE001
+                    pass
+
+
+__all__ = ["InternodeState", "resolve_transport", "check_topology", "check_config", "check_handle",
+           "check_buffer_sizes", "kernel_name", "threads", "HANDLE_FIELDS", "TRANSPORTS"]
