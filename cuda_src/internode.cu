@@ -651,6 +651,11 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                                [&] { return (tl = ld_acquire_sys(tail_ptr)) != head; },
                                [&](long long& h, long long& t2, long long& e) { h = head; t2 = tl; e = num_to_recv; });
             if (!ok) break;
+            // Review fix: every lane loaded the tail itself; take lane 0's value so that the token loop below
+            // (full-mask __shfl_sync inside) has one trip count for the whole warp even if the loads differed;
+            // __syncwarp orders lane 0's acquire before every lane's slot loads.
+            __syncwarp();
+            tl = __shfl_sync(kFullMask, tl, 0);
             for (int i = head; i < tl; ++i) {
                 const char* tb = reinterpret_cast<const char*>(ring + (long long)(i % num_nvl_slots) * fmt.int4s);
                 const int src_node = ld_volatile(reinterpret_cast<const int*>(tb + fmt.meta_off));
@@ -714,6 +719,9 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                                      },
                                      [&](long long& h, long long& tl, long long& e) { h = consumed; tl = consumed + avail; e = num_rdma; });
             if (!ok) break;
+            // Review fix: only lane n acquired node n's tail; ballot/shfl are not memory-ordering operations, so
+            // the other lanes' slot loads below are ordered after that acquire by this warp barrier.
+            __syncwarp();
             const unsigned mask = __ballot_sync(kFullMask, lane < N && consumed < num_rdma && avail > 0);
             const int n = next_set_bit(mask, rr);
             rr = n + 1 < N ? n + 1 : 0;

@@ -516,6 +516,25 @@ def plot(doc: dict, path: Path):
     fig.savefig(path, dpi=110)
 
 
+def write_report(out_dir, stem: str, records: list, doc: dict, make_lines, mode: str) -> None:
+    """Stamp ``records`` with the commit and GPU, write ``<out_dir>/<stem>.json`` (those two fields, ``doc``, then
+    ``results``) and ``<stem>.md`` (``make_lines(common)``: the markdown lines, given the stamp); print the table.
+    The writer of the low-latency and internode benchmarks."""
+    import cupy
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    common = {"commit": _git_commit(), "gpu": gpu}
+    for r in records:
+        r.update(common)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(dict(common, **doc, results=records), indent=1, default=str))
+    md = "\n".join(make_lines(common)) + "\n"
+    (out / f"{stem}.md").write_text(md)
+    print(md)
+    print(f"cupy_ep.bench --mode {mode}: wrote {out}/{stem}.json/.md")
+
+
 def _git_commit() -> str:
     """The checkout's commit (``CUPY_EP_COMMIT`` wins: the GPU machine gets a copy without .git)."""
     if os.environ.get("CUPY_EP_COMMIT"):

@@ -15,16 +15,14 @@ aborts). Writes ``<out>/bench_internode_<transport>_ep<R>.json`` and ``.md``.
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import numpy as np
 
 import cupy_ep
 from cupy_ep import Buffer, internode_reference, reference
 from cupy_ep import config as cfgmod
-from cupy_ep.bench import GpuTimer, _git_commit, make_routing
+from cupy_ep.bench import GpuTimer, make_routing, write_report
 
 
 def ranks_per_node(comm) -> int:
@@ -149,32 +147,21 @@ class InternodeBench:
         self.log("  verified against the reference (dispatch bit-exact, combine bit-exact)")
 
     def write(self):
-        import cupy
-        props = cupy.cuda.runtime.getDeviceProperties(0)
-        gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        common = {"commit": _git_commit(), "gpu": gpu}
-        for r in self.records:
-            r.update(common)
-        out = Path(self.args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"bench_internode_{self.transport}_ep{self.R}"
-        doc = dict(common, num_ranks=self.R, num_nodes=self.N, gpus_per_node=self.G, transport=self.transport,
-                   args=dict(vars(self.args)), results=self.records)
-        (out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str))
-        lines = [f"# cupy_ep internode benchmark ({self.N} nodes x {self.G} GPUs, {self.transport}, {gpu})", "",
-                 f"commit `{common['commit']}`; {self.args.tokens} tokens/rank, hidden {self.args.hidden}, top-"
-                 f"{self.args.topk} of {self.args.experts}; {self.sms} SMs; {self.args.iters} iterations. RDMA GB/s ="
-                 " (token, node) pairs incl. the own node x row bytes / time (DeepEP's logical figure); NVL GB/s = "
-                 "received rows x row bytes / time.", "",
-                 "| op | dtype | median us | RDMA GB/s | NVL GB/s | RDMA ceiling GB/s | RDMA / ceiling |",
-                 "|---|---|---|---|---|---|---|"]
-        for r in self.records:
-            lines.append(f"| {r['op']} | {r['dtype']} | {r['time_us_median']:.1f} | {r['rdma_gbps']:.1f} | "
-                         f"{r['nvl_gbps']:.1f} | {r['rdma_ceiling_gbps']:.1f} | {r['rdma_vs_ceiling']:.2f} |")
-        md = "\n".join(lines) + "\n"
-        (out / f"{stem}.md").write_text(md)
-        print(md)
-        print(f"cupy_ep.bench --mode internode: wrote {out}/{stem}.json/.md")
+        def lines(common):
+            out = [f"# cupy_ep internode benchmark ({self.N} nodes x {self.G} GPUs, {self.transport}, {common['gpu']})",
+                   "", f"commit `{common['commit']}`; {self.args.tokens} tokens/rank, hidden {self.args.hidden}, top-"
+                   f"{self.args.topk} of {self.args.experts}; {self.sms} SMs; {self.args.iters} iterations. RDMA GB/s ="
+                   " (token, node) pairs incl. the own node x row bytes / time (DeepEP's logical figure); NVL GB/s = "
+                   "received rows x row bytes / time.", "",
+                   "| op | dtype | median us | RDMA GB/s | NVL GB/s | RDMA ceiling GB/s | RDMA / ceiling |",
+                   "|---|---|---|---|---|---|---|"]
+            for r in self.records:
+                out.append(f"| {r['op']} | {r['dtype']} | {r['time_us_median']:.1f} | {r['rdma_gbps']:.1f} | "
+                           f"{r['nvl_gbps']:.1f} | {r['rdma_ceiling_gbps']:.1f} | {r['rdma_vs_ceiling']:.2f} |")
+            return out
+        write_report(self.args.out, f"bench_internode_{self.transport}_ep{self.R}", self.records,
+                     dict(num_ranks=self.R, num_nodes=self.N, gpus_per_node=self.G, transport=self.transport,
+                          args=dict(vars(self.args))), lines, "internode")
 
 
 def main(args, comm) -> None:

@@ -8,15 +8,13 @@ Records are written to ``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 
 import cupy_ep
 from cupy_ep import Buffer, reference
 from cupy_ep import config as cfgmod
-from cupy_ep.bench import GpuTimer, NcclAllToAll, _git_commit
+from cupy_ep.bench import GpuTimer, NcclAllToAll, write_report
 
 
 class LatencyTimer(GpuTimer):
@@ -128,31 +126,20 @@ class LowLatencyBench:
             self.write()
 
     def write(self):
-        import cupy
-        props = cupy.cuda.runtime.getDeviceProperties(0)
-        gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        common = {"commit": _git_commit(), "gpu": gpu}
-        for r in self.records:
-            r.update(common)
-        out = Path(self.args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"bench_ll_gpu_ep{self.R}"
-        doc = dict(common, num_ranks=self.R, args={k: v for k, v in vars(self.args).items()}, results=self.records)
-        (out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str))
-        lines = [f"# cupy_ep low-latency benchmark (EP{self.R}, {gpu})", "",
-                 f"commit `{common['commit']}`; {self.args.tokens} tokens/rank, hidden {self.args.hidden}, "
-                 f"top-{self.args.topk} of {self.args.experts}; {self.args.iters} iterations; graph = CUDA-graph "
-                 "replay (device time), call = CUDA events around the Python call.", "",
-                 "| op | dtype | graph | median us | p99 us | NCCL us (same bytes) | ours/NCCL |",
-                 "|---|---|---|---|---|---|---|"]
-        for r in self.records:
-            lines.append(f"| {r['op']} | {r['dtype']} | {r['graph']} | {r['time_us_median']:.1f} | "
-                         f"{r['time_us_p99']:.1f} | {r['nccl_time_us']:.1f} | "
-                         f"{r['time_us_median'] / r['nccl_time_us']:.2f} |")
-        md = "\n".join(lines) + "\n"
-        (out / f"{stem}.md").write_text(md)
-        print(md)
-        print(f"cupy_ep.bench --mode low-latency: wrote {out}/{stem}.json/.md")
+        def lines(common):
+            out = [f"# cupy_ep low-latency benchmark (EP{self.R}, {common['gpu']})", "",
+                   f"commit `{common['commit']}`; {self.args.tokens} tokens/rank, hidden {self.args.hidden}, "
+                   f"top-{self.args.topk} of {self.args.experts}; {self.args.iters} iterations; graph = CUDA-graph "
+                   "replay (device time), call = CUDA events around the Python call.", "",
+                   "| op | dtype | graph | median us | p99 us | NCCL us (same bytes) | ours/NCCL |",
+                   "|---|---|---|---|---|---|---|"]
+            for r in self.records:
+                out.append(f"| {r['op']} | {r['dtype']} | {r['graph']} | {r['time_us_median']:.1f} | "
+                           f"{r['time_us_p99']:.1f} | {r['nccl_time_us']:.1f} | "
+                           f"{r['time_us_median'] / r['nccl_time_us']:.2f} |")
+            return out
+        write_report(self.args.out, f"bench_ll_gpu_ep{self.R}", self.records,
+                     dict(num_ranks=self.R, args={k: v for k, v in vars(self.args).items()}), lines, "low-latency")
 
 
 def main(args, comm) -> None:

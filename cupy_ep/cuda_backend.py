@@ -382,31 +382,9 @@ class CudaBuffer(Buffer):
                 raise ValueError("topk_idx/topk_weights: must be None in a cached dispatch (handle given)")
             handle_raw = self._unpack_handle(handle, T, C)
         else:
-            for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                                ("num_tokens_per_expert", num_tokens_per_expert)):
-                if value is None:
-                    raise ValueError(f"{name}: required for a non-cached dispatch (from get_dispatch_layout)")
-            validate.check_array(num_tokens_per_rank, "num_tokens_per_rank", ("int32",), ndim=1, device=self.device_id)
-            if tuple(num_tokens_per_rank.shape) != (R,):
-                raise ValueError(f"num_tokens_per_rank: expected shape ({R},), got {tuple(num_tokens_per_rank.shape)}")
-            validate.check_array(is_token_in_rank, "is_token_in_rank", ("bool",), ndim=2, device=self.device_id)
-            if tuple(is_token_in_rank.shape) != (T, R):
-                raise ValueError(f"is_token_in_rank: expected shape {(T, R)}, got {tuple(is_token_in_rank.shape)}")
-            validate.check_array(num_tokens_per_expert, "num_tokens_per_expert", ("int32",), ndim=1,
-                                 device=self.device_id)
-            num_experts = int(num_tokens_per_expert.shape[0])
-            validate.check_num_experts(num_experts, R)
-            if (topk_idx is None) != (topk_weights is None):
-                raise ValueError("topk_idx/topk_weights: give both or neither")
-            if topk_idx is not None:
-                t2, num_topk = validate.check_topk_idx(topk_idx, num_experts, self.device_id,
-                                                       self.check_values and not _capturing())
-                if t2 != T:
-                    raise ValueError(f"topk_idx: has {t2} rows but x has {T}")
-                validate.check_topk_weights(topk_weights, T, num_topk, self.device_id)
-                idx_name = interop.dtype_name(topk_idx)
-            if num_worst_tokens and topk_idx is None:
-                raise ValueError("num_worst_tokens: needs topk_idx and topk_weights")
+            num_experts, num_topk, idx_name = validate.check_dispatch_layout_args(
+                num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                num_worst_tokens, R, T, self.device_id, self.check_values and not _capturing())
         S = info.num_scales
         hidden_int4 = info.hidden_bytes // 16
         self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.dispatch_channel_bytes(
@@ -456,16 +434,10 @@ class CudaBuffer(Buffer):
                     rcpm = cupy.empty((R, C), dtype=cupy.int32)
                     send_head = cupy.empty((T, R), dtype=cupy.int32)
             with alloc_stream:
-                recv_x = cupy.empty((num_recv, info.hidden), dtype=raw_x.dtype)
-                recv_scales = cupy.empty((num_recv, S), dtype=cupy.float32) if raw_scales is not None else None
-                recv_idx = recv_w = None
-                if raw_idx is not None:
-                    recv_idx = cupy.empty((num_recv, num_topk), dtype=raw_idx.dtype)
-                    recv_w = cupy.empty((num_recv, num_topk), dtype=cupy.float32)
+                recv_x, recv_scales, recv_idx, recv_w = interop.alloc_dispatch_outputs(
+                    num_recv, info, raw_x, raw_scales, raw_idx, num_topk)
             ctype = "long long" if idx_name == "int64" else "int"
-            stride_t, stride_h = (0, 0)
-            if raw_scales is not None:
-                stride_t, stride_h = (s // 4 for s in raw_scales.strides)
+            stride_t, stride_h = interop.scale_strides(raw_scales)
             threads = _warps(R) * 32
             self._launch(
                 "intranode.cu", f"ep::dispatch<{R}, {ctype}>", 2 * C, threads,
@@ -479,10 +451,7 @@ class CudaBuffer(Buffer):
                     src_idx, send_head, in_rank)
             event = self._finish(compute, async_finish, keep)
 
-        x_name = info.dtype if kind.lib != "cupy" or info.dtype == "bfloat16" else interop.dtype_name(info.x)
-        out_x = interop.wrap(recv_x, kind, x_name)
-        if recv_scales is not None:
-            out_x = (out_x, interop.wrap(recv_scales, kind, "float32"))
+        out_x = interop.wrap_recv_x(recv_x, recv_scales, kind, info)
         if cached:
             return out_x, None, None, None, None, event
         out_handle = (interop.wrap(rpm, kind, "int32"), interop.wrap(cpm, kind, "int32"),
@@ -518,10 +487,7 @@ class CudaBuffer(Buffer):
             with self._device:
                 return self._internode.combine(x, handle, topk_weights, bias, config_getter, previous_event,
                                                async_finish, allocate_on_comm_stream)
-        validate.check_array(x, "x", ("bfloat16",), ndim=2, device=self.device_id)
-        num_recv, hidden = x.shape
-        if (hidden * 2) % 16:
-            raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={hidden}")
+        num_recv, hidden = validate.check_combine_x(x, self.device_id)
         if not isinstance(handle, (tuple, list)) or len(handle) != 6:
             raise ValueError("handle: must be the 6-tuple returned by an intranode dispatch")
         handle_channels = int(handle[2].shape[1]) if getattr(handle[2], "ndim", 0) == 2 else None
@@ -533,12 +499,7 @@ class CudaBuffer(Buffer):
         rpm, _, rcpm, src_idx, in_rank, send_head = self._unpack_handle(handle, num_tokens, C)
         if int(src_idx.shape[0]) != num_recv:
             raise ValueError(f"x: has {num_recv} rows but the handle's dispatch received {src_idx.shape[0]}")
-        num_topk = 1
-        if topk_weights is not None:
-            validate.check_array(topk_weights, "topk_weights", ("float32",), ndim=2, device=self.device_id)
-            if topk_weights.shape[0] != num_recv or not 1 <= topk_weights.shape[1] <= _config.MAX_TOPK:
-                raise ValueError(f"topk_weights: expected shape ({num_recv}, K<=32), got {tuple(topk_weights.shape)}")
-            num_topk = int(topk_weights.shape[1])
+        num_topk = validate.check_combine_topk_weights(topk_weights, num_recv, self.device_id) or 1
         biases = validate.check_bias(bias, num_tokens, hidden, self.device_id)
         batch = _warps(R) * _COMBINE_TOKENS_PER_WARP
         if cfg.num_max_nvl_chunked_recv_tokens - cfg.num_max_nvl_chunked_send_tokens < batch:

@@ -257,34 +257,14 @@ class InternodeState:
             if int(h["is_token_in_rank"].shape[0]) != T:
                 raise ValueError(f"x: has {T} rows but the handle was made for {h['is_token_in_rank'].shape[0]} tokens")
         else:
-            for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
-                                ("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank),
-                                ("is_token_in_rank", is_token_in_rank), ("num_tokens_per_expert", num_tokens_per_expert)):
-                if value is None:
-                    raise ValueError(f"{name}: required for a non-cached internode dispatch (from get_dispatch_layout)")
-            validate.check_array(num_tokens_per_rank, "num_tokens_per_rank", ("int32",), ndim=1, device=dev)
-            if tuple(num_tokens_per_rank.shape) != (R,):
-                raise ValueError(f"num_tokens_per_rank: expected shape ({R},), got {tuple(num_tokens_per_rank.shape)}")
+            num_experts, num_topk, idx_name = validate.check_dispatch_layout_args(
+                num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                num_worst_tokens, R, T, dev, check_values, what="a non-cached internode dispatch",
+                extra_required=(("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank),))
             validate.check_array(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", ("int32",), ndim=1, device=dev)
             if tuple(num_tokens_per_rdma_rank.shape) != (N,):
                 raise ValueError(f"num_tokens_per_rdma_rank: expected shape ({N},), got "
                                  f"{tuple(num_tokens_per_rdma_rank.shape)}")
-            validate.check_array(is_token_in_rank, "is_token_in_rank", ("bool",), ndim=2, device=dev)
-            if tuple(is_token_in_rank.shape) != (T, R):
-                raise ValueError(f"is_token_in_rank: expected shape {(T, R)}, got {tuple(is_token_in_rank.shape)}")
-            validate.check_array(num_tokens_per_expert, "num_tokens_per_expert", ("int32",), ndim=1, device=dev)
-            num_experts = int(num_tokens_per_expert.shape[0])
-            validate.check_num_experts(num_experts, R)
-            if (topk_idx is None) != (topk_weights is None):
-                raise ValueError("topk_idx/topk_weights: give both or neither")
-            if topk_idx is not None:
-                t2, num_topk = validate.check_topk_idx(topk_idx, num_experts, dev, check_values)
-                if t2 != T:
-                    raise ValueError(f"topk_idx: has {t2} rows but x has {T}")
-                validate.check_topk_weights(topk_weights, T, num_topk, dev)
-                idx_name = interop.dtype_name(topk_idx)
-            if num_worst_tokens and topk_idx is None:
-                raise ValueError("num_worst_tokens: needs topk_idx and topk_weights")
         S, hidden_int4 = info.num_scales, info.hidden_bytes // 16
         lay = _config.internode_layout(N, G, C, cfg.num_max_rdma_chunked_recv_tokens,
                                        cfg.num_max_nvl_chunked_recv_tokens, info.hidden_bytes, S, num_topk)
@@ -334,6 +314,10 @@ class InternodeState:
                 num_rdma_recv = int(self.counters[1])
                 per_expert_list = [int(v) for v in self.counters[2: 2 + num_experts // R]]
             else:
+                # REVIEW: send_nvl_head gets num_worst_tokens rows, but it needs num_rdma_recv rows (tokens that reach
+                # this GPU over RDMA, incl. those only forwarded to node peers), which can exceed what this rank itself
+                # receives; a num_worst_tokens sized for recv_x alone (DeepEP's meaning) can then stop the buffer with
+                # a `capacity` error. Fine for T * R (the tests); document or allocate max(worst, T * N) rows?
                 num_recv = num_rdma_recv = num_worst_tokens
             with alloc_stream:
                 src_meta = cupy.empty((num_recv, 2), dtype=cupy.int32)
@@ -342,15 +326,9 @@ class InternodeState:
                 send_rdma_head = cupy.empty((T, N), dtype=cupy.int32)
                 send_nvl_head = cupy.empty((num_rdma_recv, G), dtype=cupy.int32)
         with alloc_stream:
-            recv_x = cupy.empty((num_recv, info.hidden), dtype=raw_x.dtype)
-            recv_scales = cupy.empty((num_recv, S), dtype=cupy.float32) if raw_scales is not None else None
-            recv_idx = recv_w = None
-            if raw_idx is not None:
-                recv_idx = cupy.empty((num_recv, num_topk), dtype=raw_idx.dtype)
-                recv_w = cupy.empty((num_recv, num_topk), dtype=cupy.float32)
-        stride_t = stride_h = 0
-        if raw_scales is not None:
-            stride_t, stride_h = (s // 4 for s in raw_scales.strides)
+            recv_x, recv_scales, recv_idx, recv_w = interop.alloc_dispatch_outputs(
+                num_recv, info, raw_x, raw_scales, raw_idx, num_topk)
+        stride_t, stride_h = interop.scale_strides(raw_scales)
         ctype = "long long" if idx_name == "int64" else "int"
         self.launch(kernel_name("dispatch", N, G, self.transport, ctype), 2 * C, threads("dispatch", N, G),
                     (recv_x, recv_scales, recv_idx, recv_w, src_meta, rrcpm, rgcpm, send_rdma_head, send_nvl_head,
@@ -364,10 +342,7 @@ class InternodeState:
                 rrps, rgps, src_meta, rrcpm, rgcpm, send_rdma_head, send_nvl_head)
         event = buf._finish(compute, async_finish, keep)
 
-        x_name = info.dtype if kind.lib != "cupy" or info.dtype == "bfloat16" else interop.dtype_name(info.x)
-        out_x = interop.wrap(recv_x, kind, x_name)
-        if recv_scales is not None:
-            out_x = (out_x, interop.wrap(recv_scales, kind, "float32"))
+        out_x = interop.wrap_recv_x(recv_x, recv_scales, kind, info)
         if cached:
             return out_x, None, None, None, None, event
         w = lambda a, name="int32": interop.wrap(a, kind, name)  # noqa: E731
@@ -383,10 +358,7 @@ class InternodeState:
         import cupy
         buf = self.buf
         R, N, G, dev = buf.num_ranks, self.num_nodes, self.gpus_per_node, buf.device_id
-        validate.check_array(x, "x", ("bfloat16",), ndim=2, device=dev)
-        num_recv, hidden = x.shape
-        if (hidden * 2) % 16:
-            raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={hidden}")
+        num_recv, hidden = validate.check_combine_x(x, dev)
         h = check_handle(handle, R, N, G, None, dev)
         C = int(h["rdma_channel_prefix_matrix"].shape[1])
         cfg = config_getter(C)
@@ -396,12 +368,7 @@ class InternodeState:
         if int(h["recv_src_meta"].shape[0]) != num_recv:
             raise ValueError(f"x: has {num_recv} rows but the handle's dispatch received {h['recv_src_meta'].shape[0]}")
         T = int(h["is_token_in_rank"].shape[0])
-        num_topk = 0
-        if topk_weights is not None:
-            validate.check_array(topk_weights, "topk_weights", ("float32",), ndim=2, device=dev)
-            if topk_weights.shape[0] != num_recv or not 1 <= topk_weights.shape[1] <= _config.MAX_TOPK:
-                raise ValueError(f"topk_weights: expected shape ({num_recv}, K<=32), got {tuple(topk_weights.shape)}")
-            num_topk = int(topk_weights.shape[1])
+        num_topk = validate.check_combine_topk_weights(topk_weights, num_recv, dev) or 0
         biases = validate.check_bias(bias, T, hidden, dev)
         validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         hidden_int4 = hidden * 2 // 16

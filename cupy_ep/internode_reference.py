@@ -102,12 +102,8 @@ def combine(recv_x_list, is_token_in_rank_list, rank: int, gpus_per_node: int, r
     rows = reference.combine_rows(is_token_in_rank_list, rank)
     num_tokens, num_ranks = rows.shape
     N = num_ranks // G
-    hidden = np.asarray(recv_x_list[0]).shape[1] if len(recv_x_list) else 0
-    acc = np.zeros((num_tokens, hidden), dtype=np.float32)
-    biases = [] if bias is None else ([bias] if not isinstance(bias, (tuple, list)) else list(bias))
-    for b in biases:
-        if b is not None:
-            acc += np.asarray(b).astype(np.float32)
+    acc = reference.combine_start(recv_x_list, num_tokens, bias)
+    hidden = acc.shape[1]
     out_w = None
     if recv_topk_weights_list is not None:
         out_w = np.zeros((num_tokens, np.asarray(recv_topk_weights_list[0]).shape[1]), dtype=np.float32)

@@ -142,6 +142,33 @@ def wrap(raw, kind: Kind, name: str):
     return raw
 
 
+def alloc_dispatch_outputs(num_recv: int, info, raw_x, raw_scales, raw_idx, num_topk: int):
+    """``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights)`` of a GPU dispatch, raw CuPy arrays on the
+    current stream (``info``: ``validate.check_x``'s result; scales / top-k None when the call has none)."""
+    import cupy
+    recv_x = cupy.empty((num_recv, info.hidden), dtype=raw_x.dtype)
+    recv_scales = cupy.empty((num_recv, info.num_scales), dtype=cupy.float32) if raw_scales is not None else None
+    recv_idx = recv_w = None
+    if raw_idx is not None:
+        recv_idx = cupy.empty((num_recv, num_topk), dtype=raw_idx.dtype)
+        recv_w = cupy.empty((num_recv, num_topk), dtype=cupy.float32)
+    return recv_x, recv_scales, recv_idx, recv_w
+
+
+def scale_strides(raw_scales) -> tuple[int, int]:
+    """(token, hidden) strides of the FP8 scales in floats (any layout works), (0, 0) without scales."""
+    return (0, 0) if raw_scales is None else tuple(s // 4 for s in raw_scales.strides)
+
+
+def wrap_recv_x(recv_x, recv_scales, kind: Kind, info):
+    """The dispatch's ``recv_x`` (or ``(recv_x, recv_x_scales)`` for FP8) as the kind ``x`` was."""
+    x_name = info.dtype if kind.lib != "cupy" or info.dtype == "bfloat16" else dtype_name(info.x)
+    out_x = wrap(recv_x, kind, x_name)
+    if recv_scales is not None:
+        out_x = (out_x, wrap(recv_scales, kind, "float32"))
+    return out_x
+
+
 def current_stream(kind: Kind, device_id: int | None = None):
     """The stream the caller's framework considers current (on ``device_id``), as a CuPy stream object."""
     import cupy

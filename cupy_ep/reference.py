@@ -211,6 +211,18 @@ def combine_rows(is_token_in_rank_list: Sequence[np.ndarray], rank: int) -> np.n
     return out
 
 
+def combine_start(recv_x_list, num_tokens: int, bias=None) -> np.ndarray:
+    """The fp32 accumulator a combine starts from: ``[T, H]`` zeros plus the bias(es) (None, one ``[T, H]``
+    array or a pair, either may be None), H taken from the expert outputs."""
+    hidden = np.asarray(recv_x_list[0]).shape[1] if len(recv_x_list) else 0
+    acc = np.zeros((num_tokens, hidden), dtype=np.float32)
+    biases = [] if bias is None else ([bias] if not isinstance(bias, (tuple, list)) else list(bias))
+    for b in biases:
+        if b is not None:
+            acc += np.asarray(b).astype(np.float32)
+    return acc
+
+
 def combine(recv_x_list, is_token_in_rank_list, rank: int, recv_topk_weights_list=None, bias=None):
     """What rank ``rank`` gets back from combine.
 
@@ -227,12 +239,7 @@ def combine(recv_x_list, is_token_in_rank_list, rank: int, recv_topk_weights_lis
     """
     rows = combine_rows(is_token_in_rank_list, rank)
     num_tokens, num_ranks = rows.shape
-    hidden = np.asarray(recv_x_list[0]).shape[1] if len(recv_x_list) else 0
-    acc = np.zeros((num_tokens, hidden), dtype=np.float32)
-    biases = [] if bias is None else ([bias] if not isinstance(bias, (tuple, list)) else list(bias))
-    for b in biases:
-        if b is not None:
-            acc += np.asarray(b).astype(np.float32)
+    acc = combine_start(recv_x_list, num_tokens, bias)
     for r in range(num_ranks):
         sel = np.nonzero(rows[:, r] >= 0)[0]
         acc[sel] += np.asarray(recv_x_list[r])[rows[sel, r]].astype(np.float32)

@@ -112,6 +112,62 @@ def check_topk_weights(topk_weights, num_tokens: int, num_topk: int, device=None
         _fail(name, f"must have shape {(num_tokens, num_topk)}, got {tuple(topk_weights.shape)}")
 
 
+def check_dispatch_layout_args(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                               topk_weights, num_worst_tokens, num_ranks: int, num_tokens: int, device,
+                               check_values: bool, what: str = "a non-cached dispatch", extra_required=()):
+    """The layout and top-k arguments of a non-cached GPU dispatch (intranode and internode alike).
+
+    ``extra_required``: more ``(name, value)`` pairs that must not be None (checked after
+    ``num_tokens_per_rank``, in that order). Returns ``(num_experts, num_topk, idx_name)``; without top-k
+    ``num_topk`` is 0 and ``idx_name`` "int64"."""
+    required = (("num_tokens_per_rank", num_tokens_per_rank), *extra_required,
+                ("is_token_in_rank", is_token_in_rank), ("num_tokens_per_expert", num_tokens_per_expert))
+    for name, value in required:
+        if value is None:
+            raise ValueError(f"{name}: required for {what} (from get_dispatch_layout)")
+    R, T = num_ranks, num_tokens
+    check_array(num_tokens_per_rank, "num_tokens_per_rank", ("int32",), ndim=1, device=device)
+    if tuple(num_tokens_per_rank.shape) != (R,):
+        raise ValueError(f"num_tokens_per_rank: expected shape ({R},), got {tuple(num_tokens_per_rank.shape)}")
+    check_array(is_token_in_rank, "is_token_in_rank", ("bool",), ndim=2, device=device)
+    if tuple(is_token_in_rank.shape) != (T, R):
+        raise ValueError(f"is_token_in_rank: expected shape {(T, R)}, got {tuple(is_token_in_rank.shape)}")
+    check_array(num_tokens_per_expert, "num_tokens_per_expert", ("int32",), ndim=1, device=device)
+    num_experts = int(num_tokens_per_expert.shape[0])
+    check_num_experts(num_experts, R)
+    if (topk_idx is None) != (topk_weights is None):
+        raise ValueError("topk_idx/topk_weights: give both or neither")
+    num_topk, idx_name = 0, "int64"
+    if topk_idx is not None:
+        t2, num_topk = check_topk_idx(topk_idx, num_experts, device, check_values)
+        if t2 != T:
+            raise ValueError(f"topk_idx: has {t2} rows but x has {T}")
+        check_topk_weights(topk_weights, T, num_topk, device)
+        idx_name = interop.dtype_name(topk_idx)
+    if num_worst_tokens and topk_idx is None:
+        raise ValueError("num_worst_tokens: needs topk_idx and topk_weights")
+    return num_experts, num_topk, idx_name
+
+
+def check_combine_x(x, device) -> tuple[int, int]:
+    """``x`` of a GPU combine: bf16 ``[N, H]`` with 16-byte rows; returns ``(N, H)``."""
+    check_array(x, "x", ("bfloat16",), ndim=2, device=device)
+    num_recv, hidden = x.shape
+    if (hidden * 2) % 16:
+        raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={hidden}")
+    return int(num_recv), int(hidden)
+
+
+def check_combine_topk_weights(topk_weights, num_recv: int, device) -> int | None:
+    """``topk_weights`` of a GPU combine: None or float32 ``[N, K<=32]``; returns K (None without)."""
+    if topk_weights is None:
+        return None
+    check_array(topk_weights, "topk_weights", ("float32",), ndim=2, device=device)
+    if topk_weights.shape[0] != num_recv or not 1 <= topk_weights.shape[1] <= MAX_TOPK:
+        raise ValueError(f"topk_weights: expected shape ({num_recv}, K<=32), got {tuple(topk_weights.shape)}")
+    return int(topk_weights.shape[1])
+
+
 def check_expert_alignment(expert_alignment) -> int:
     if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
         _fail("expert_alignment", f"must be a positive int, got {expert_alignment!r}")

@@ -27,7 +27,9 @@ os.environ.setdefault("CUPY_EP_EXPERIMENTAL_INTERNODE", "1")
 from cupy_ep import config as cfgmod
 from cupy_ep import internode_reference as iref
 from cupy_ep import reference
-from tests.gpu.test_intranode import CASES, Case, _check, _config_for, _inputs, _to_gpu
+from tests.gpu.test_intranode import (CASES, WORST_CASE, Case, _check, _config_for, _inputs, _to_gpu,
+                                      check_cached_dispatch, check_dispatch_outputs, check_worst_outputs,
+                                      combine_inputs, random_case, report)
 from tests.helpers import all_ok, gather_all, random_bf16, reference_dispatch, to_numpy
 
 MAX_HIDDEN_BYTES = 32768
@@ -103,30 +105,12 @@ def run_internode_case(comm, buf, case: Case, seed: int = 0):
             num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, expert_alignment=case.expert_alignment,
             config=dcfg)
         ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, case.expert_alignment)
-        if case.dtype == "fp8":
-            _check(errors, "recv_x", recv_x[0], ref.recv_x)
-            _check(errors, "recv_x_scales", recv_x[1], ref.recv_x_scales)
-        else:
-            _check(errors, "recv_x", recv_x, ref.recv_x)
-        _check(errors, "recv_topk_idx", recv_idx, ref.recv_topk_idx)
-        _check(errors, "recv_topk_weights", recv_w, ref.recv_topk_weights)
-        if counts != ref.num_recv_tokens_per_expert_list:
-            errors.append(f"num_recv_tokens_per_expert_list: {counts[:8]} vs {ref.num_recv_tokens_per_expert_list[:8]}")
+        check_dispatch_outputs(errors, case, recv_x, recv_idx, recv_w, counts, ref)
         _check_handle(errors, comm, handle, idx_np, num_experts, G, dcfg.num_channels)
 
-        cached = buf.dispatch(x, handle=handle, config=dcfg)
-        if cached[1:5] != (None, None, None, None):
-            errors.append("cached dispatch must return None for topk/weights/list/handle")
-        if case.dtype == "fp8":
-            _check(errors, "cached recv_x", cached[0][0], ref.recv_x)
-            _check(errors, "cached recv_x_scales", cached[0][1], ref.recv_x_scales)
-        else:
-            _check(errors, "cached recv_x", cached[0], ref.recv_x)
+        check_cached_dispatch(errors, case, buf.dispatch(x, handle=handle, config=dcfg), ref)
 
-        rng = np.random.default_rng(seed + 7 * rank)
-        y_np = random_bf16(rng, (int(ref.recv_src_idx.shape[0]), case.hidden))
-        t = idx_np.shape[0]
-        bias_np = (random_bf16(rng, (t, case.hidden)), random_bf16(rng, (t, case.hidden)))
+        y_np, bias_np = combine_inputs(case, rank, seed, int(ref.recv_src_idx.shape[0]), idx_np.shape[0])
         before = [to_numpy(a).copy() for a in handle[1:]]
         combined, combined_w, _ = buf.combine(_to_gpu(y_np), handle, topk_weights=recv_w,
                                               bias=tuple(_to_gpu(b) for b in bias_np), config=ccfg)
@@ -139,9 +123,7 @@ def run_internode_case(comm, buf, case: Case, seed: int = 0):
             _check(errors, f"handle.{name} after combine (must not be modified)", a, b)
         cupy.cuda.get_current_stream().synchronize()
     buf.check_health()
-    for e in errors:
-        print(f"[rank {rank}] internode {case.name}: {e}")
-    assert all_ok(comm, not errors), f"rank {rank}: {errors}"
+    report(comm, f"internode {case.name}", errors)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -153,11 +135,7 @@ def test_internode_dispatch_combine(comm, internode_buffer, case):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_internode_random_seeds(comm, internode_buffer, seed):
-    rng = np.random.default_rng(100 + seed)
-    case = Case(f"seed{seed}", int(rng.integers(1, 1500)), int(rng.choice([2048, 4096, 7168])),
-                int(rng.choice([1, 4, 8])), int(rng.choice([8, 32])), int(rng.choice([4, 12, 24])),
-                dtype=str(rng.choice(["bf16", "fp8"])), mask_prob=float(rng.choice([0.0, 0.2])))
-    run_internode_case(comm, internode_buffer, case, seed)
+    run_internode_case(comm, internode_buffer, random_case(seed, 100 + seed), seed)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -166,7 +144,7 @@ def test_internode_num_worst_tokens(comm, internode_buffer):
     buf = internode_buffer
     rank, R = comm.Get_rank(), comm.Get_size()
     G = buf.topology.num_ranks_per_node
-    case = Case("worst", 300, 4096, 8, 16, 12, mask_prob=0.1)
+    case = WORST_CASE
     x_np, idx_np, w_np, num_experts = _inputs(case, rank, R)
     worst = case.tokens * R
     errors: list[str] = []
@@ -178,16 +156,7 @@ def test_internode_num_worst_tokens(comm, internode_buffer):
                   num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, config=dcfg)
         recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(x, num_worst_tokens=worst, **kw)
         ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, 1)
-        n = ref.recv_x.shape[0]
-        if counts != []:
-            errors.append(f"list must be empty with num_worst_tokens, got {counts[:4]}")
-        if recv_x.shape[0] != worst or recv_idx.shape[0] != worst:
-            errors.append(f"outputs must have {worst} rows, got {recv_x.shape[0]}")
-        _check(errors, "recv_x[:n]", recv_x[:n], ref.recv_x)
-        _check(errors, "recv_topk_idx[:n]", recv_idx[:n], ref.recv_topk_idx)
-        _check(errors, "recv_topk_weights[:n]", recv_w[:n], ref.recv_topk_weights)
-        if not bool((recv_idx[n:] == -1).all()):
-            errors.append("recv_topk_idx past the real rows must be -1")
+        n = check_worst_outputs(errors, recv_x, recv_idx, recv_w, counts, ref, worst)
         # the worst-size handle combines like the exact one (rows past the real count are never read)
         rng = np.random.default_rng(5 + rank)
         y_np = random_bf16(rng, (worst, case.hidden))

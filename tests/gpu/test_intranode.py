@@ -89,6 +89,73 @@ def _config_for(kind: str, num_ranks: int, num_sms: int) -> Config:
     return dataclasses.replace(base, num_sms=num_sms)
 
 
+def check_dispatch_outputs(errors: list, case: Case, recv_x, recv_idx, recv_w, counts, ref) -> None:
+    """recv_x (and FP8 scales), top-k and per-expert counts of a dispatch against the reference (shared with
+    tests/gpu/test_internode.py)."""
+    if case.dtype == "fp8":
+        _check(errors, "recv_x", recv_x[0], ref.recv_x)
+        _check(errors, "recv_x_scales", recv_x[1], ref.recv_x_scales)
+    else:
+        _check(errors, "recv_x", recv_x, ref.recv_x)
+    _check(errors, "recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    _check(errors, "recv_topk_weights", recv_w, ref.recv_topk_weights)
+    if counts != ref.num_recv_tokens_per_expert_list:
+        errors.append(f"num_recv_tokens_per_expert_list: {counts[:8]} vs {ref.num_recv_tokens_per_expert_list[:8]}")
+
+
+def check_cached_dispatch(errors: list, case: Case, cached, ref) -> None:
+    """A cached dispatch's return tuple against the reference."""
+    if cached[1:5] != (None, None, None, None):
+        errors.append("cached dispatch must return None for topk/weights/list/handle")
+    cx = cached[0]
+    if case.dtype == "fp8":
+        _check(errors, "cached recv_x", cx[0], ref.recv_x)
+        _check(errors, "cached recv_x_scales", cx[1], ref.recv_x_scales)
+    else:
+        _check(errors, "cached recv_x", cx, ref.recv_x)
+
+
+def combine_inputs(case: Case, rank: int, seed: int, num_recv: int, num_tokens: int):
+    """``(y [num_recv, H] bf16, (bias0, bias1) [T, H] bf16)``: the expert outputs and biases of a combine test."""
+    rng = np.random.default_rng(seed + 7 * rank)
+    y_np = random_bf16(rng, (num_recv, case.hidden))
+    return y_np, (random_bf16(rng, (num_tokens, case.hidden)), random_bf16(rng, (num_tokens, case.hidden)))
+
+
+WORST_CASE = Case("worst", 300, 4096, 8, 16, 12, mask_prob=0.1)
+
+
+def check_worst_outputs(errors: list, recv_x, recv_idx, recv_w, counts, ref, worst: int) -> int:
+    """A num_worst_tokens dispatch: ``worst`` rows, the first n (returned) as the reference's, top-k -1 after."""
+    n = ref.recv_x.shape[0]
+    if counts != []:
+        errors.append(f"list must be empty with num_worst_tokens, got {counts[:4]}")
+    if recv_x.shape[0] != worst or recv_idx.shape[0] != worst:
+        errors.append(f"outputs must have {worst} rows, got {recv_x.shape[0]}")
+    _check(errors, "recv_x[:n]", recv_x[:n], ref.recv_x)
+    _check(errors, "recv_topk_idx[:n]", recv_idx[:n], ref.recv_topk_idx)
+    _check(errors, "recv_topk_weights[:n]", recv_w[:n], ref.recv_topk_weights)
+    if not bool((recv_idx[n:] == -1).all()):
+        errors.append("recv_topk_idx rows past the real count must be -1")
+    return n
+
+
+def random_case(seed: int, rng_seed: int) -> Case:
+    """A random case (tokens, hidden, top-k, experts, SMs, dtype, masks) named ``seed<seed>``."""
+    rng = np.random.default_rng(rng_seed)
+    return Case(f"seed{seed}", int(rng.integers(1, 1500)), int(rng.choice([2048, 4096, 7168])),
+                int(rng.choice([1, 4, 8])), int(rng.choice([8, 32])), int(rng.choice([4, 12, 24])),
+                dtype=str(rng.choice(["bf16", "fp8"])), mask_prob=float(rng.choice([0.0, 0.2])))
+
+
+def report(comm, label: str, errors: list) -> None:
+    """Print this rank's errors and fail on every rank if any rank has one."""
+    rank = comm.Get_rank()
+    for e in errors:
+        print(f"[rank {rank}] {label}: {e}")
+    assert all_ok(comm, not errors), f"rank {rank}: {errors}"
+
+
 def run_case(comm, buf, case: Case, seed: int = 0):
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()
@@ -113,36 +180,17 @@ def run_case(comm, buf, case: Case, seed: int = 0):
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=idx, topk_weights=w, expert_alignment=case.expert_alignment, config=dcfg)
         ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, case.expert_alignment, dcfg.num_channels)
-        if case.dtype == "fp8":
-            _check(errors, "recv_x", recv_x[0], ref.recv_x)
-            _check(errors, "recv_x_scales", recv_x[1], ref.recv_x_scales)
-        else:
-            _check(errors, "recv_x", recv_x, ref.recv_x)
-        _check(errors, "recv_topk_idx", recv_idx, ref.recv_topk_idx)
-        _check(errors, "recv_topk_weights", recv_w, ref.recv_topk_weights)
-        if counts != ref.num_recv_tokens_per_expert_list:
-            errors.append(f"num_recv_tokens_per_expert_list: {counts[:8]} vs {ref.num_recv_tokens_per_expert_list[:8]}")
+        check_dispatch_outputs(errors, case, recv_x, recv_idx, recv_w, counts, ref)
         for i, name in enumerate(("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
                                   "recv_src_idx")):
             _check(errors, f"handle.{name}", handle[i], getattr(ref, name))
         _check(errors, "handle.send_head", handle[5], ref.send_head)
 
         # cached dispatch through the handle
-        cached = buf.dispatch(x, handle=handle, config=dcfg)
-        if cached[1:5] != (None, None, None, None):
-            errors.append("cached dispatch must return None for topk/weights/list/handle")
-        cx = cached[0]
-        if case.dtype == "fp8":
-            _check(errors, "cached recv_x", cx[0], ref.recv_x)
-            _check(errors, "cached recv_x_scales", cx[1], ref.recv_x_scales)
-        else:
-            _check(errors, "cached recv_x", cx, ref.recv_x)
+        check_cached_dispatch(errors, case, buf.dispatch(x, handle=handle, config=dcfg), ref)
 
         # combine (bf16 expert outputs, two biases, weights)
-        rng = np.random.default_rng(seed + 7 * rank)
-        y_np = random_bf16(rng, (int(ref.recv_src_idx.shape[0]), case.hidden))
-        t = idx_np.shape[0]
-        bias_np = (random_bf16(rng, (t, case.hidden)), random_bf16(rng, (t, case.hidden)))
+        y_np, bias_np = combine_inputs(case, rank, seed, int(ref.recv_src_idx.shape[0]), idx_np.shape[0])
         send_head_before = to_numpy(handle[5]).copy()
         combined, combined_w, _ = buf.combine(_to_gpu(y_np), handle, topk_weights=recv_w,
                                               bias=tuple(_to_gpu(b) for b in bias_np), config=ccfg)
@@ -152,9 +200,7 @@ def run_case(comm, buf, case: Case, seed: int = 0):
         _check(errors, "handle.send_head after combine (must not be modified)", handle[5], send_head_before)
         cupy.cuda.get_current_stream().synchronize()
     buf.check_health()
-    for e in errors:
-        print(f"[rank {rank}] {case.name}: {e}")
-    assert all_ok(comm, not errors), f"rank {rank}: {errors}"
+    report(comm, f"{case.name}", errors)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -166,18 +212,14 @@ def test_dispatch_combine(comm, gpu_buffer, case):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_seeds(comm, gpu_buffer, seed):
-    rng = np.random.default_rng(seed)
-    case = Case(f"seed{seed}", int(rng.integers(1, 1500)), int(rng.choice([2048, 4096, 7168])),
-                int(rng.choice([1, 4, 8])), int(rng.choice([8, 32])), int(rng.choice([4, 12, 24])),
-                dtype=str(rng.choice(["bf16", "fp8"])), mask_prob=float(rng.choice([0.0, 0.2])))
-    run_case(comm, gpu_buffer, case, seed)
+    run_case(comm, gpu_buffer, random_case(seed, seed), seed)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_num_worst_tokens(comm, gpu_buffer):
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()
-    case = Case("worst", 300, 4096, 8, 16, 12, mask_prob=0.1)
+    case = WORST_CASE
     x_np, idx_np, w_np, num_experts = _inputs(case, rank, R)
     worst = case.tokens * R
     errors: list[str] = []
@@ -189,16 +231,7 @@ def test_num_worst_tokens(comm, gpu_buffer):
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=idx, topk_weights=w, num_worst_tokens=worst, config=cfg)
         ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, 1, cfg.num_channels)
-        n = ref.recv_x.shape[0]
-        if counts != []:
-            errors.append(f"list must be empty with num_worst_tokens, got {counts[:4]}")
-        if recv_x.shape[0] != worst or recv_idx.shape[0] != worst:
-            errors.append(f"outputs must have {worst} rows, got {recv_x.shape[0]}")
-        _check(errors, "recv_x[:n]", recv_x[:n], ref.recv_x)
-        _check(errors, "recv_topk_idx[:n]", recv_idx[:n], ref.recv_topk_idx)
-        _check(errors, "recv_topk_weights[:n]", recv_w[:n], ref.recv_topk_weights)
-        if not bool((recv_idx[n:] == -1).all()):
-            errors.append("recv_topk_idx rows past the real count must be -1")
+        n = check_worst_outputs(errors, recv_x, recv_idx, recv_w, counts, ref, worst)
         # combine through the worst-sized handle gives the reference answer
         rng = np.random.default_rng(5 + rank)
         y_np = random_bf16(rng, (worst, case.hidden))
