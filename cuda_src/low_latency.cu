@@ -3,7 +3,9 @@
 //   dispatch<kUseFP8, TopkT>   every (token, top-k slot) -> slot of (expert, my rank) on the expert's rank,
 //                              then per expert a count signal; receive: packed per-expert outputs
 //   combine<TopkT>             every expert row -> its token owner, flag per expert; receive: weighted sum
-//   clean_low_latency_buffer   zero both signal regions between two NVSHMEM barriers
+//   clean_low_latency_buffer   zero both signal regions between two NVSHMEM barriers (the library cleans on the
+//                              host with timed barriers instead; tests/gpu/test_nvshmem.py uses this one as its
+//                              probe of the NVSHMEM device link and barriers)
 //   ll_carve_probe             writes LowLatencyLayout's sizes (a GPU test compares them with config.py)
 //
 // Shape of both kernels: one block of 1024 threads per SM (grid <= the SM count, so every block is resident

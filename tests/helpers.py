@@ -71,6 +71,17 @@ def all_ok(comm, ok: bool) -> bool:
     return bool(comm.allreduce(bool(ok), op=MPI.LAND))
 
 
+def refused_after_failure(rank: int, call, what: str = "the timeout") -> bool:
+    """True iff ``call()`` raises ``BufferUnusableError`` (a buffer must refuse use after a failed call)."""
+    from cupy_ep import BufferUnusableError
+    try:
+        call()
+    except BufferUnusableError:
+        return True
+    print(f"rank {rank}: a call after {what} did not raise", flush=True)
+    return False
+
+
 def gather_all(comm, obj) -> list:
     """Every rank's ``obj`` (numpy arrays, tuples of them, ...), in rank order, on every rank."""
     return comm.allgather(obj)
