@@ -61,7 +61,8 @@ def internode_buffer(request, comm):
     if G is None:
         pytest.skip(f"internode tests run at 2 ranks (nvshmem, ipc) or 4 ranks (ipc), not {R} ranks with {transport}")
     nvl, rdma = _buffer_bytes(R, G)
-    buf = cupy_ep.Buffer(comm, num_nvl_bytes=nvl, num_rdma_bytes=rdma, backend="cuda", timeout_s=60,
+    buf = cupy_ep.Buffer(comm, num_nvl_bytes=nvl, num_rdma_bytes=rdma, backend="cuda",
+                         timeout_s=float(os.environ.get("CUPY_EP_TEST_TIMEOUT_S", "20")),
                          num_ranks_per_node=G, internode_transport=transport)
     assert buf._internode is not None and buf._internode.transport == transport
     yield buf
