@@ -6,6 +6,8 @@ from a generator seeded identically on all ranks, and its data from a per-rank g
 can be replayed alone with ``--start``. Each iteration's outputs are checksummed; every ``--check-every``-th
 iteration and a random tenth of the others are compared bit for bit with ``cupy_ep.reference``. The first
 mismatch stops all ranks with a non-zero exit and the seed/iteration to replay.
+
+``--mode low-latency`` runs the low-latency dispatch/combine soak instead (:mod:`cupy_ep.soak_ll`).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import zlib
 
 import numpy as np
 
-from . import Buffer, Config, reference
+from . import Buffer, Config, reference, soak_ll
 from .bench import make_routing
 
 
@@ -43,13 +45,22 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10000)
     p.add_argument("--start", type=int, default=0, help="first iteration (replay)")
     p.add_argument("--seed", type=int, default=2026)
-    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--mode", choices=["normal", "low-latency"], default="normal")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"tokens per rank at most (default 1024; low-latency: {soak_ll.DEFAULT_MAX_TOKENS}, = M)")
     p.add_argument("--check-every", type=int, default=50)
     p.add_argument("--num-sms", type=int, default=12)
     p.add_argument("--backend", choices=["cuda", "host"], default=None)
+    soak_ll.add_arguments(p)
     args = p.parse_args(argv)
 
     comm = MPI.COMM_WORLD
+    if args.mode == "low-latency":
+        if args.max_tokens is None:
+            args.max_tokens = soak_ll.DEFAULT_MAX_TOKENS
+        return soak_ll.main(args, comm)
+    if args.max_tokens is None:
+        args.max_tokens = 1024
     rank, R = comm.Get_rank(), comm.Get_size()
     cfg = Config(args.num_sms, 8, 256)
     buf = Buffer(comm, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(7168 * 2, R), backend=args.backend)

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over layout, dispatch, cached dispatch and
-# combine at 2 ranks, one process per GPU, each rank under the sanitizer. Drives a few soak iterations.
-#   bash scripts/sanitize.sh            # logs in $OUT (or ./out)/sanitize_<tool>.log
+# compute-sanitizer (memcheck, racecheck, synccheck, initcheck) at 2 ranks, one process per GPU, each rank under
+# the sanitizer. Per tool, two soak runs of a few iterations: normal mode (layout, dispatch, cached dispatch,
+# combine) and low-latency mode (low_latency_dispatch / low_latency_combine, NVSHMEM).
+#   bash scripts/sanitize.sh            # logs in $OUT (or ./out)/sanitize_<tool>.log and sanitize_<tool>_ll.log
 # Env: SANITIZE_TOOLS (default all four), SANITIZE_ITERS (default 3).
+# The low-latency run needs NVSHMEM_DISABLE_NVLS=1 and NVSHMEM_REMOTE_TRANSPORT=none in the environment (one
+# node, P2P only), as the GPU machine sets them: _env.sh exports the first, cupy_ep sets the second by default
+# on one node.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 export CUPY_EP_SKIP_INSTALL="${CUPY_EP_SKIP_INSTALL:-1}"
@@ -13,12 +17,20 @@ OUT_DIR="${OUT:-./out}"
 mkdir -p "$OUT_DIR"
 rc=0
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
-    log="$OUT_DIR/sanitize_$tool.log"
-    ep_mpirun 2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
-        "$EP_PYTHON" -m cupy_ep.soak --iters "${SANITIZE_ITERS:-3}" --max-tokens 256 --check-every 1 \
-        >"$log" 2>&1
-    r=$?
-    echo "$tool: rc=$r; $(grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sort | uniq -c | tr -s ' \n' ' ')"
-    [[ $r == 0 ]] || rc=1
+    for mode in normal low-latency; do
+        if [[ $mode == normal ]]; then
+            log="$OUT_DIR/sanitize_$tool.log"
+            soak_args=(--max-tokens 256)
+        else
+            log="$OUT_DIR/sanitize_${tool}_ll.log"
+            soak_args=(--mode low-latency)
+        fi
+        ep_mpirun 2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
+            "$EP_PYTHON" -m cupy_ep.soak --iters "${SANITIZE_ITERS:-3}" --check-every 1 "${soak_args[@]}" \
+            >"$log" 2>&1
+        r=$?
+        echo "$tool $mode: rc=$r; $(grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sort | uniq -c | tr -s ' \n' ' ')"
+        [[ $r == 0 ]] || rc=1
+    done
 done
 exit "$rc"
