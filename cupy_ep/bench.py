@@ -61,9 +61,17 @@ class Timing:
     min_us: float
 
 
+STEADY_FLOOR_US = 1e-3  # a steady per-op time is clamped here (1 ns): noise can push (ops - flush) / n <= 0
+
+
 class GpuTimer:
     """CUDA-event timing of ``fn`` on the current stream, L2 flushed before each iteration, ranks
-    aligned by an MPI barrier; per iteration the slowest rank counts."""
+    aligned by an MPI barrier; per iteration the slowest rank counts.
+
+    ``__call__`` and ``graph`` time ONE op per iteration, started right after the barrier: for an op that
+    waits for its peers the time includes the host-side skew between the ranks leaving the barrier and
+    launching (tens of us). ``steady`` times ops back to back, as DeepEP does, where that skew is paid once
+    per n ops."""
 
     def __init__(self, comm, iters: int, warmup: int):
         import cupy
@@ -88,6 +96,56 @@ class GpuTimer:
             graph = stream.end_capture()
         return self._time(stream, lambda: graph.launch(stream))
 
+    def steady(self, fn, n: int = 10) -> Timing:
+        """Device time per op in a pipeline: ``n`` ops back to back, as DeepEP measures.
+
+        Two CUDA graphs are captured on a non-blocking stream (``fn`` is called once first, as in ``graph``):
+        *ops* = n x (L2 flush; ``fn()``) and *flush* = n x (L2 flush). Each is timed by ``_time`` (barrier,
+        events around one replay, slowest rank per iteration). Per op::
+
+            median = (median(ops) - median(flush)) / n
+            min    = (min(ops)    - median(flush)) / n      (both clamped at STEADY_FLOOR_US)
+
+        and ``self.last`` = (ops - median(flush)) / n per iteration (so percentiles still work).
+
+        Why: ``graph`` starts one op right after the barrier, so an op that waits for its peers also waits
+        out the host-side skew between the ranks' launches (tens of us), which the P2P copy ceiling (no
+        waiting) never pays. Back to back, the ranks align on the first op and the later ones run in step:
+        the skew is paid once per n ops. The flush keeps every op's L2 cold, as in the other timings; its
+        own time is what the flush-only graph subtracts."""
+        if n < 1:
+            raise ValueError(f"steady: n must be >= 1, got {n}")
+        stream, ops, flush = self._capture_steady(fn, n)
+        self._time(stream, lambda: ops.launch(stream))
+        ops_us = self.last
+        self._time(stream, lambda: flush.launch(stream))
+        return self._per_op(ops_us, self.last, n)
+
+    def _capture_steady(self, fn, n: int):
+        """(stream, graph of n x (flush; fn()), graph of n x flush), fn warmed up once before capturing."""
+        import cupy
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            fn()
+            stream.synchronize()
+            self.comm.Barrier()
+
+            def ops():
+                for j in range(n):
+                    self.flush.fill(j & 0xff)
+                    fn()
+
+            def flushes():
+                for j in range(n):
+                    self.flush.fill(j & 0xff)
+            return stream, _capture(stream, ops), _capture(stream, flushes)
+
+    def _per_op(self, ops_us, flush_us, n: int) -> Timing:
+        """Per-op times from the per-iteration times of the two steady graphs (see ``steady``)."""
+        per_op = (np.asarray(ops_us, dtype=np.float64) - float(np.median(flush_us))) / n
+        self.last = np.maximum(per_op, STEADY_FLOOR_US)
+        return Timing(max(float(np.median(per_op)), STEADY_FLOOR_US), max(float(np.min(per_op)), STEADY_FLOOR_US))
+
     def _time(self, stream, launch) -> Timing:
         import cupy
         times = []
@@ -104,6 +162,21 @@ class GpuTimer:
                 times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
         self.last = np.max(np.array(self.comm.allgather(times)), axis=0)  # slowest rank, per iteration
         return Timing(float(np.median(self.last)), float(np.min(self.last)))
+
+
+def _capture(stream, body):
+    """``body()`` captured into a CUDA graph on ``stream`` (current); a failed capture is ended before raising,
+    so the stream is not left capturing."""
+    stream.begin_capture()
+    try:
+        body()
+    except BaseException:
+        try:
+            stream.end_capture()
+        except Exception:
+            pass
+        raise
+    return stream.end_capture()
 
 
 class HostTimer:
