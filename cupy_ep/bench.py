@@ -5,6 +5,9 @@ In ONE run it measures (GPU backend):
   * the baseline: NCCL grouped send/recv moving exactly the per-peer bytes our dispatch (combine) moves;
   * ours: layout, dispatch, cached dispatch (BF16 and FP8) and combine (BF16) over several SM counts and
     token counts, CUDA events, warm-up, median/min of --iters iterations, L2 flushed before each.
+Each op is timed as a call, as a CUDA-graph replay (one op per replay) and, where it can be captured, steady
+(--steady-n ops back to back per replay, GpuTimer.steady: the ranks' launch skew paid once per n ops); the
+ceiling and NCCL are timed the same ways, and each comparison uses the same timing on both sides.
 Every result is checked against ``cupy_ep.reference`` before timing; a mismatch aborts the run.
 Writes JSON, a markdown table and a PNG plot into --out. Without a GPU it runs the host backend
 (verification and a small table; no ceiling, no NCCL).
@@ -61,9 +64,17 @@ class Timing:
     min_us: float
 
 
+STEADY_FLOOR_US = 1e-3  # a steady per-op time is clamped here (1 ns): noise can push (ops - flush) / n <= 0
+
+
 class GpuTimer:
     """CUDA-event timing of ``fn`` on the current stream, L2 flushed before each iteration, ranks
-    aligned by an MPI barrier; per iteration the slowest rank counts."""
+    aligned by an MPI barrier; per iteration the slowest rank counts.
+
+    ``__call__`` and ``graph`` time ONE op per iteration, started right after the barrier: for an op that
+    waits for its peers the time includes the host-side skew between the ranks leaving the barrier and
+    launching (tens of us). ``steady`` times ops back to back, as DeepEP does, where that skew is paid once
+    per n ops."""
 
     def __init__(self, comm, iters: int, warmup: int):
         import cupy
@@ -88,6 +99,56 @@ class GpuTimer:
             graph = stream.end_capture()
         return self._time(stream, lambda: graph.launch(stream))
 
+    def steady(self, fn, n: int = 10) -> Timing:
+        """Device time per op in a pipeline: ``n`` ops back to back, as DeepEP measures.
+
+        Two CUDA graphs are captured on a non-blocking stream (``fn`` is called once first, as in ``graph``):
+        *ops* = n x (L2 flush; ``fn()``) and *flush* = n x (L2 flush). Each is timed by ``_time`` (barrier,
+        events around one replay, slowest rank per iteration). Per op::
+
+            median = (median(ops) - median(flush)) / n
+            min    = (min(ops)    - median(flush)) / n      (both clamped at STEADY_FLOOR_US)
+
+        and ``self.last`` = (ops - median(flush)) / n per iteration (so percentiles still work).
+
+        Why: ``graph`` starts one op right after the barrier, so an op that waits for its peers also waits
+        out the host-side skew between the ranks' launches (tens of us), which the P2P copy ceiling (no
+        waiting) never pays. Back to back, the ranks align on the first op and the later ones run in step:
+        the skew is paid once per n ops. The flush keeps every op's L2 cold, as in the other timings; its
+        own time is what the flush-only graph subtracts."""
+        if n < 1:
+            raise ValueError(f"steady: n must be >= 1, got {n}")
+        stream, ops, flush = self._capture_steady(fn, n)
+        self._time(stream, lambda: ops.launch(stream))
+        ops_us = self.last
+        self._time(stream, lambda: flush.launch(stream))
+        return self._per_op(ops_us, self.last, n)
+
+    def _capture_steady(self, fn, n: int):
+        """(stream, graph of n x (flush; fn()), graph of n x flush), fn warmed up once before capturing."""
+        import cupy
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            fn()
+            stream.synchronize()
+            self.comm.Barrier()
+
+            def ops():
+                for j in range(n):
+                    self.flush.fill(j & 0xff)
+                    fn()
+
+            def flushes():
+                for j in range(n):
+                    self.flush.fill(j & 0xff)
+            return stream, _capture(stream, ops), _capture(stream, flushes)
+
+    def _per_op(self, ops_us, flush_us, n: int) -> Timing:
+        """Per-op times from the per-iteration times of the two steady graphs (see ``steady``)."""
+        per_op = (np.asarray(ops_us, dtype=np.float64) - float(np.median(flush_us))) / n
+        self.last = np.maximum(per_op, STEADY_FLOOR_US)
+        return Timing(max(float(np.median(per_op)), STEADY_FLOOR_US), max(float(np.min(per_op)), STEADY_FLOOR_US))
+
     def _time(self, stream, launch) -> Timing:
         import cupy
         times = []
@@ -104,6 +165,21 @@ class GpuTimer:
                 times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
         self.last = np.max(np.array(self.comm.allgather(times)), axis=0)  # slowest rank, per iteration
         return Timing(float(np.median(self.last)), float(np.min(self.last)))
+
+
+def _capture(stream, body):
+    """``body()`` captured into a CUDA graph on ``stream`` (current); a failed capture is ended before raising,
+    so the stream is not left capturing."""
+    stream.begin_capture()
+    try:
+        body()
+    except BaseException:
+        try:
+            stream.end_capture()
+        except Exception:
+            pass
+        raise
+    return stream.end_capture()
 
 
 class HostTimer:
@@ -125,8 +201,11 @@ class HostTimer:
 # ------------------------------------------------------------------------------------------------------
 # the ceiling and the NCCL baseline (GPU only)
 # ------------------------------------------------------------------------------------------------------
-def measure_ceiling(buf, timer, bytes_per_peer: int, sms_list) -> dict:
-    """GB/s (bytes leaving this GPU / time) of the plain P2P copy kernel at several SM counts."""
+def measure_ceiling(buf, timer, bytes_per_peer: int, sms_list, steady_n: int = 0) -> tuple[dict, dict]:
+    """GB/s (bytes leaving this GPU / time) of the plain P2P copy kernel at several SM counts:
+    ``({sms: GB/s as graph replays, one copy per replay}, {sms: GB/s by timer.steady(steady_n)})``, the second
+    empty when ``steady_n`` is 0. The copy does not wait for its peers, so the two should agree; each op's
+    fraction of the ceiling divides by the ceiling timed the same way as the op."""
     import cupy
     from cupy_ep import jit
     R = buf.num_ranks
@@ -135,14 +214,17 @@ def measure_ceiling(buf, timer, bytes_per_peer: int, sms_list) -> dict:
     n_int4 = min(n_int4, room)
     src = cupy.random.randint(0, 1 << 30, size=4 * n_int4, dtype=cupy.int32).view(cupy.int32)
     kernel = jit.get_kernel("copy.cu", "ep::p2p_copy")
-    out = {}
+    graph, steady = {}, {}
     for sms in sms_list:
         def run():
             kernel((sms,), (768,), (src, buf._nvl.ptr_table, np.int64(cfgmod.SIGNAL_BYTES + cfgmod.NOTIFY_BYTES),
                                     np.int64(n_int4), np.int32(buf.rank), np.int32(R)))
         t = timer.graph(run)  # device time: the kernel alone, like the graph-timed ops
-        out[sms] = n_int4 * 16 * (R - 1) / (t.median_us * 1e-6) / 1e9
-    return out
+        graph[sms] = n_int4 * 16 * (R - 1) / (t.median_us * 1e-6) / 1e9
+        if steady_n:
+            t = timer.steady(run, steady_n)
+            steady[sms] = n_int4 * 16 * (R - 1) / (t.median_us * 1e-6) / 1e9
+    return graph, steady
 
 
 class NcclAllToAll:
@@ -285,51 +367,20 @@ class Bench:
         nvl_back = int(recv_rows.sum() - recv_rows[rank])
         num_recv = int(recv_rows.sum())
 
-        nccl, nccl_graph = {}, {}
-        if self.gpu and with_baselines:
-            nc = self.nccl
-            runs = {("dispatch", name): nc.make(sent_rows * rb, recv_rows * rb)
-                    for name, rb in (("bf16", row_bf16), ("fp8", row_fp8))}
-            runs[("combine", "bf16")] = nc.make(recv_rows * row_bf16, sent_rows * row_bf16)
-            for key, run in runs.items():
-                nccl[key] = timer(run).median_us
-                try:
-                    nccl_graph[key] = timer.graph(run).median_us
-                except Exception as e:  # NCCL inside a graph is not essential: say so, keep going
-                    self.log(f"  (NCCL graph capture failed: {e})")
-
-        def gbps(rows, row_bytes, us):
-            return rows * row_bytes / (us * 1e-6) / 1e9 if rows and us else 0.0
+        nccl = self.nccl_baselines(timer, sent_rows, recv_rows, row_bf16, row_fp8) \
+            if self.gpu and with_baselines else {}
+        ceiling = {"graph": self.ceiling.get("gbps"), "steady": self.ceiling.get("gbps_steady")}
 
         def add(op, dtype, sms, fn, row_bytes, logical_rows, nvl_rows, graph: bool):
-            """Time ``fn`` as called from Python (events around the call: host overhead included) and,
-            when ``graph``, as CUDA-graph replays (device time only)."""
-            t = timer(fn)
-            tg = timer.graph(fn) if graph and self.gpu else None
-            rec = dict(op=op, dtype=dtype, num_sms=sms, tokens=tokens, hidden=a.hidden, topk=a.topk,
-                       experts=self.experts, time_us_median=t.median_us, time_us_min=t.min_us,
-                       time_us_graph=tg.median_us if tg else None)
-            rec["logical_gbps"] = gbps(logical_rows, row_bytes, t.median_us)
-            rec["nvlink_gbps"] = gbps(nvl_rows, row_bytes, t.median_us)
-            rec["nvlink_gbps_graph"] = gbps(nvl_rows, row_bytes, tg.median_us) if tg else None
-            ceiling = self.ceiling.get("gbps")
-            rec["fraction_of_ceiling"] = rec["nvlink_gbps"] / ceiling if ceiling else None
-            rec["fraction_of_ceiling_graph"] = (rec["nvlink_gbps_graph"] / ceiling
-                                                if ceiling and rec["nvlink_gbps_graph"] else None)
-            rec["nccl_time_us"] = nccl.get((op.replace("cached_", ""), dtype))
-            rec["ratio_to_nccl"] = t.median_us / rec["nccl_time_us"] if rec["nccl_time_us"] else None
-            rec["nccl_time_us_graph"] = nccl_graph.get((op.replace("cached_", ""), dtype))
-            rec["ratio_to_nccl_graph"] = (tg.median_us / rec["nccl_time_us_graph"]
-                                          if tg and rec["nccl_time_us_graph"] else None)
+            """Time ``fn`` (``time_op``) and append its record."""
+            t = self.time_op(timer, fn, graph)
+            key = (op.replace("cached_", ""), dtype)
+            rec = make_record(dict(op=op, dtype=dtype, num_sms=sms, tokens=tokens, hidden=a.hidden, topk=a.topk,
+                                   experts=self.experts), t, row_bytes, logical_rows, nvl_rows, ceiling,
+                              {how: us.get(key) for how, us in nccl.items()})
+            rec["steady_n"] = a.steady_n if t["steady"] else None
             self.records.append(rec)
-            self.log(f"  {op:16s} {dtype:5s} sms={sms:3d} tokens={tokens:6d}  {t.median_us:8.1f} us"
-                     + (f" (graph {tg.median_us:7.1f} us)" if tg else "")
-                     + f"  nvlink {rec['nvlink_gbps']:6.1f}"
-                     + (f" / graph {rec['nvlink_gbps_graph']:6.1f}" if tg else "") + " GB/s"
-                     + (f"  {rec['fraction_of_ceiling']:.2f}" if rec['fraction_of_ceiling'] else "")
-                     + (f"/{rec['fraction_of_ceiling_graph']:.2f}" if rec['fraction_of_ceiling_graph'] else "")
-                     + (" x ceiling" if rec['fraction_of_ceiling'] else "")
-                     + (f"  {rec['ratio_to_nccl']:.2f}x NCCL time" if rec['ratio_to_nccl'] else ""))
+            self.log(log_line(rec))
 
         if with_baselines:
             add("layout", "-", 0, lambda: buf.get_dispatch_layout(idx, self.experts), 0, 0, 0, graph=True)
@@ -348,6 +399,35 @@ class Bench:
             add("combine", "bf16", sms, lambda: buf.combine(recv_x, handle_bf16, config=ccfg), row_bf16, num_recv,
                 nvl_back, graph=True)
         del out
+
+    def time_op(self, timer, fn, graph: bool) -> dict:
+        """``fn`` timed as a call (events around the Python call: host overhead included) and, when ``graph``
+        (it can be captured) on a GPU, as graph replays (one op per replay) and steady (``--steady-n`` ops back
+        to back; none with --steady-n 0): ``{"call": Timing, "graph": Timing | None, "steady": Timing | None}``."""
+        device, n = graph and self.gpu, self.args.steady_n
+        return {"call": timer(fn), "graph": timer.graph(fn) if device else None,
+                "steady": timer.steady(fn, n) if device and n else None}
+
+    def nccl_baselines(self, timer, sent_rows, recv_rows, row_bf16: int, row_fp8: int) -> dict:
+        """NCCL grouped send/recv of exactly the per-peer bytes of dispatch (bf16, fp8) and combine (bf16),
+        timed as our ops are: ``{"call" | "graph" | "steady": {(op, dtype): median us}}``. A timing whose graph
+        capture fails is left out (logged): NCCL inside a graph is not essential."""
+        nc, n = self.nccl, self.args.steady_n
+        runs = {("dispatch", name): nc.make(sent_rows * rb, recv_rows * rb)
+                for name, rb in (("bf16", row_bf16), ("fp8", row_fp8))}
+        runs[("combine", "bf16")] = nc.make(recv_rows * row_bf16, sent_rows * row_bf16)
+        hows = {"graph": timer.graph}
+        if n:
+            hows["steady"] = lambda fn: timer.steady(fn, n)
+        out = {"call": {}, "graph": {}, "steady": {}}
+        for key, run in runs.items():
+            out["call"][key] = timer(run).median_us
+            for how, time_it in hows.items():
+                try:
+                    out[how][key] = time_it(run).median_us
+                except Exception as e:
+                    self.log(f"  (NCCL {how} capture failed: {e})")
+        return out
 
     def verify(self, x_np, x8_np, idx_np, w_np, layout, dispatch, cfg):
         """Dispatch (BF16, FP8), cached dispatch and combine against the reference; abort on mismatch."""
@@ -389,17 +469,11 @@ class Bench:
     def run(self):
         a = self.args
         self.log(f"cupy_ep.bench: backend={self.buf.backend} ranks={self.R} tokens={a.tokens} hidden={a.hidden} "
-                 f"topk={a.topk} experts={self.experts} skew={a.skew} iters={a.iters}")
+                 f"topk={a.topk} experts={self.experts} skew={a.skew} iters={a.iters} steady_n={a.steady_n}")
         with self.device_ctx():
             if self.gpu:
                 self.nccl = NcclAllToAll(self.comm)
-                timer = GpuTimer(self.comm, a.iters, a.warmup)
-                per_peer = a.tokens * self.hidden_bytes
-                self.ceiling["by_sms"] = measure_ceiling(self.buf, timer, per_peer, [8, 16, 24, 32, 64, 132])
-                self.ceiling["gbps"] = max(self.ceiling["by_sms"].values())
-                self.log("  ceiling (P2P copy, all GPUs writing to all peers): "
-                         + ", ".join(f"{s} SMs {g:.1f}" for s, g in self.ceiling["by_sms"].items())
-                         + f" GB/s -> {self.ceiling['gbps']:.1f} GB/s")
+                self.measure_ceiling(GpuTimer(self.comm, a.iters, a.warmup))
             self.run_workload(a.tokens, a.sms, verify=True, with_baselines=True)
             for tokens in a.token_sweep:
                 if tokens != a.tokens:
@@ -408,10 +482,25 @@ class Bench:
         if self.rank == 0:
             self.write()
 
+    def measure_ceiling(self, timer) -> None:
+        """``self.ceiling``: the P2P copy's GB/s by SM count and at best, as graph replays (``by_sms``, ``gbps``:
+        the headline ``ceiling_gbps``) and steady (``by_sms_steady``, ``gbps_steady``; None with --steady-n 0)."""
+        per_peer = self.args.tokens * self.hidden_bytes
+        graph, steady = measure_ceiling(self.buf, timer, per_peer, [8, 16, 24, 32, 64, 132], self.args.steady_n)
+        self.ceiling = {"by_sms": graph, "gbps": max(graph.values()),
+                        "by_sms_steady": steady or None, "gbps_steady": max(steady.values()) if steady else None}
+        for label, by_sms in (("graph", graph), ("steady", steady)):
+            if by_sms:
+                self.log(f"  ceiling (P2P copy, all GPUs writing to all peers, {label}): "
+                         + ", ".join(f"{s} SMs {g:.1f}" for s, g in by_sms.items())
+                         + f" GB/s -> {max(by_sms.values()):.1f} GB/s")
+
     # -- outputs --
     def meta(self) -> dict:
         meta = {"commit": _git_commit(), "backend": self.buf.backend, "num_ranks": self.R,
                 "ceiling_gbps": self.ceiling.get("gbps"), "ceiling_by_sms": self.ceiling.get("by_sms"),
+                "ceiling_gbps_steady": self.ceiling.get("gbps_steady"),
+                "ceiling_by_sms_steady": self.ceiling.get("by_sms_steady"),
                 "startup": self.startup, "args": vars(self.args)}
         if self.gpu:
             import cupy
@@ -444,71 +533,146 @@ class Bench:
         print(f"cupy_ep.bench: wrote {out}/{stem}.json/.md" + ("/.png" if self.gpu else ""))
 
 
+def make_record(base: dict, t: dict, row_bytes: int, logical_rows: int, nvl_rows: int, ceiling: dict,
+                nccl: dict) -> dict:
+    """One result: ``base`` (op, dtype, num_sms, tokens, ...) and, from the timings ``t`` (``time_op``), per timing:
+    time, NVLink GB/s (``nvl_rows`` x ``row_bytes`` / time), the fraction of the ceiling and the ratio to NCCL.
+    The fraction divides by the ceiling timed the same way (``ceiling["graph"]``, the headline ``ceiling_gbps``,
+    for the call and graph timings, ``ceiling["steady"]`` for steady), the ratio by NCCL timed the same way
+    (``nccl[how]`` us). Logical GB/s (``logical_rows``: all received rows, DeepEP's figure) is the call's."""
+    def gbps(rows, us):
+        return rows * row_bytes / (us * 1e-6) / 1e9 if rows and us else 0.0
+    call = t["call"]
+    rec = dict(base, time_us_median=call.median_us, time_us_min=call.min_us,
+               logical_gbps=gbps(logical_rows, call.median_us), nvlink_gbps=gbps(nvl_rows, call.median_us))
+    rec["fraction_of_ceiling"] = rec["nvlink_gbps"] / ceiling["graph"] if ceiling.get("graph") else None
+    rec["nccl_time_us"] = nccl.get("call")
+    rec["ratio_to_nccl"] = call.median_us / rec["nccl_time_us"] if rec["nccl_time_us"] else None
+    for how in ("graph", "steady"):
+        tm, ceil, nc = t.get(how), ceiling.get(how), nccl.get(how)
+        rec[f"time_us_{how}"] = tm.median_us if tm else None
+        rec[f"nvlink_gbps_{how}"] = nv = gbps(nvl_rows, tm.median_us) if tm else None
+        rec[f"fraction_of_ceiling_{how}"] = nv / ceil if ceil and nv else None
+        rec[f"nccl_time_us_{how}"] = nc
+        rec[f"ratio_to_nccl_{how}"] = tm.median_us / nc if tm and nc else None
+    rec["time_us_steady_min"] = t["steady"].min_us if t.get("steady") else None
+    return rec
+
+
+def log_line(rec: dict) -> str:
+    """One record as the benchmark prints it: times (call / graph / steady), NVLink GB/s, fraction, NCCL ratio."""
+    def opt(key, fmt, prefix=" / "):
+        return f"{prefix}{rec[key]:{fmt}}" if rec.get(key) else ""
+    line = (f"  {rec['op']:16s} {rec['dtype']:5s} sms={rec['num_sms']:3d} tokens={rec['tokens']:6d}  "
+            f"{rec['time_us_median']:8.1f}{opt('time_us_graph', '7.1f', ' / graph ')}"
+            f"{opt('time_us_steady', '7.1f', ' / steady ')} us  nvlink {rec['nvlink_gbps']:6.1f}"
+            f"{opt('nvlink_gbps_graph', '6.1f')}{opt('nvlink_gbps_steady', '6.1f')} GB/s")
+    if rec.get("fraction_of_ceiling"):
+        line += (f"  {rec['fraction_of_ceiling']:.2f}{opt('fraction_of_ceiling_graph', '.2f', '/')}"
+                 f"{opt('fraction_of_ceiling_steady', '.2f', '/')} x ceiling")
+    if rec.get("ratio_to_nccl"):
+        line += (f"  {rec['ratio_to_nccl']:.2f}{opt('ratio_to_nccl_graph', '.2f', '/')}"
+                 f"{opt('ratio_to_nccl_steady', '.2f', '/')}x NCCL time")
+    return line
+
+
 def markdown_table(doc: dict) -> str:
-    lines = [f"# cupy_ep benchmark ({doc['backend']}, {doc['num_ranks']} ranks, {doc.get('gpu') or 'no GPU'})", "",
-             f"commit `{doc['commit']}`, driver {doc.get('driver')}, ceiling (P2P copy) "
-             f"{doc['ceiling_gbps'] and round(doc['ceiling_gbps'], 1)} GB/s per GPU; startup {doc['startup']}", "",
-             "Two timings per op: *call* = CUDA events around the Python call (host overhead included); "
-             "*graph* = the same call captured in a CUDA graph and replayed (device time only). "
-             "NVLink GB/s counts bytes that left the GPU; logical GB/s counts all received bytes (DeepEP's way).", "",
-             "| op | dtype | SMs | tokens | call us (median) | call us (min) | graph us | logical GB/s | NVLink GB/s "
-             "| NVLink GB/s (graph) | of ceiling (graph) | NCCL us | NCCL us (graph) | ours/NCCL | ours/NCCL (graph) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The normal-mode results as markdown: the header says how each column is timed; cells with several
+    values are call / graph / steady ("-" where not measured)."""
+    steady_n = (doc.get("args") or {}).get("steady_n")
 
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
+
+    def each(r, key, fmt, hows=("", "_graph", "_steady")):
+        return " / ".join(f(r.get(key + h), fmt) for h in hows)
+    lines = [f"# cupy_ep benchmark ({doc['backend']}, {doc['num_ranks']} ranks, {doc.get('gpu') or 'no GPU'})", "",
+             f"commit `{doc['commit']}`, driver {doc.get('driver')}, ceiling (P2P copy, every GPU writing to all its "
+             f"peers) {f(doc['ceiling_gbps'], '.1f')} GB/s per GPU as graph replays (`ceiling_gbps`), "
+             f"{f(doc.get('ceiling_gbps_steady'), '.1f')} GB/s steady (`ceiling_gbps_steady`); "
+             f"startup {doc['startup']}", "",
+             "Three timings per op, each the median over iterations of the slowest rank: "
+             "*call* = CUDA events around the Python call (host overhead included); "
+             "*graph* = the call captured in a CUDA graph, one op per replay started right after an MPI barrier "
+             "(device time, but an op that waits for its peers also waits out the skew between the ranks' launches, "
+             "which the copy ceiling never pays); "
+             f"*steady* = {steady_n or 'n'} ops back to back in one graph, L2 flushed before each, minus a "
+             "flush-only graph, divided by n (device time per op in a pipeline, as DeepEP measures: the skew is "
+             "paid once per n ops). NVLink GB/s counts bytes that left the GPU; logical GB/s (call) counts all "
+             "received bytes (DeepEP's way). *of ceiling* divides by the ceiling timed the same way (graph by "
+             "`ceiling_gbps`, steady by `ceiling_gbps_steady`); NCCL (grouped send/recv of the same per-peer "
+             "bytes) is timed each way too, and ours/NCCL compares like with like.", "",
+             "| op | dtype | SMs | tokens | call us | graph us | steady us | logical GB/s "
+             "| NVLink GB/s (call / graph / steady) | of ceiling (graph / steady) | NCCL us (call / graph / steady) "
+             "| ours/NCCL (call / graph / steady) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         lines.append(f"| {r['op']} | {r['dtype']} | {r['num_sms']} | {r['tokens']} | {r['time_us_median']:.1f} | "
-                     f"{r['time_us_min']:.1f} | {f(r.get('time_us_graph'), '.1f')} | {r['logical_gbps']:.1f} | "
-                     f"{r['nvlink_gbps']:.1f} | {f(r.get('nvlink_gbps_graph'), '.1f')} | "
-                     f"{f(r.get('fraction_of_ceiling_graph'), '.2f')} | {f(r['nccl_time_us'], '.1f')} | "
-                     f"{f(r.get('nccl_time_us_graph'), '.1f')} | {f(r['ratio_to_nccl'], '.2f')} | "
-                     f"{f(r.get('ratio_to_nccl_graph'), '.2f')} |")
+                     f"{f(r.get('time_us_graph'), '.1f')} | {f(r.get('time_us_steady'), '.1f')} | "
+                     f"{r['logical_gbps']:.1f} | {each(r, 'nvlink_gbps', '.1f')} | "
+                     f"{each(r, 'fraction_of_ceiling', '.2f', ('_graph', '_steady'))} | "
+                     f"{each(r, 'nccl_time_us', '.1f')} | {each(r, 'ratio_to_nccl', '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
+def _device_gbps(r: dict) -> tuple[float, str]:
+    """A record's NVLink GB/s for the plot, and how it was timed: steady, else graph, else the call."""
+    for how in ("steady", "graph"):
+        if r.get(f"nvlink_gbps_{how}"):
+            return r[f"nvlink_gbps_{how}"], how
+    return r["nvlink_gbps"], "call"
+
+
+def _nccl_gbps(r: dict) -> float | None:
+    """NCCL's GB/s on the record's NVLink bytes, NCCL timed steady where measured, else graph, else the call."""
+    us = r.get("nccl_time_us_steady") or r.get("nccl_time_us_graph") or r.get("nccl_time_us")
+    return r["nvlink_gbps"] * r["time_us_median"] / us if us else None
+
+
 def plot(doc: dict, path: Path):
+    """NVLink GB/s by SM count and by tokens per rank; device times (steady where measured, else graph,
+    else the call; the legend says which), the ceiling timed as the ops are, NCCL on the same bytes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     res = doc["results"]
     args = doc["args"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    ax = axes[0]
-    def y(r):  # device time (graph replay) where the op can be captured, else the timed call
-        return r.get("nvlink_gbps_graph") or r["nvlink_gbps"]
+    steady = bool(doc.get("ceiling_by_sms_steady"))
+    ceiling_by_sms = doc.get("ceiling_by_sms_steady") or doc["ceiling_by_sms"]
+    ceiling = doc.get("ceiling_gbps_steady") or doc["ceiling_gbps"]
+    ceiling_label = f"P2P copy ceiling ({'steady' if steady else 'graph'})"
 
-    def how(op):
-        return "call" if op == "dispatch" else "graph"
-    for op, dtype in (("dispatch", "bf16"), ("cached_dispatch", "bf16"), ("cached_dispatch", "fp8"), ("combine", "bf16")):
-        pts = sorted((r["num_sms"], y(r)) for r in res
-                     if r["op"] == op and r["dtype"] == dtype and r["tokens"] == args["tokens"])
+    def series(ax, rows, x_key, label):
+        pts = sorted((r[x_key], _device_gbps(r)[0]) for r in rows)
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=f"{op} {dtype} ({how(op)})")
-    if doc["ceiling_by_sms"]:
-        pts = sorted((int(k), v) for k, v in doc["ceiling_by_sms"].items())
-        ax.plot(*zip(*pts), "k--", label="P2P copy ceiling")
+            hows = sorted({_device_gbps(r)[1] for r in rows})
+            ax.plot(*zip(*pts), marker="o", label=f"{label} ({'/'.join(hows)})")
+
+    ax = axes[0]
+    for op, dtype in (("dispatch", "bf16"), ("cached_dispatch", "bf16"), ("cached_dispatch", "fp8"), ("combine", "bf16")):
+        series(ax, [r for r in res if r["op"] == op and r["dtype"] == dtype and r["tokens"] == args["tokens"]],
+               "num_sms", f"{op} {dtype}")
+    if ceiling_by_sms:
+        pts = sorted((int(k), v) for k, v in ceiling_by_sms.items())
+        ax.plot(*zip(*pts), "k--", label=ceiling_label)
     nccl = [r for r in res if r["op"] == "dispatch" and r["dtype"] == "bf16" and r["tokens"] == args["tokens"]
-            and r["nccl_time_us"]]
+            and _nccl_gbps(r)]
     if nccl:
-        r = nccl[0]
-        ax.axhline(r["nvlink_gbps"] * r["time_us_median"] / r["nccl_time_us"], color="gray", ls=":",
-                   label="NCCL all-to-all (same bytes)")
+        ax.axhline(_nccl_gbps(nccl[0]), color="gray", ls=":", label="NCCL all-to-all (same bytes)")
     ax.set(xlabel="SMs", ylabel="NVLink-crossing GB/s per GPU", title=f"EP{doc['num_ranks']}, {args['tokens']} tokens/rank")
     ax.legend(fontsize=8)
     ax = axes[1]
     for op in ("dispatch", "cached_dispatch", "combine"):
-        pts = sorted((r["tokens"], y(r)) for r in res
-                     if r["op"] == op and r["dtype"] == "bf16" and r["num_sms"] == args["default_sms"])
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=f"{op} bf16 ({how(op)})")
-    pts = sorted((r["tokens"], r["nvlink_gbps"] * r["time_us_median"] / r["nccl_time_us"]) for r in res
-                 if r["op"] == "dispatch" and r["dtype"] == "bf16" and r["nccl_time_us"]
+        series(ax, [r for r in res if r["op"] == op and r["dtype"] == "bf16" and r["num_sms"] == args["default_sms"]],
+               "tokens", f"{op} bf16")
+    pts = sorted((r["tokens"], _nccl_gbps(r)) for r in res
+                 if r["op"] == "dispatch" and r["dtype"] == "bf16" and _nccl_gbps(r)
                  and r["num_sms"] == args["default_sms"])
     if pts:
         ax.plot(*zip(*pts), "k:", marker="x", label="NCCL all-to-all (same bytes)")
-    if doc["ceiling_gbps"]:
-        ax.axhline(doc["ceiling_gbps"], color="k", ls="--", label="ceiling")
+    if ceiling:
+        ax.axhline(ceiling, color="k", ls="--", label=ceiling_label)
     ax.set(xlabel="tokens per rank", ylabel="NVLink-crossing GB/s per GPU", xscale="log",
            title=f"{args['default_sms']} SMs, hidden {args['hidden']}, top-{args['topk']} of {args['experts']}")
     ax.legend(fontsize=8)
@@ -571,12 +735,21 @@ def parse_args(argv=None, gpu: bool = True):
     p.add_argument("--iters", type=int, default=50 if gpu else 3)
     p.add_argument("--warmup", type=int, default=5 if gpu else 1)
     p.add_argument("--skew", type=float, default=0.0, help="fraction of tokens routed to rank 0 only")
+    p.add_argument("--steady-n", type=int, default=10,
+                   help="ops back to back per graph in the steady timing (GpuTimer.steady; default 10; 0: no steady "
+                        "timing; rounded up to even in --mode low-latency, where two buffers alternate)")
+    p.add_argument("--ll-token-sweep", type=ints, default=[0, 128],
+                   help="--mode low-latency: tokens per rank T of the steady sweep, at the same max tokens M = "
+                        "--tokens (default 0,128; T=0 is the fixed cost; T > M is skipped)")
     p.add_argument("--backend", choices=["cuda", "host"], default=None)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--mode", choices=["normal", "low-latency", "internode"], default="normal",
                    help="low-latency: decode dispatch/combine latency (cupy_ep/bench_ll.py; --tokens defaults to 128); "
                         "internode: RDMA/NVLink-domain bandwidth across nodes (cupy_ep/bench_internode.py)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steady_n < 0:
+        p.error(f"--steady-n must be >= 0, got {args.steady_n}")
+    return args
 
 
 def main(argv=None):

@@ -1,13 +1,27 @@
 """``python -m cupy_ep.bench --mode low-latency``: low-latency (decode) dispatch and combine latency.
 
 Defaults follow the issue: 128 tokens per rank, hidden 7168, top-8 of 256 experts, FP8 dispatch, BF16 combine.
-Per op: median and p99 over ``--iters`` (>= 200) iterations, as plain calls (CUDA events around the Python call)
-and under CUDA-graph replay (device time), with NCCL grouped send/recv of the same per-peer bytes measured in
-the same run. Results are verified against :mod:`cupy_ep.reference` before any timing (a mismatch aborts).
-Records are written to ``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``.
+Per op: median and p99 over ``--iters`` (>= 200) iterations, timed three ways (field ``timing``):
+
+* ``call``: CUDA events around the Python call (host overhead included);
+* ``graph``: one op per CUDA-graph replay, started right after an MPI barrier. The replay reuses the buffer
+  index baked in at capture, and a call zeroes only the *other* buffer's signals (low_latency.cu), so from the
+  second replay on the receiver finds its signals still set by the previous replay and does not wait for its
+  peers: this times the kernel's own work, not a full round trip;
+* ``steady``: ``--steady-n`` ops (rounded up to even) back to back per replay, alternating the two buffers as in
+  real use (each call's receive completes before the call after next), L2 flushed before each, minus a
+  flush-only graph, divided by n (:meth:`cupy_ep.bench.GpuTimer.steady`): device latency per op in a pipeline,
+  the ranks' launch skew paid once per n ops.
+
+NCCL grouped send/recv of the same per-peer bytes is measured in the same run: as graph replays for the call and
+graph rows, steady for the steady rows. Further records: a steady token sweep (``--ll-token-sweep``: T tokens per
+rank at the same max M = ``--tokens``; T = 0 is the fixed cost) and the host time per call (timing ``host``:
+200 plain calls back to back). Results are verified against :mod:`cupy_ep.reference` before any timing (a
+mismatch aborts). Records are written to ``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``.
 """
 from __future__ import annotations
 
+import time
 
 import numpy as np
 
@@ -15,6 +29,8 @@ import cupy_ep
 from cupy_ep import Buffer, reference
 from cupy_ep import config as cfgmod
 from cupy_ep.bench import GpuTimer, NcclAllToAll, write_report
+
+HOST_CALLS = 200  # plain calls per host-overhead measurement
 
 
 class LatencyTimer(GpuTimer):
@@ -35,12 +51,36 @@ def _selections_per_rank(idx: np.ndarray, num_experts: int, num_ranks: int) -> n
     return np.bincount(valid // (num_experts // num_ranks), minlength=num_ranks)
 
 
+def even_steady_n(n: int) -> int:
+    """``--steady-n`` rounded up to even: a graph of an odd number of low-latency calls would start every other
+    replay on the buffer whose signals the previous call did not clear."""
+    return n + (n & 1)
+
+
+def host_us_per_call(comm, fn, calls: int, sync) -> tuple[float, float]:
+    """Host time of ``fn``: ``calls`` plain calls back to back (no sync inside the loop) after one device sync
+    (``sync()``) and an MPI barrier. Returns ``(host, wall)`` us per call, the slowest rank's: ``host`` = the loop
+    alone (the Python and launch cost of a call), ``wall`` = until the device has finished them too."""
+    sync()
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    sync()
+    t2 = time.perf_counter()
+    comm.Barrier()
+    host, wall = np.max(np.array(comm.allgather(((t1 - t0) * 1e6 / calls, (t2 - t0) * 1e6 / calls))), axis=0)
+    return float(host), float(wall)
+
+
 class LowLatencyBench:
     def __init__(self, args, comm):
         self.args, self.comm = args, comm
         self.rank, self.R = comm.Get_rank(), comm.Get_size()
         a = args
         self.M = a.tokens
+        self.steady_n = even_steady_n(a.steady_n)
         rdma = cfgmod.low_latency_rdma_size_hint(self.M, a.hidden, self.R, a.experts)
         self.buf = Buffer(comm, num_rdma_bytes=rdma, low_latency_mode=True, check_values=False, backend="cuda")
         self.records: list[dict] = []
@@ -49,13 +89,14 @@ class LowLatencyBench:
         if self.rank == 0:
             print(*a, flush=True)
 
-    def inputs(self):
+    def inputs(self, tokens: int):
+        """This rank's ``tokens`` tokens: bf16 x, distinct top-k experts, weights (numpy)."""
         a = self.args
         rng = np.random.default_rng(4321 + self.rank)
-        x = rng.standard_normal((a.tokens, a.hidden), dtype=np.float32).astype(reference.bfloat16)
-        scores = rng.random((a.tokens, a.experts), dtype=np.float32)
+        x = rng.standard_normal((tokens, a.hidden), dtype=np.float32).astype(reference.bfloat16)
+        scores = rng.random((tokens, a.experts), dtype=np.float32)
         idx = np.argsort(-scores, axis=1)[:, :a.topk].astype(np.int64)
-        w = rng.random((a.tokens, a.topk), dtype=np.float32)
+        w = rng.random((tokens, a.topk), dtype=np.float32)
         return x, idx, w
 
     def verify(self, x, idx, w, dispatch_out, combined, y):
@@ -80,14 +121,104 @@ class LowLatencyBench:
             self.comm.Abort(2)
         self.log("  verified against cupy_ep.reference: low-latency dispatch (fp8) and combine: OK")
 
+    def ops(self, x, idx, w, y, handle, idx_np) -> dict:
+        """``{op: (fn, nccl_fn, dtype)}``: the FP8 dispatch of ``x`` and the combine of ``y`` with the fixed
+        ``handle``, each with NCCL grouped send/recv of its per-peer bytes (collective: every rank calls it)."""
+        a, R, buf = self.args, self.R, self.buf
+        per_rank = _selections_per_rank(idx_np, a.experts, R)
+        recv_per_rank = np.array(self.comm.alltoall([int(v) for v in per_rank]))
+        msg_fp8 = a.hidden + a.hidden // 128 * 4 + 16
+        return {
+            "ll_dispatch": (lambda: buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True),
+                            self.nccl.make(per_rank * msg_fp8, recv_per_rank * msg_fp8), "fp8"),
+            "ll_combine": (lambda: buf.low_latency_combine(y, idx, w, handle),
+                           self.nccl.make(recv_per_rank * 2 * a.hidden, per_rank * 2 * a.hidden), "bf16"),
+        }
+
+    def timed(self, timer, fn, how: str):
+        """``(Timing, p99 us)`` of ``fn`` timed ``how`` ("call", "graph" or "steady")."""
+        if how == "call":
+            t = timer(fn)
+        elif how == "graph":
+            t = timer.graph(fn)
+        else:
+            t = timer.steady(fn, self.steady_n)
+        return t, timer.p99()
+
+    def time_nccl(self, timer, nccl_fn, how: str):
+        """NCCL's ``(Timing, p99)`` timed ``how``, or ``(None, None)`` where its graph capture fails (logged)."""
+        try:
+            return self.timed(timer, nccl_fn, how)
+        except Exception as e:
+            self.log(f"  (NCCL {how} capture failed: {e})")
+            return None, None
+
+    def time_ops(self, timer, runs: dict, tokens: int, hows, with_nccl: bool = True) -> None:
+        """Time each op of ``runs`` (``ops``) each way in ``hows``; NCCL as graph replays for the call and
+        graph rows, steady for the steady rows."""
+        for op, (fn, nccl_fn, dtype) in runs.items():
+            nccl = {}
+            for how in hows:
+                base = "steady" if how == "steady" else "graph"
+                if with_nccl and base not in nccl:
+                    nccl[base] = self.time_nccl(timer, nccl_fn, base)
+                t, p99 = self.timed(timer, fn, how)
+                nt, np99 = nccl.get(base, (None, None))
+                self.add(op, dtype, how, tokens, t, p99, nt, np99, base)
+
+    def add(self, op, dtype, how, tokens, t, p99, nccl_t, nccl_p99, nccl_how) -> None:
+        a = self.args
+        rec = {"op": op, "graph": how != "call", "timing": how, "time_us_median": t.median_us, "time_us_p99": p99,
+               "time_us_min": t.min_us, "nccl_time_us": nccl_t.median_us if nccl_t else None,
+               "nccl_time_us_p99": nccl_p99, "nccl_timing": nccl_how if nccl_t else None,
+               "ratio_to_nccl": t.median_us / nccl_t.median_us if nccl_t else None,
+               "steady_n": self.steady_n if how == "steady" else None,
+               "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden, "topk": a.topk,
+               "experts": a.experts, "num_ranks": self.R}
+        self.records.append(rec)
+        self.log(f"  {op:11s} {how:6s} T={tokens:4d} median {t.median_us:7.1f} us  p99 {p99:7.1f} us"
+                 + (f"  (NCCL same bytes, {nccl_how} {nccl_t.median_us:7.1f} us)" if nccl_t else ""))
+
+    def host_overhead(self, runs: dict, tokens: int) -> None:
+        """Records of timing "host": ``host_us_per_call`` (and ``host_wall_us_per_call``) of each op."""
+        import cupy
+        a = self.args
+
+        def sync():
+            cupy.cuda.runtime.deviceSynchronize()
+        for op, (fn, _, dtype) in runs.items():
+            host, wall = host_us_per_call(self.comm, fn, HOST_CALLS, sync)
+            self.records.append({"op": op, "graph": False, "timing": "host", "host_us_per_call": host,
+                                 "host_wall_us_per_call": wall, "calls": HOST_CALLS, "time_us_median": None,
+                                 "time_us_p99": None, "time_us_min": None, "nccl_time_us": None, "dtype": dtype,
+                                 "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden, "topk": a.topk,
+                                 "experts": a.experts, "num_ranks": self.R})
+            self.log(f"  {op:11s} host   T={tokens:4d} {host:7.1f} us per call on the host "
+                     f"({wall:7.1f} us per call until the device is done; {HOST_CALLS} calls back to back)")
+
+    def token_sweep(self, timer, y) -> None:
+        """Steady records at T tokens per rank (``--ll-token-sweep``), same max M; T = M is the main run's."""
+        import cupy
+        a, buf = self.args, self.buf
+        for T in a.ll_token_sweep:
+            if T == self.M:
+                continue
+            if not 0 <= T <= self.M:
+                self.log(f"  (token sweep: T={T} skipped: needs 0 <= T <= max tokens {self.M})")
+                continue
+            x_np, idx_np, w_np = self.inputs(T)
+            x, idx, w = _bf16_dev(x_np), cupy.asarray(idx_np), cupy.asarray(w_np)
+            handle = buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True)[2]
+            self.time_ops(timer, self.ops(x, idx, w, y, handle, idx_np), T, ("steady",), with_nccl=T > 0)
+
     def run(self):
         import cupy
         a, R, buf = self.args, self.R, self.buf
         self.log(f"cupy_ep.bench --mode low-latency: ranks={R} tokens={a.tokens} hidden={a.hidden} topk={a.topk} "
-                 f"experts={a.experts} iters={a.iters}")
+                 f"experts={a.experts} iters={a.iters} steady_n={self.steady_n} token_sweep={a.ll_token_sweep}")
         L = a.experts // R
         with cupy.cuda.Device(buf.device_id):
-            x_np, idx_np, w_np = self.inputs()
+            x_np, idx_np, w_np = self.inputs(a.tokens)
             x, idx, w = _bf16_dev(x_np), cupy.asarray(idx_np), cupy.asarray(w_np)
             rng = np.random.default_rng(99 + self.rank)
             y_np = rng.integers(-8, 9, size=(L, R * self.M, a.hidden)).astype(np.float32).astype(reference.bfloat16)
@@ -99,47 +230,71 @@ class LowLatencyBench:
             handle = out[2]
 
             timer = LatencyTimer(self.comm, a.iters, a.warmup)
-            nccl = NcclAllToAll(self.comm)
-            per_rank = _selections_per_rank(idx_np, a.experts, R)
-            recv_per_rank = np.array(self.comm.alltoall([int(v) for v in per_rank]))
-            msg_fp8 = a.hidden + a.hidden // 128 * 4 + 16
-            runs = {
-                "ll_dispatch": (lambda: buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True),
-                                nccl.make(per_rank * msg_fp8, recv_per_rank * msg_fp8), "fp8"),
-                "ll_combine": (lambda: buf.low_latency_combine(y, idx, w, handle),
-                               nccl.make(recv_per_rank * 2 * a.hidden, per_rank * 2 * a.hidden), "bf16"),
-            }
-            for op, (fn, nccl_fn, dtype) in runs.items():
-                nccl_t = timer.graph(nccl_fn)
-                nccl_p99 = timer.p99()
-                for graph in (False, True):
-                    t = timer.graph(fn) if graph else timer(fn)
-                    rec = {"op": op, "graph": graph, "time_us_median": t.median_us, "time_us_p99": timer.p99(),
-                           "time_us_min": t.min_us, "nccl_time_us": nccl_t.median_us, "nccl_time_us_p99": nccl_p99,
-                           "dtype": dtype, "tokens": a.tokens, "hidden": a.hidden, "topk": a.topk,
-                           "experts": a.experts, "num_ranks": R}
-                    self.records.append(rec)
-                    self.log(f"  {op:11s} graph={str(graph):5s} median {t.median_us:7.1f} us  p99 "
-                             f"{rec['time_us_p99']:7.1f} us  (NCCL same bytes {nccl_t.median_us:7.1f} us)")
+            self.nccl = NcclAllToAll(self.comm)
+            runs = self.ops(x, idx, w, y, handle, idx_np)
+            self.time_ops(timer, runs, a.tokens, ("call", "graph", "steady") if self.steady_n else ("call", "graph"))
+            self.host_overhead(runs, a.tokens)
+            if self.steady_n:
+                self.token_sweep(timer, y)
+            else:
+                self.log("  (--steady-n 0: no steady timing, no token sweep)")
         buf.destroy()
         if self.rank == 0:
             self.write()
 
     def write(self):
-        def lines(common):
-            out = [f"# cupy_ep low-latency benchmark (EP{self.R}, {common['gpu']})", "",
-                   f"commit `{common['commit']}`; {self.args.tokens} tokens/rank, hidden {self.args.hidden}, "
-                   f"top-{self.args.topk} of {self.args.experts}; {self.args.iters} iterations; graph = CUDA-graph "
-                   "replay (device time), call = CUDA events around the Python call.", "",
-                   "| op | dtype | graph | median us | p99 us | NCCL us (same bytes) | ours/NCCL |",
-                   "|---|---|---|---|---|---|---|"]
-            for r in self.records:
-                out.append(f"| {r['op']} | {r['dtype']} | {r['graph']} | {r['time_us_median']:.1f} | "
-                           f"{r['time_us_p99']:.1f} | {r['nccl_time_us']:.1f} | "
-                           f"{r['time_us_median'] / r['nccl_time_us']:.2f} |")
-            return out
         write_report(self.args.out, f"bench_ll_gpu_ep{self.R}", self.records,
-                     dict(num_ranks=self.R, args={k: v for k, v in vars(self.args).items()}), lines, "low-latency")
+                     dict(num_ranks=self.R, args={k: v for k, v in vars(self.args).items()}),
+                     lambda common: markdown_lines(self.records, self.args, self.R, common), "low-latency")
+
+
+def _f(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
+    """The markdown report: the main table (call / graph / steady at --tokens), the token sweep (steady) and
+    the host time per call; the header says how each is timed."""
+    steady = [r for r in records if r.get("timing") == "steady"]
+    n = steady[0]["steady_n"] if steady else None
+    out = [f"# cupy_ep low-latency benchmark (EP{num_ranks}, {common['gpu']})", "",
+           f"commit `{common['commit']}`; {args.tokens} tokens/rank (max tokens M = {args.tokens}), hidden "
+           f"{args.hidden}, top-{args.topk} of {args.experts}; {args.iters} iterations, median and p99 of the "
+           "slowest rank per iteration.", "",
+           "Timings: *call* = CUDA events around the Python call (host overhead included); *graph* = one op per "
+           "CUDA-graph replay, right after an MPI barrier; the replay reuses the buffer index baked in at capture "
+           "and a call clears only the other buffer's signals, so from the second replay on the receiver finds "
+           "its signals already set and does not wait for its peers (the kernel's own work, not a round trip); "
+           f"*steady* = {n or 'n'} ops back to back per replay (buffers alternating as in real use), L2 flushed "
+           "before each, minus a flush-only graph, / n: device latency per op in a pipeline, the ranks' launch "
+           "skew paid once per n ops. NCCL (grouped send/recv of the same per-peer bytes) is timed as graph "
+           "replays for the call and graph rows, steady for the steady rows.", "",
+           "| op | dtype | timing | median us | p99 us | NCCL us (same bytes) | NCCL timing | ours/NCCL |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r["timing"] != "host" and r["tokens"] == args.tokens:
+            out.append(f"| {r['op']} | {r['dtype']} | {r['timing']} | {r['time_us_median']:.1f} | "
+                       f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {r.get('nccl_timing') or '-'} | "
+                       f"{_f(r.get('ratio_to_nccl'), '.2f')} |")
+    if steady:
+        out += ["", f"Token sweep (steady): T tokens per rank, max tokens M = {args.tokens}. T = 0 is the fixed "
+                "cost of a call: the launch, clearing the next buffer's signals, the signals and the round trip, "
+                "no payload.", "",
+                "| op | dtype | T | median us | p99 us | NCCL us (steady, same bytes) | ours/NCCL |",
+                "|---|---|---|---|---|---|---|"]
+        for r in sorted(steady, key=lambda r: (r["op"], r["tokens"])):
+            out.append(f"| {r['op']} | {r['dtype']} | {r['tokens']} | {r['time_us_median']:.1f} | "
+                       f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {_f(r.get('ratio_to_nccl'), '.2f')} |")
+    host = [r for r in records if r.get("timing") == "host"]
+    if host:
+        out += ["", f"Host time per call: {host[0]['calls']} plain calls back to back (no sync inside the loop; "
+                "a device sync and a barrier before and after), slowest rank; *host* = the loop alone, *wall* = "
+                "until the device has finished them too.", "",
+                "| op | dtype | tokens | host us per call | wall us per call |", "|---|---|---|---|---|"]
+        for r in host:
+            out.append(f"| {r['op']} | {r['dtype']} | {r['tokens']} | {r['host_us_per_call']:.1f} | "
+                       f"{r['host_wall_us_per_call']:.1f} |")
+    return out
 
 
 def main(args, comm) -> None:

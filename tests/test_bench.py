@@ -1,0 +1,363 @@
+"""The benchmark's timing arithmetic, records and reports on the CPU (no GPU: the timers are faked).
+
+GpuTimer.steady's arithmetic (with ``_capture_steady`` and ``_time`` replaced), the normal-mode records and
+markdown/plot, the low-latency records, markdown and host-overhead loop, and a host-backend run of
+``python -m cupy_ep.bench`` checked against the JSON fields the issue requires.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from cupy_ep import bench, bench_ll
+from cupy_ep.bench import GpuTimer, Timing
+
+# The fields every normal-mode result and the document carry (the issue's schema; later fields only add).
+ISSUE_TOP = ("commit", "gpu", "driver", "num_ranks", "ceiling_gbps", "results")
+ISSUE_RESULT = ("op", "dtype", "num_sms", "tokens", "hidden", "topk", "experts", "time_us_median", "time_us_min",
+                "logical_gbps", "nvlink_gbps", "fraction_of_ceiling", "nccl_time_us", "ratio_to_nccl")
+STEADY_RESULT = ("time_us_steady", "nvlink_gbps_steady", "fraction_of_ceiling_steady", "nccl_time_us_steady",
+                 "ratio_to_nccl_steady")
+
+
+# ------------------------------------------------------------------------------------------------------
+# GpuTimer.steady with a fake timer
+# ------------------------------------------------------------------------------------------------------
+class _FakeGraph:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def launch(self, stream):
+        self.log.append(self.name)
+
+
+def _fake_timer(monkeypatch, ops_us, flush_us):
+    """A GpuTimer without CuPy: captures return fake graphs; ``_time`` replays once and reports the given
+    per-iteration times (slowest rank) of whichever graph it launched."""
+    timer = GpuTimer.__new__(GpuTimer)
+    timer.comm, timer.iters, timer.warmup = None, len(ops_us), 0
+    launched, captured = [], []
+
+    def capture(fn, n):
+        captured.append((fn, n))
+        return "stream", _FakeGraph("ops", launched), _FakeGraph("flush", launched)
+
+    def fake_time(stream, launch):
+        assert stream == "stream"
+        launch()
+        timer.last = np.asarray(ops_us if launched[-1] == "ops" else flush_us, dtype=float)
+        return Timing(float(np.median(timer.last)), float(np.min(timer.last)))
+    monkeypatch.setattr(timer, "_capture_steady", capture)
+    monkeypatch.setattr(timer, "_time", fake_time)
+    return timer, launched, captured
+
+
+def test_steady_per_op_is_ops_minus_flush_over_n(monkeypatch):
+    ops_us = [110.0, 100.0, 130.0, 120.0, 105.0]
+    flush_us = [52.0, 50.0, 48.0]  # median 50
+    timer, launched, captured = _fake_timer(monkeypatch, ops_us, flush_us)
+    fn = object()
+    t = timer.steady(fn, n=5)
+    assert captured == [(fn, 5)]
+    assert launched == ["ops", "flush"]
+    assert t.median_us == pytest.approx((110.0 - 50.0) / 5)
+    assert t.min_us == pytest.approx((100.0 - 50.0) / 5)
+    np.testing.assert_allclose(timer.last, (np.array(ops_us) - 50.0) / 5)
+
+
+def test_steady_p99_uses_per_op_times(monkeypatch):
+    timer, _, _ = _fake_timer(monkeypatch, [float(v) for v in range(100, 200)], [40.0])
+    timer.__class__ = bench_ll.LatencyTimer
+    timer.steady(None, n=4)
+    assert timer.p99() == pytest.approx(np.percentile((np.arange(100, 200) - 40.0) / 4, 99))
+
+
+def test_steady_clamps_at_a_positive_floor(monkeypatch):
+    # noise: the ops graph no slower than the flush-only graph
+    timer, _, _ = _fake_timer(monkeypatch, [49.0, 50.0, 51.0], [50.0, 52.0, 51.0])
+    t = timer.steady(None, n=10)
+    assert t.min_us == bench.STEADY_FLOOR_US > 0
+    assert t.median_us == bench.STEADY_FLOOR_US
+    assert np.all(timer.last >= bench.STEADY_FLOOR_US)
+
+
+def test_steady_median_is_taken_before_the_clamp(monkeypatch):
+    timer, _, _ = _fake_timer(monkeypatch, [0.0, 60.0, 70.0, 80.0], [50.0])
+    t = timer.steady(None, n=1)
+    assert t.median_us == pytest.approx(15.0)  # median of (-50, 10, 20, 30)
+    assert t.min_us == bench.STEADY_FLOOR_US
+
+
+def test_steady_needs_at_least_one_op(monkeypatch):
+    timer, _, _ = _fake_timer(monkeypatch, [1.0], [1.0])
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        timer.steady(None, n=0)
+
+
+# ------------------------------------------------------------------------------------------------------
+# normal mode: records, markdown, plot, options
+# ------------------------------------------------------------------------------------------------------
+BASE = dict(op="cached_dispatch", dtype="bf16", num_sms=24, tokens=4096, hidden=7168, topk=8, experts=256)
+
+
+def _timings(call=300.0, graph=250.0, steady=200.0):
+    return {"call": Timing(call, call - 10), "graph": Timing(graph, graph - 5) if graph else None,
+            "steady": Timing(steady, steady - 2) if steady else None}
+
+
+def test_make_record_compares_like_with_like():
+    row, rows = 14336, 1000
+    rec = bench.make_record(BASE, _timings(), row, 2 * rows, rows, {"graph": 300.0, "steady": 320.0},
+                            {"call": 250.0, "graph": 240.0, "steady": 230.0})
+    for key in ISSUE_RESULT + STEADY_RESULT:
+        assert key in rec, key
+
+    def gbps(us):
+        return rows * row / (us * 1e-6) / 1e9
+    assert rec["nvlink_gbps"] == pytest.approx(gbps(300.0))
+    assert rec["logical_gbps"] == pytest.approx(2 * gbps(300.0))
+    assert rec["nvlink_gbps_graph"] == pytest.approx(gbps(250.0))
+    assert rec["nvlink_gbps_steady"] == pytest.approx(gbps(200.0))
+    assert rec["fraction_of_ceiling"] == pytest.approx(gbps(300.0) / 300.0)          # the headline (graph) ceiling
+    assert rec["fraction_of_ceiling_graph"] == pytest.approx(gbps(250.0) / 300.0)
+    assert rec["fraction_of_ceiling_steady"] == pytest.approx(gbps(200.0) / 320.0)   # the steady ceiling
+    assert rec["ratio_to_nccl"] == pytest.approx(300.0 / 250.0)
+    assert rec["ratio_to_nccl_graph"] == pytest.approx(250.0 / 240.0)
+    assert rec["ratio_to_nccl_steady"] == pytest.approx(200.0 / 230.0)
+    assert rec["time_us_steady"] == 200.0 and rec["time_us_steady_min"] == 198.0
+
+
+def test_make_record_without_graph_steady_or_baselines():
+    rec = bench.make_record(dict(BASE, op="dispatch"), _timings(graph=None, steady=None), 14336, 10, 5, {}, {})
+    for key in STEADY_RESULT + ("time_us_graph", "nvlink_gbps_graph", "fraction_of_ceiling_graph",
+                                "nccl_time_us_graph", "ratio_to_nccl_graph", "time_us_steady_min",
+                                "fraction_of_ceiling", "nccl_time_us", "ratio_to_nccl"):
+        assert rec[key] is None, key
+    assert "steady" not in bench.log_line(rec) and "graph" not in bench.log_line(rec)
+
+
+def test_make_record_layout_moves_no_bytes():
+    rec = bench.make_record(dict(BASE, op="layout", dtype="-", num_sms=0), _timings(), 0, 0, 0,
+                            {"graph": 300.0, "steady": 320.0}, {})
+    assert rec["nvlink_gbps"] == 0.0 and rec["fraction_of_ceiling"] == 0.0
+    assert rec["nvlink_gbps_steady"] == 0.0 and rec["fraction_of_ceiling_steady"] is None
+
+
+def _gpu_doc():
+    ceiling, nccl = {"graph": 330.0, "steady": 345.0}, {"call": 250.0, "graph": 230.0, "steady": 225.0}
+    results = []
+    for tokens, sms_list in ((4096, (8, 24)), (1024, (24,))):
+        for sms in sms_list:
+            base = dict(BASE, num_sms=sms, tokens=tokens)
+            results.append(bench.make_record(dict(base, op="dispatch"), _timings(graph=None, steady=None), 14336,
+                                             2000, 1000, ceiling, nccl))
+            results.append(bench.make_record(base, _timings(), 14336, 2000, 1000, ceiling, nccl))
+            results.append(bench.make_record(dict(base, op="combine"), _timings(), 14336, 2000, 1000, ceiling,
+                                             nccl))
+    args = {"tokens": 4096, "default_sms": 24, "hidden": 7168, "topk": 8, "experts": 256, "steady_n": 10}
+    return {"commit": "abc1234", "backend": "cuda", "num_ranks": 2, "gpu": "NVIDIA H200", "driver": "580",
+            "ceiling_gbps": 330.0, "ceiling_by_sms": {"8": 200.0, "24": 330.0},
+            "ceiling_gbps_steady": 345.0, "ceiling_by_sms_steady": {"8": 210.0, "24": 345.0},
+            "startup": {}, "args": args, "results": results}
+
+
+def test_markdown_table_has_steady_columns_and_says_which_ceiling():
+    doc = _gpu_doc()
+    md = bench.markdown_table(doc)
+    lines = md.splitlines()
+    header = next(line for line in lines if line.startswith("| op |"))
+    for column in ("call us", "graph us", "steady us", "of ceiling (graph / steady)",
+                   "NCCL us (call / graph / steady)", "ours/NCCL (call / graph / steady)"):
+        assert column in header
+    assert "call us (min)" not in header
+    assert "330.0 GB/s per GPU as graph replays (`ceiling_gbps`)" in md
+    assert "345.0 GB/s steady (`ceiling_gbps_steady`)" in md
+    assert "*steady* = 10 ops back to back" in md
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| op |")]
+    assert len(rows) == len(doc["results"])
+    ncols = header.count("|")
+    assert all(row.count("|") == ncols for row in rows)
+    cached = next(row for row in rows if row.startswith("| cached_dispatch | bf16 | 24 | 4096 |"))
+    assert "| 300.0 | 250.0 | 200.0 |" in cached
+
+
+def test_markdown_table_of_a_host_run():
+    doc = dict(_gpu_doc(), backend="host", gpu=None, driver=None, ceiling_gbps=None, ceiling_by_sms=None,
+               ceiling_gbps_steady=None, ceiling_by_sms_steady=None)
+    doc["results"] = [bench.make_record(BASE, _timings(graph=None, steady=None), 14336, 10, 5, {}, {})]
+    md = bench.markdown_table(doc)
+    assert "no GPU" in md and "- GB/s steady" in md
+    assert "| cached_dispatch | bf16 | 24 | 4096 | 300.0 | - | - |" in md
+
+
+def test_plot_prefers_steady(tmp_path):
+    pytest.importorskip("matplotlib")
+    doc = _gpu_doc()
+    assert bench._device_gbps(doc["results"][1])[1] == "steady"
+    assert bench._device_gbps(doc["results"][0])[1] == "call"
+    assert bench._nccl_gbps(doc["results"][0]) == pytest.approx(
+        doc["results"][0]["nvlink_gbps"] * 300.0 / 225.0)
+    bench.plot(doc, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_options():
+    args = bench.parse_args([], gpu=True)
+    assert args.steady_n == 10 and args.ll_token_sweep == [0, 128]
+    args = bench.parse_args(["--steady-n", "0", "--ll-token-sweep", "0,1,32,128"], gpu=False)
+    assert args.steady_n == 0 and args.ll_token_sweep == [0, 1, 32, 128]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--steady-n", "-1"])
+
+
+def _run_host_bench(out_dir) -> dict | None:
+    bench.main(["--backend", "host", "--tokens", "32", "--hidden", "256", "--experts", "16", "--topk", "4",
+                "--iters", "2", "--warmup", "0", "--out", str(out_dir)])
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    if comm.Get_rank():
+        return None
+    return json.loads((out_dir / f"bench_host_ep{comm.Get_size()}.json").read_text())
+
+
+def _check_host_doc(doc):
+    for key in ISSUE_TOP + ("ceiling_gbps_steady", "ceiling_by_sms_steady"):
+        assert key in doc, key
+    assert doc["results"]
+    for rec in doc["results"]:
+        for key in ISSUE_RESULT + STEADY_RESULT:
+            assert key in rec, key
+        assert rec["time_us_steady"] is None  # the host backend has no device time
+
+
+@pytest.mark.mpi(min_size=2)  # the benchmark needs 2..8 ranks
+def test_host_run_writes_the_schema(comm, tmp_path):
+    out = comm.bcast(tmp_path if comm.Get_rank() == 0 else None)
+    doc = _run_host_bench(out)
+    if comm.Get_rank() == 0:
+        _check_host_doc(doc)
+        md = (out / f"bench_host_ep{comm.Get_size()}.md").read_text()
+        assert "steady us" in md
+
+
+# ------------------------------------------------------------------------------------------------------
+# low-latency mode: records, markdown, host overhead
+# ------------------------------------------------------------------------------------------------------
+class _FakeLLTimer:
+    """Times by name: call 200, graph 40, steady 12 (NCCL: its function's own value); p99 = median + 1."""
+
+    def __init__(self):
+        self.calls = []
+        self.steady_ns = []
+
+    def _t(self, us):
+        self.us = us
+        return Timing(us, us - 1)
+
+    def __call__(self, fn):
+        self.calls.append(("call", fn))
+        return self._t(fn("call"))
+
+    def graph(self, fn):
+        self.calls.append(("graph", fn))
+        return self._t(fn("graph"))
+
+    def steady(self, fn, n):
+        self.calls.append(("steady", fn))
+        self.steady_ns.append(n)
+        return self._t(fn("steady"))
+
+    def p99(self):
+        return self.us + 1
+
+
+def _ll_bench(steady_n=10, tokens=128):
+    from mpi4py import MPI
+    b = bench_ll.LowLatencyBench.__new__(bench_ll.LowLatencyBench)
+    b.args = argparse.Namespace(tokens=tokens, hidden=7168, topk=8, experts=256, iters=200, steady_n=steady_n,
+                                ll_token_sweep=[0, 128])
+    b.comm, b.rank, b.R, b.M = MPI.COMM_SELF, 0, 2, tokens
+    b.steady_n = bench_ll.even_steady_n(steady_n)
+    b.records = []
+    return b
+
+
+def _ll_runs():
+    ours = {"call": 200.0, "graph": 40.0, "steady": 12.0}
+    theirs = {"graph": 48.0, "steady": 30.0}
+
+    def op(how):
+        return ours[how]
+
+    def nccl(how):
+        return theirs[how]
+    return {"ll_dispatch": (op, nccl, "fp8"), "ll_combine": (op, nccl, "bf16")}
+
+
+def test_even_steady_n():
+    assert [bench_ll.even_steady_n(n) for n in (0, 1, 2, 9, 10)] == [0, 2, 2, 10, 10]
+
+
+def test_ll_records_time_nccl_the_same_way():
+    b, timer = _ll_bench(steady_n=9), _FakeLLTimer()
+    b.time_ops(timer, _ll_runs(), 128, ("call", "graph", "steady"))
+    assert set(timer.steady_ns) == {10}  # rounded up to even: two buffers alternate
+    by = {(r["op"], r["timing"]): r for r in b.records}
+    assert len(by) == 6
+    for op in ("ll_dispatch", "ll_combine"):
+        call, graph, steady = by[(op, "call")], by[(op, "graph")], by[(op, "steady")]
+        assert (call["graph"], graph["graph"], steady["graph"]) == (False, True, True)
+        assert (call["time_us_median"], graph["time_us_median"], steady["time_us_median"]) == (200.0, 40.0, 12.0)
+        assert call["nccl_time_us"] == graph["nccl_time_us"] == 48.0 and call["nccl_timing"] == "graph"
+        assert steady["nccl_time_us"] == 30.0 and steady["nccl_timing"] == "steady"
+        assert steady["ratio_to_nccl"] == pytest.approx(12.0 / 30.0)
+        assert steady["time_us_p99"] == 13.0 and steady["steady_n"] == 10 and call["steady_n"] is None
+        for r in (call, graph, steady):
+            assert r["tokens"] == 128 and r["max_tokens"] == 128
+    # NCCL graph-timed once per op (shared by call and graph rows), steady once
+    assert sum(1 for how, fn in timer.calls if fn.__name__ == "nccl") == 4
+
+
+def test_ll_sweep_records_without_nccl():
+    b, timer = _ll_bench(), _FakeLLTimer()
+    b.time_ops(timer, _ll_runs(), 0, ("steady",), with_nccl=False)
+    assert [(r["timing"], r["tokens"], r["max_tokens"], r["nccl_time_us"]) for r in b.records] == \
+        [("steady", 0, 128, None)] * 2
+    assert all(how == "steady" and fn.__name__ == "op" for how, fn in timer.calls)
+
+
+def test_ll_nccl_capture_failure_is_not_fatal():
+    b, timer = _ll_bench(), _FakeLLTimer()
+
+    def nccl(how):
+        raise RuntimeError("capture not supported")
+    b.time_ops(timer, {"ll_dispatch": (lambda how: 12.0, nccl, "fp8")}, 128, ("steady",))
+    assert b.records[0]["nccl_time_us"] is None and b.records[0]["ratio_to_nccl"] is None
+
+
+def test_host_us_per_call():
+    from mpi4py import MPI
+    calls, syncs = [], []
+    host, wall = bench_ll.host_us_per_call(MPI.COMM_SELF, lambda: calls.append(1), 7, lambda: syncs.append(1))
+    assert len(calls) == 7 and len(syncs) == 2
+    assert 0 < host <= wall
+
+
+def test_ll_markdown():
+    b, timer = _ll_bench(), _FakeLLTimer()
+    b.time_ops(timer, _ll_runs(), 128, ("call", "graph", "steady"))
+    b.time_ops(timer, _ll_runs(), 0, ("steady",), with_nccl=False)
+    for op, dtype in (("ll_dispatch", "fp8"), ("ll_combine", "bf16")):
+        b.records.append({"op": op, "graph": False, "timing": "host", "host_us_per_call": 150.0,
+                          "host_wall_us_per_call": 160.0, "calls": 200, "time_us_median": None, "dtype": dtype,
+                          "tokens": 128, "max_tokens": 128})
+    md = "\n".join(bench_ll.markdown_lines(b.records, b.args, 2, {"gpu": "NVIDIA H200", "commit": "abc1234"}))
+    assert "| ll_dispatch | fp8 | steady | 12.0 | 13.0 | 30.0 | steady | 0.40 |" in md
+    assert "| ll_combine | bf16 | call | 200.0 | 201.0 | 48.0 | graph | 4.17 |" in md
+    assert "T = 0 is the fixed cost" in md
+    assert "| ll_dispatch | fp8 | 0 | 12.0 | 13.0 | - | - |" in md
+    assert "| ll_combine | bf16 | 128 | 150.0 | 160.0 |" in md
+    assert "*steady* = 10 ops back to back" in md
