@@ -16,10 +16,12 @@
 //
 // Dispatch, channel c = SM pair (2c, 2c+1):
 //   odd SM:  kRDMASender x kDispatchSenderWarps: token t of the channel is written by warp (t - begin) % S into
-//              the send slot of every destination node (own node: straight into the receive half), then released
-//              in order through a 32-token window per node under a shared-memory lock (s_lock/s_window/s_released)
-//            kRDMASenderCoordinator: puts the released slots in chunks (<= rdma_send, never across the ring's
-//              wrap) and signals the destination's tail with fence + atomic add
+//              its slot for every destination node, then released in order through a 32-token window per node
+//              under a shared-memory lock (s_lock/s_window/s_released). Two paths per node (rdma_ring_for): where
+//              stores reach the node's buffer (own node; a peer the transport maps, Rdma::direct) straight into
+//              its receive half, else into my send half, from which the coordinator puts
+//            kRDMASenderCoordinator: takes the released slots in chunks (<= rdma_send, never across the ring's
+//              wrap), puts a chunk only on the put path, and signals the destination's tail with fence + atomic add
 //            kNVLReceivers x G: warp j drains the NVLink ring from forwarder GPU j into recv_x (rows by source rank)
 //   even SM: kRDMAAndNVLForwarder x G: warp j reads every RDMA token of the channel (all source nodes, round robin)
 //              and copies those for GPU j into GPU j's NVLink ring
@@ -29,9 +31,11 @@
 //   even SM: kNVLSender x G: warp k sends my rows that came through forwarder GPU k back to it, into the sub-ring
 //              of the token's origin node; kRDMAReceiver x kCombineRecvWarps: reduce a token over the origin's
 //              nodes; kCoordinator: returns RDMA heads of those receivers, lazily
-//   odd SM:  kNVLAndRDMAForwarder x N: warp n reduces the rows of origin node n over my node's GPUs, writes the
-//              sum into the RDMA slot and puts chunks to node n (tail signal); it returns the NVLink sub-ring heads
-//              itself (one consumer per sub-ring, in order), so this SM needs no coordinator
+//   odd SM:  kNVLAndRDMAForwarder x N: warp n reduces the rows of origin node n over my node's GPUs and writes the
+//              sum into its RDMA slot, by the same two paths as the dispatch (straight into node n's receive half
+//              where stores reach it, else my send half and a put per chunk), then signals node n's tail per chunk;
+//              it returns the NVLink sub-ring heads itself (one consumer per sub-ring, in order), so this SM needs
+//              no coordinator
 //
 // Deterministic combine: partial_n = bf16(sum over GPUs j = 0..G-1 of row_j) in fp32 at the forwarder of node n
 // (the wire is bf16, as DeepEP's), then combined = bf16(0 + bias0 + bias1 + sum over nodes n = 0..N-1 of partial_n)
@@ -41,7 +45,10 @@
 // writes, publishes tail with release (NVLink) or fence + atomic add (RDMA); consumer acquires tail, reads,
 // returns head. Every spin goes through wait_until (common.cuh); on timeout the kernels return.
 //
-// STATUS: compile-checked only (no GPU was available when this was written); see the report of issue 7.
+// STATUS: the put path (every node's data through put_warp, own node direct) passed the GPU tests on both
+// transports (2 x 1 and 2 x 2, H200 box). The direct path to peers (the default wherever Rdma::direct is not
+// null), the unrolled IPC put and the unrolled combine reductions came after that run: compile-checked only
+// until the GPU tests run them (with and without CUPY_EP_INTERNODE_FORCE_PUT=1).
 #include "common.cuh"
 #include "buffer.cuh"
 #include "rdma_transport.cuh"
@@ -122,6 +129,76 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n) {
         for (int u = 0; u < kUnroll; ++u) dst[i + u * kWarpSize] = v[u];
     }
     for (; i < n; i += kWarpSize) dst[i] = kPeerSource ? ld_ring_v4(src + i) : ld_nc_v4(src + i);
+}
+
+// dst[c] = bf16(fp32 sum) for the warp's int4 columns c < n (8 bf16 each) of: bias0[c], bias1[c] (rows of this
+// rank's inputs, skipped when null), then src0[slot[k] + c] for k = 0 .. kSources - 1 with slot[k] >= 0 (rings
+// written by peers). The additions per element keep this order (the combine is deterministic). kCols columns per
+// lane per step, so each source has kCols loads in flight instead of one.
+template <int kSources, int kCols>
+__device__ __forceinline__ void reduce_columns(int4* dst, const int4* src0, const long long* slot, const int4* bias0,
+                                               const int4* bias1, int c) {
+    float acc[kCols][8];
+#pragma unroll
+    for (int u = 0; u < kCols; ++u)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
+    int4 v[kCols];
+    if (bias0 != nullptr) {
+#pragma unroll
+        for (int u = 0; u < kCols; ++u) v[u] = ld_nc_v4(bias0 + c + u * kWarpSize);
+#pragma unroll
+        for (int u = 0; u < kCols; ++u) accumulate_bf16x8(acc[u], v[u]);
+    }
+    if (bias1 != nullptr) {
+#pragma unroll
+        for (int u = 0; u < kCols; ++u) v[u] = ld_nc_v4(bias1 + c + u * kWarpSize);
+#pragma unroll
+        for (int u = 0; u < kCols; ++u) accumulate_bf16x8(acc[u], v[u]);
+    }
+    for (int k = 0; k < kSources; ++k) {
+        const long long s = slot[k];
+        if (s < 0) continue;
+#pragma unroll
+        for (int u = 0; u < kCols; ++u) v[u] = ld_ring_v4(src0 + s + c + u * kWarpSize);
+#pragma unroll
+        for (int u = 0; u < kCols; ++u) accumulate_bf16x8(acc[u], v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kCols; ++u)
+        dst[c + u * kWarpSize] = make_int4((int)pack_bf16x2(acc[u][0], acc[u][1]), (int)pack_bf16x2(acc[u][2], acc[u][3]),
+                                           (int)pack_bf16x2(acc[u][4], acc[u][5]), (int)pack_bf16x2(acc[u][6], acc[u][7]));
+}
+template <int kSources>
+__device__ __forceinline__ void reduce_rows(int4* dst, const int4* src0, const long long* slot, const int4* bias0,
+                                            const int4* bias1, int n) {
+    constexpr int kCols = 4;  // 12 * kCols registers (acc + loads) whatever kSources is
+    int c = lane_id();
+    for (; c + (kCols - 1) * kWarpSize < n; c += kCols * kWarpSize)
+        reduce_columns<kSources, kCols>(dst, src0, slot, bias0, bias1, c);
+    for (; c < n; c += kWarpSize) reduce_columns<kSources, 1>(dst, src0, slot, bias0, bias1, c);
+}
+
+// Where the producer of node n's RDMA ring (dispatch: the sender warps; combine: forwarder warp n) writes it, ring
+// [channel] of `data` (a SymBuffer of the RDMA carve):
+//   own node                                 my receive half [channel][node], where the consumers read it
+//   stores reach node n (Rdma::direct)       node n's receive half [channel][my node], the same slot: the
+//                                            put-issuing warp only signals the tail
+//   otherwise                                my send half [channel][n], which the put-issuing warp puts to that
+//                                            same place in chunks (rdma_needs_put)
+// Slot i is at the result + i * token int4s on every path, and every path is throttled by the same head: the
+// consumer returns a slot after reading it in its receive half, so a slot is free on both halves at once.
+template <typename Rdma>
+__device__ __forceinline__ int4* rdma_ring_for(const Rdma& rdma, const SymBuffer<int4>& data, int channel, int node,
+                                               int n) {
+    int4* landing = data.recv(rdma.a.base, channel, node);
+    if (n == node) return landing;
+    char* peer = rdma.direct(offset_in(rdma.a.base, landing), n);
+    return peer != nullptr ? reinterpret_cast<int4*>(peer) : data.send(rdma.a.base, channel, n);
+}
+template <typename Rdma>
+__device__ __forceinline__ bool rdma_needs_put(const Rdma& rdma, int node, int n) {
+    return n != node && rdma.direct(0, n) == nullptr;
 }
 
 __device__ __forceinline__ bool block_aborted_internode(const DeviceCtx* ctx) {
@@ -532,8 +609,7 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                     const int n = __ffs(m) - 1;
                     const int slot = __shfl_sync(kFullMask, tail, n) % num_rdma_slots;
                     const unsigned n_bits = __shfl_sync(kFullMask, bits, n);
-                    int4* token = (n == node ? rl.data.recv(rdma_base, channel, node) : rl.data.send(rdma_base, channel, n)) +
-                                  (long long)slot * fmt.int4s;
+                    int4* token = rdma_ring_for(rdma, rl.data, channel, node, n) + (long long)slot * fmt.int4s;
                     char* tb = reinterpret_cast<char*>(token);
                     warp_copy<false>(token, x + (long long)t * hidden_int4, hidden_int4);
                     for (int s = lane; s < num_scales; s += kWarpSize)
@@ -599,12 +675,18 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
             int count = 0;
             if (ready >= num_rdma_send || (ready > 0 && issued + ready == total))
                 count = min(min(ready, num_rdma_send), num_rdma_slots - issued % num_rdma_slots);
-            fence_acq_rel_sys();  // the sender warps' slot writes (seen through s_released) before the put
+            // Ordering of a slot written straight into its receive half (own node, direct peer), and of the send
+            // half a put reads: the sender warp's stores -> __syncwarp + __threadfence_block + s_released (shared,
+            // same CTA) -> lane n of this warp observes s_released -> fence.acq_rel.sys below -> __syncwarp ->
+            // lane 0's rdma.fence() (a system-scope fence on both transports) -> the atomic tail add, which the
+            // consumer acquires. Causality order is transitive, so the consumer sees the slot wherever it was
+            // stored; a put only adds its own data, ordered by rdma.fence().
+            fence_acq_rel_sys();
             for (unsigned m = __ballot_sync(kFullMask, count > 0); m != 0; m &= m - 1) {
                 const int n = __ffs(m) - 1;
                 const int cnt = __shfl_sync(kFullMask, count, n);
                 const int first = __shfl_sync(kFullMask, issued, n) % num_rdma_slots;
-                if (n != node)
+                if (rdma_needs_put(rdma, node, n))
                     rdma.put_warp(offset_in(rdma_base, rl.data.recv(rdma_base, channel, node) + (long long)first * fmt.int4s),
                                   rl.data.send(rdma_base, channel, n) + (long long)first * fmt.int4s, fmt.bytes * cnt, n);
                 __syncwarp();
@@ -876,20 +958,9 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
             if (!ok) break;
             if (lane < N) slot[lane] = h >= 0 ? lane * rl.data.elems_per_rank + (long long)(h % num_rdma_slots) * fmt.int4s : -1;
             __syncwarp();
-            int4* out = combined_x + (long long)t * hidden_int4;
-            for (int i = lane; i < hidden_int4; i += kWarpSize) {
-                float acc[8];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-                if (bias0 != nullptr) accumulate_bf16x8(acc, ld_nc_v4(bias0 + (long long)t * hidden_int4 + i));
-                if (bias1 != nullptr) accumulate_bf16x8(acc, ld_nc_v4(bias1 + (long long)t * hidden_int4 + i));
-                for (int n = 0; n < N; ++n) {
-                    const long long s = slot[n];
-                    if (s >= 0) accumulate_bf16x8(acc, ld_ring_v4(ring0 + s + i));
-                }
-                out[i] = make_int4((int)pack_bf16x2(acc[0], acc[1]), (int)pack_bf16x2(acc[2], acc[3]),
-                                   (int)pack_bf16x2(acc[4], acc[5]), (int)pack_bf16x2(acc[6], acc[7]));
-            }
+            const long long row = (long long)t * hidden_int4;
+            reduce_rows<N>(combined_x + row, ring0, slot, bias0 != nullptr ? bias0 + row : nullptr,
+                           bias1 != nullptr ? bias1 + row : nullptr, hidden_int4);
             if (combined_topk_weights != nullptr) {
                 for (int kk = lane; kk < num_topk; kk += kWarpSize) {
                     float sum = 0.0f;
@@ -946,7 +1017,8 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
         const int* row = recv_rdma_channel_prefix_matrix + n * num_channels;
         const int total = row[channel] - (channel > 0 ? row[channel - 1] : 0);
         const int row_base = (n > 0 ? recv_rdma_rank_prefix_sum[n - 1] : 0) + (channel > 0 ? row[channel - 1] : 0);
-        int4* ring = n == node ? rl.data.recv(rdma_base, channel, node) : rl.data.send(rdma_base, channel, n);
+        int4* ring = rdma_ring_for(rdma, rl.data, channel, node, n);
+        const bool put = rdma_needs_put(rdma, node, n);
         const int* head_ptr = rl.head.on(rdma_base, channel, n);
         long long* slot = s_slot[warp];
         const int4* nvl0 = nl.x.on(my_nvl, channel, 0);   // GPU j's ring: + j * elems_per_rank
@@ -971,18 +1043,7 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
                     slot[lane] = h >= 0 ? lane * nl.x.elems_per_rank + (long long)(n * sub_slots + h % sub_slots) * fmt.int4s : -1;
                 __syncwarp();
                 int4* dst = ring + (long long)(i % num_rdma_slots) * fmt.int4s;
-                for (int c4 = lane; c4 < hidden_int4; c4 += kWarpSize) {
-                    float acc[8];
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-#pragma unroll
-                    for (int j = 0; j < G; ++j) {
-                        const long long s = slot[j];
-                        if (s >= 0) accumulate_bf16x8(acc, ld_ring_v4(nvl0 + s + c4));
-                    }
-                    dst[c4] = make_int4((int)pack_bf16x2(acc[0], acc[1]), (int)pack_bf16x2(acc[2], acc[3]),
-                                        (int)pack_bf16x2(acc[4], acc[5]), (int)pack_bf16x2(acc[6], acc[7]));
-                }
+                reduce_rows<G>(dst, nvl0, slot, nullptr, nullptr, hidden_int4);
                 for (int kk = lane; kk < num_topk; kk += kWarpSize) {
                     float sum = 0.0f;
                     for (int j = 0; j < G; ++j) {
@@ -998,10 +1059,12 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
                 if (lane < G && h >= 0) st_release_sys(nl.head.on(nvl_ptrs[lane], channel, nvl_rank) + n, h + 1);
             }
             if (!ok) break;
+            // Every lane's slot stores (into node n's receive half on the direct path, my send half for a put)
+            // -> its fence.acq_rel.sys -> __syncwarp -> lane 0's rdma.fence() (system scope) -> the tail add.
             __syncwarp();
             fence_acq_rel_sys();
             const int first = issued % num_rdma_slots;
-            if (n != node)
+            if (put)
                 rdma.put_warp(offset_in(rdma_base, rl.data.recv(rdma_base, channel, node) + (long long)first * fmt.int4s),
                               ring + (long long)first * fmt.int4s, fmt.bytes * chunk, n);
             __syncwarp();

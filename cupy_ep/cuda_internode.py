@@ -10,6 +10,12 @@ Decisions (research/deepep.md §1.5, §3 is the model):
 * transport (``internode_transport=`` or env ``CUPY_EP_INTERNODE_TRANSPORT``): ``"nvshmem"`` (default, the path
   for clusters) or ``"ipc"``: the same kernels with the RDMA puts done as CUDA-IPC stores, so that
   2 nodes x 2 ranks can be tested on one box with 2 GPUs (ranks of one "RDMA domain" may then share a GPU);
+* RDMA peers this GPU reaches by loads/stores (always with ``"ipc"``; with NVSHMEM where ``nvshmem_ptr`` != 0, i.e.
+  the same box over NVLink) get the ring data stored straight into their receive slots by the many data warps, and
+  the one put-issuing warp per channel only signals the tail; the others get puts (a real NIC). The choice is per
+  producer and peer, and both land in the same slot, so ranks may differ. ``CUPY_EP_INTERNODE_FORCE_PUT=1`` (or
+  ``state.force_put = True``, read at every launch) sends everything through puts, so that path stays testable on
+  one box (the low-latency path's ``CUPY_EP_LL_FORCE_PUT`` is the model);
 * the handle is DeepEP's internode 10-tuple ``(is_token_in_rank, rdma_channel_prefix_matrix,
   gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
   recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, send_nvl_head)``
@@ -21,7 +27,8 @@ Decisions (research/deepep.md §1.5, §3 is the model):
 * ``num_worst_tokens`` works: outputs get that many rows, ``send_nvl_head`` too; the notify kernel stops the
   buffer (``CommTimeoutError`` with role ``capacity``) if a rank would receive more.
 
-STATUS: written and compile-checked without a GPU; not yet run (see the issue 7 report).
+STATUS: the put path passed the GPU tests on both transports (2 nodes x 1 GPU, 2 x 2 ranks; H200 box). The direct
+stores (now the default on one box) and force_put came after that run: compile- and CPU-checked only.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ _SENDER_WARPS = 6                # kDispatchSenderWarps
 _COMBINE_RECV_WARPS = 6          # kCombineRecvWarps
 _MAX_COMBINE_FORWARDER_WARPS = 16
 _OP_CACHED_DISPATCH, _OP_COMBINE = 12, 13   # InternodeCallOp
+_FORCE_PUT_ENV = "CUPY_EP_INTERNODE_FORCE_PUT"
 TRANSPORTS = ("nvshmem", "ipc")
 _TRANSPORT_TYPES = {"nvshmem": "ep::NvshmemRdma", "ipc": "ep::IpcRdma"}
 
@@ -56,6 +64,26 @@ def resolve_transport(transport: str | None) -> str:
     if value not in TRANSPORTS:
         raise ValueError(f"internode_transport: must be one of {TRANSPORTS}, got {value!r}")
     return value
+
+
+def resolve_force_put() -> bool:
+    """Env ``CUPY_EP_INTERNODE_FORCE_PUT``: anything but unset, empty or ``"0"`` forces puts to every RDMA peer."""
+    return os.environ.get(_FORCE_PUT_ENV, "0") not in ("", "0")
+
+
+def rdma_peer_table(put_bases, direct_bases) -> np.ndarray:
+    """The kernels' RDMA peer table (``RdmaArgs::peer_bases`` in rdma_transport.cuh): uint64 ``[2, MAX_RDMA_RANKS]``
+    flattened; row 0: where puts and adds to PE (node) n go (IPC: n's buffer as mapped here; NVSHMEM: unused),
+    row 1: n's buffer as reachable by loads/stores from this GPU, 0 where only puts reach it. ``None`` leaves a row 0."""
+    table = np.zeros((2, _config.MAX_RDMA_RANKS), dtype=np.uint64)
+    for row, bases in enumerate((put_bases, direct_bases)):
+        if bases is not None:
+            bases = np.asarray(bases, dtype=np.uint64)
+            if bases.ndim != 1 or len(bases) > _config.MAX_RDMA_RANKS:
+                raise ValueError(f"rdma_peer_table: at most {_config.MAX_RDMA_RANKS} bases per row, got shape "
+                                 f"{bases.shape}")
+            table[row, :len(bases)] = bases
+    return table.reshape(-1)
 
 
 def check_topology(num_ranks: int, num_ranks_per_node: int) -> tuple[int, int]:
@@ -186,13 +214,18 @@ class InternodeState:
             self.nv = Nvshmem(self.rdma_comm, buf.device_id)
             self.rdma_base = self.nv.align(num_rdma_bytes)
             cupy.cuda.runtime.memset(self.rdma_base, 0, num_rdma_bytes)
-            self.rdma_peers = cupy.zeros(self.num_nodes, dtype=cupy.uint64)   # unused by NvshmemRdma
+            put_bases = None                                                  # NvshmemRdma puts by PE index
+            direct_bases = [self.nv.peer_ptr(self.rdma_base, n) for n in range(self.num_nodes)]
             cupy.cuda.runtime.deviceSynchronize()
             self.nv.barrier_all()
         else:
             self.rdma_ipc = bootstrap.IpcBuffer(self.rdma_comm, num_rdma_bytes)
             self.rdma_base = self.rdma_ipc.ptr
-            self.rdma_peers = self.rdma_ipc.ptr_table
+            put_bases = direct_bases = self.rdma_ipc.ptrs
+        # the peer tables (rdma_peer_table): with the load/store addresses, and without them (force_put)
+        self.rdma_peers = cupy.asarray(rdma_peer_table(put_bases, direct_bases))
+        self.rdma_put_peers = cupy.asarray(rdma_peer_table(put_bases, None))
+        self.force_put = resolve_force_put()
         # host-mapped: [0] num_recv, [1] num_rdma_recv, [2..] per local expert
         self.host = bootstrap.HostMapped(4 * (2 + _config.MAX_LOCAL_EXPERTS))
         self.counters = self.host.view(np.int32, 0, 2 + _config.MAX_LOCAL_EXPERTS)
@@ -209,8 +242,13 @@ class InternodeState:
             self._kernels[name] = k
         k((grid,), (block,), args, stream=self.buf.comm_stream)
 
+    @property
+    def peer_bases(self):
+        """The RDMA peer table the kernels get: without load/store addresses with force_put (every peer by puts)."""
+        return self.rdma_put_peers if self.force_put else self.rdma_peers
+
     def rdma_args(self):
-        return (np.uint64(self.rdma_base), self.rdma_peers)
+        return (np.uint64(self.rdma_base), self.peer_bases)
 
     def wait_counter(self) -> int:
         """Host wait for the notify kernel's receive count (the only CPU sync of a non-cached dispatch)."""
@@ -415,13 +453,13 @@ class InternodeState:
             raise ValueError(f"bytes_per_peer: {bytes_per_peer} x {1 + self.num_nodes} does not fit the RDMA buffer "
                              f"({self.num_rdma_bytes} bytes)")
         name = f"ep::internode_put_bandwidth<{_TRANSPORT_TYPES[self.transport]}>"
-        self.launch(name, 1, 32, (np.uint64(0), self.rdma_peers, np.int32(self.node), np.int32(1), np.int64(0),
+        self.launch(name, 1, 32, (np.uint64(0), self.peer_bases, np.int32(self.node), np.int32(1), np.int64(0),
                                   np.int64(0), np.int64(16)))  # load + module init now, outside any timing
         kernel = self._kernels[name]
 
         def run():
             kernel((num_blocks,), (threads_per_block,),
-                   (np.uint64(self.rdma_base), self.rdma_peers, np.int32(self.node), np.int32(self.num_nodes),
+                   (np.uint64(self.rdma_base), self.peer_bases, np.int32(self.node), np.int32(self.num_nodes),
                     np.int64(offset), np.int64(bytes_per_peer), np.int64(chunk_bytes)),
                    stream=cupy.cuda.get_current_stream())
         return run
@@ -470,5 +508,6 @@ class InternodeState:
                     pass
 
 
-__all__ = ["InternodeState", "resolve_transport", "check_topology", "check_config", "check_handle",
-           "check_buffer_sizes", "kernel_name", "threads", "HANDLE_FIELDS", "TRANSPORTS"]
+__all__ = ["InternodeState", "resolve_transport", "resolve_force_put", "rdma_peer_table", "check_topology",
+           "check_config", "check_handle", "check_buffer_sizes", "kernel_name", "threads", "HANDLE_FIELDS",
+           "TRANSPORTS"]

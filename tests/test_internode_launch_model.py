@@ -85,7 +85,11 @@ def _state(rank, N, G, transport, counters=None):
     st.node, st.nvl_rank = divmod(rank, G)
     st.num_nvl_bytes = st.num_rdma_bytes = 1 << 34
     st.nvl = types.SimpleNamespace(ptr_table=np.zeros(G, np.uint64))
-    st.rdma_base, st.rdma_peers = 1 << 20, np.zeros(N, np.uint64)
+    st.rdma_base = 1 << 20
+    bases = (1 << 40) + np.arange(N, dtype=np.uint64) * (1 << 34)
+    st.rdma_peers = ci.rdma_peer_table(bases if transport == "ipc" else None, bases)
+    st.rdma_put_peers = ci.rdma_peer_table(bases if transport == "ipc" else None, None)
+    st.force_put = False
     st.host = types.SimpleNamespace(ptr=4096)
     st.counters = np.zeros(2 + cfg.MAX_LOCAL_EXPERTS, np.int32) if counters is None else counters
     st.launches = []
@@ -105,7 +109,8 @@ def fake_cupy(monkeypatch):
 
 @pytest.mark.parametrize("N, G, transport", [(2, 1, "nvshmem"), (2, 2, "ipc"), (4, 8, "nvshmem")])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_launch_arguments_match_the_kernels(fake_cupy, N, G, transport, fp8):
+@pytest.mark.parametrize("force_put", [False, True], ids=["direct", "put"])
+def test_launch_arguments_match_the_kernels(fake_cupy, N, G, transport, fp8, force_put):
     counts = kernel_param_counts()
     assert {"internode_notify_dispatch", "internode_cached_notify", "internode_dispatch", "internode_combine",
             "internode_put_bandwidth", "internode_carve_probe"} <= set(counts)
@@ -118,6 +123,7 @@ def test_launch_arguments_match_the_kernels(fake_cupy, N, G, transport, fp8):
         else rng.standard_normal((T, H), dtype=np.float32).astype(reference.bfloat16)
     per_rank, per_rdma, per_expert, in_rank = reference.get_dispatch_layout(idx, E, R, G)
     st = _state(rank, N, G, transport)
+    st.force_put = force_put
     num_recv, num_rdma_recv = 11, 13
     st.fake_counts = np.zeros_like(st.counters)
     st.fake_counts[:2] = (num_recv, num_rdma_recv)
@@ -151,6 +157,9 @@ def test_launch_arguments_match_the_kernels(fake_cupy, N, G, transport, fp8):
         assert [_arg_kind(a) for a in args] == kernel_signatures()[base], name
         assert f"<{N}, {G}, " in name and ci._TRANSPORT_TYPES[transport] in name
         assert block % 32 == 0 and 0 < block <= 512
+        # every kernel gets the peer table of the mode (force_put: without load/store addresses), once
+        table, other = (st.rdma_put_peers, st.rdma_peers) if force_put else (st.rdma_peers, st.rdma_put_peers)
+        assert sum(a is table for a in args) == 1 and not any(a is other for a in args), name
         if base in ("internode_dispatch", "internode_combine"):
             assert grid == 2 * dcfg.num_channels
             assert block == ci.threads(base.removeprefix("internode_"), N, G)

@@ -9,7 +9,7 @@ import pytest
 from cupy_ep import config as cfg
 from cupy_ep import cuda_internode as ci
 from cupy_ep import internode_reference as iref
-from cupy_ep import reference
+from cupy_ep import jit, reference
 from cupy_ep.config import Config
 
 
@@ -81,6 +81,31 @@ def test_resolve_transport(monkeypatch):
     monkeypatch.setenv("CUPY_EP_INTERNODE_TRANSPORT", "bogus")
     with pytest.raises(ValueError, match="internode_transport"):
         ci.resolve_transport(None)
+
+
+def test_resolve_force_put(monkeypatch):
+    monkeypatch.delenv("CUPY_EP_INTERNODE_FORCE_PUT", raising=False)
+    assert ci.resolve_force_put() is False
+    for value, expected in (("0", False), ("", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("CUPY_EP_INTERNODE_FORCE_PUT", value)
+        assert ci.resolve_force_put() is expected
+
+
+def test_rdma_peer_table_mirrors_the_transport():
+    # RdmaArgs::peer_bases: [2][kMaxRdmaRanks]; row 0 puts/adds (IpcRdma::remote), row 1 loads/stores (rdma_direct)
+    src = (jit.source_dir() / "rdma_transport.cuh").read_text()
+    assert "a.peer_bases + kMaxRdmaRanks + pe" in src and "a.peer_bases[pe]" in src
+    M = cfg.MAX_RDMA_RANKS
+    table = ci.rdma_peer_table([10, 20], [30, 0])
+    assert table.dtype == np.uint64 and table.shape == (2 * M,)
+    assert list(table[:2]) == [10, 20] and not table[2:M].any()
+    assert list(table[M:M + 2]) == [30, 0] and not table[M + 2:].any()
+    puts_only = ci.rdma_peer_table([10, 20], None)            # force_put: no load/store address at all
+    assert list(puts_only[:2]) == [10, 20] and not puts_only[M:].any()
+    nvshmem = ci.rdma_peer_table(None, [0, 40])               # NVSHMEM puts by PE index: row 0 unused
+    assert not nvshmem[:M].any() and list(nvshmem[M:M + 2]) == [0, 40]
+    with pytest.raises(ValueError, match="rdma_peer_table"):
+        ci.rdma_peer_table(np.ones(M + 1), None)
 
 
 def test_check_topology():
