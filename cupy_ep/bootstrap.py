@@ -17,9 +17,14 @@ import numpy as np
 class Topology:
     rank: int
     num_ranks: int
-    local_rank: int
-    local_size: int
+    local_rank: int             # rank inside its (possibly simulated) node: the NVLink-domain index
+    local_size: int             # ranks on this machine (the MPI shared-memory split)
     num_ranks_per_node: int
+    machine_rank: int = -1      # rank on this machine (the split's rank): picks the GPU
+
+    def __post_init__(self):
+        if self.machine_rank < 0:
+            self.machine_rank = self.local_rank
 
     @property
     def num_nodes(self) -> int:
@@ -31,6 +36,7 @@ def topology(comm, num_ranks_per_node: int | None = None) -> Topology:
     from mpi4py import MPI
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     local_rank, local_size = local.Get_rank(), local.Get_size()
+    machine_rank = local_rank
     local.Free()
     rank, size = comm.Get_rank(), comm.Get_size()
     if num_ranks_per_node is None:
@@ -39,7 +45,10 @@ def topology(comm, num_ranks_per_node: int | None = None) -> Topology:
         raise ValueError(f"num_ranks_per_node: must divide the world size {size}, got {num_ranks_per_node}")
     else:
         local_rank = rank % num_ranks_per_node
-    return Topology(rank, size, local_rank, local_size, num_ranks_per_node)
+    # With num_ranks_per_node overridden (several simulated nodes on one machine) the node-local rank no longer
+    # tells which GPU this process owns: 2 ranks as 2 nodes x 1 GPU both have local rank 0 but must use GPUs 0
+    # and 1 (before this, both ran on GPU 0 and every wait cost a time slice of the shared GPU: ~4 ms).
+    return Topology(rank, size, local_rank, local_size, num_ranks_per_node, machine_rank)
 
 
 def choose_device(local_rank: int, device: int | None = None) -> int:

@@ -101,7 +101,7 @@ class CudaBuffer(Buffer):
                 raise ValueError(f"comm: intranode supports 1..{_config.MAX_NVL_RANKS} ranks, got {self.num_ranks}")
             if num_rdma_bytes and not low_latency_mode:
                 raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain (unless low_latency_mode)")
-        self.device_id = bootstrap.choose_device(self.topology.local_rank, device)
+        self.device_id = bootstrap.choose_device(self.topology.machine_rank, device)
         self._device = cupy.cuda.Device(self.device_id)
         ranks_per_gpu = -(-self.topology.local_size // max(1, _gpu_count()))
         if low_latency_mode and ranks_per_gpu > 1:
