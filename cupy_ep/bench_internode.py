@@ -166,7 +166,6 @@ class InternodeBench:
 
 def main(args, comm) -> None:
     """Entry from :func:`cupy_ep.bench.main` (``--mode internode``); needs a GPU and at least 2 ranks."""
-    os.environ.setdefault("CUPY_EP_EXPERIMENTAL_INTERNODE", "1")  # opt-in until verified on a GPU
     if not cupy_ep.gpu_available():
         raise SystemExit("cupy_ep.bench --mode internode needs a GPU")
     if comm.Get_size() < 2:

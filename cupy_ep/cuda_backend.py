@@ -8,7 +8,6 @@ or an ``EventOverlap`` is returned (``async_finish=True``).
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import numpy as np
@@ -87,10 +86,6 @@ class CudaBuffer(Buffer):
         self.topology = bootstrap.topology(self.comm, num_ranks_per_node)
         internode = self.topology.num_nodes > 1
         if internode:  # checked on every rank alike, before anything collective
-            if os.environ.get("CUPY_EP_EXPERIMENTAL_INTERNODE") != "1":
-                raise NotImplementedError(
-                    f"the job spans {self.topology.num_nodes} nodes: the internode kernels are written but have not "
-                    "run on a GPU yet; set CUPY_EP_EXPERIMENTAL_INTERNODE=1 to try them (tests/gpu/test_internode.py)")
             transport = cuda_internode.resolve_transport(internode_transport)
             cuda_internode.check_topology(self.num_ranks, self.topology.num_ranks_per_node)
             if low_latency_mode:
@@ -103,6 +98,8 @@ class CudaBuffer(Buffer):
                 raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain (unless low_latency_mode)")
         self.device_id = bootstrap.choose_device(self.topology.machine_rank, device)
         self._device = cupy.cuda.Device(self.device_id)
+        if low_latency_mode:  # the arguments first, then what this machine allows (the message names each)
+            cuda_low_latency.check_num_rdma_bytes(num_rdma_bytes)
         ranks_per_gpu = -(-self.topology.local_size // max(1, _gpu_count()))
         if low_latency_mode and ranks_per_gpu > 1:
             # Checked on every rank alike, before anything collective: no rank is left waiting.

@@ -49,6 +49,13 @@ def groups_per_block(work_items: int, num_blocks: int) -> int:
     return groups
 
 
+def check_num_rdma_bytes(num_rdma_bytes: int) -> None:
+    """low_latency_mode needs a symmetric buffer (an argument error: checked before what the machine allows)."""
+    if num_rdma_bytes <= 0:
+        raise ValueError("num_rdma_bytes: low_latency_mode needs a symmetric buffer; size it with "
+                         "Buffer.get_low_latency_rdma_size_hint(...)")
+
+
 def set_nvshmem_env(single_node: bool) -> None:
     """NVSHMEM settings we rely on (research/nvshmem.md §3): never NVLink multicast; on one node only P2P (no
     NIC transport), UID bootstrap over loopback. User-set values win, except NVLS which is always off."""
@@ -71,9 +78,7 @@ class LowLatencyState:
     def __init__(self, buf, num_rdma_bytes: int, single_node: bool):
         import cupy
         from .nvshmem import Nvshmem
-        if num_rdma_bytes <= 0:
-            raise ValueError("num_rdma_bytes: low_latency_mode needs a symmetric buffer; size it with "
-                             "Buffer.get_low_latency_rdma_size_hint(...)")
+        check_num_rdma_bytes(num_rdma_bytes)
         if buf.num_ranks > _config.LL_MAX_RANKS:
             raise ValueError(f"comm: the low-latency kernels support up to {_config.LL_MAX_RANKS} ranks, "
                              f"got {buf.num_ranks}")
@@ -408,5 +413,5 @@ def check_ll_experts(num_experts: int) -> None:
                          f"got {num_experts}")
 
 
-__all__ = ["LowLatencyState", "groups_per_block", "set_nvshmem_env", "check_ll_experts", "LOW_LATENCY_MAX_TOPK",
-           "EventOverlap"]
+__all__ = ["LowLatencyState", "check_num_rdma_bytes", "groups_per_block", "set_nvshmem_env", "check_ll_experts",
+           "LOW_LATENCY_MAX_TOPK", "EventOverlap"]

@@ -22,8 +22,6 @@ import pytest
 
 import cupy_ep
 
-# The internode path is opt-in until these tests have passed on a GPU (cuda_backend.CudaBuffer).
-os.environ.setdefault("CUPY_EP_EXPERIMENTAL_INTERNODE", "1")
 from cupy_ep import config as cfgmod
 from cupy_ep import internode_reference as iref
 from cupy_ep import reference
