@@ -20,9 +20,12 @@ enum KernelId : int {
     kKernelInternodeCombine = 13,
 };
 enum Role : int { kRoleBarrier = 0, kRoleSender = 1, kRoleReceiver = 2, kRoleNotify = 3, kRoleCallCheck = 4,
-                 kRoleSignaller = 5 };
+                 kRoleSignaller = 5, kRoleBufferReuse = 6 };
 // kRoleSignaller: a low-latency warp waiting until its rank's messages of one expert are written (local
 // counters) before it signals the count / flag to the peer.
+// kRoleBufferReuse: not a wait but a low-latency call whose send phase uses the same buffer (0/1) as the
+// previous send phase of this rank (head = that buffer): a CUDA graph replaying an odd number of low-latency
+// calls. Its receivers would find the previous replay's signals still set and read data that never came.
 
 // Written once (by the first thread that times out) into host-mapped memory; the host turns it into
 // cupy_ep.CommTimeoutError. Layout mirrored by buffer.py (_RECORD_FIELDS).

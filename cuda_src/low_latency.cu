@@ -37,7 +37,8 @@ constexpr int kLLMaxRanks = 64;      // mirrors config.LL_MAX_RANKS
 constexpr int kLLMaxGroups = 8;      // warp groups per block (named barriers 1..8)
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
 // workspace (int32, zeroed once by the host): countdown flags, then the dispatch's per-expert counters
-constexpr int kWsDispatchClear = 0, kWsCombineClear = 1, kWsFinish = 32;
+// kWsLastSend: 1 + the buffer index of this rank's previous send phase (0 = none yet)
+constexpr int kWsDispatchClear = 0, kWsCombineClear = 1, kWsLastSend = 2, kWsFinish = 32;
 
 __device__ __forceinline__ void red_add_release_sys(int* p, int v) {
     asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -161,6 +162,18 @@ __device__ bool pass_countdown(int* countdown, const DeviceCtx* ctx, WaitSite si
     return ok;
 }
 
+// Block 0, thread 0, at the start of a send phase: the buffers must alternate between send phases. The host
+// alternates them per call, but a CUDA graph bakes the index in at capture, so a graph holding an odd number of
+// low-latency calls replays two sends on one buffer in a row; stop the buffer loudly instead of letting the
+// receivers read stale signals. (The peers make the same calls, so they stop as well.)
+__device__ void check_buffer_alternates(int* workspace, int buffer_idx, const DeviceCtx* ctx, int kernel) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const int previous = workspace[kWsLastSend];  // written only here, by one thread per launch (stream order)
+    if (previous == 1 + buffer_idx)
+        report_failure(ctx, WaitSite{kernel, kRoleBufferReuse, -1, -1}, buffer_idx, buffer_idx ^ 1, -1, 0);
+    workspace[kWsLastSend] = 1 + buffer_idx;
+}
+
 // Warp groups of a block: groups_per_block in {1, 2, 4, 8}, each with its own named barrier.
 struct Group {
     int index, warps, thread, threads, global, count;
@@ -227,6 +240,7 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
                               int buffer_idx, int* workspace, const DeviceCtx* ctx, int* hist, int* hist_all,
                               int* s_expert, int* s_slot) {
     const int rank = ctx->rank, E = L.num_experts;
+    check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
     clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), E,
                        workspace + kWsDispatchClear, E);
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
@@ -407,6 +421,7 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
     const Group g(groups_per_block);
     const int rank = ctx->rank, R = L.num_ranks, E = L.num_experts;
     const int row_int4 = L.hidden / 8;
+    check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
     clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), E,
                        workspace + kWsCombineClear, L.num_local * R);
     char* send = base + L.send_offset(buffer_idx);

@@ -4,10 +4,9 @@ Defaults follow the issue: 128 tokens per rank, hidden 7168, top-8 of 256 expert
 Per op: median and p99 over ``--iters`` (>= 200) iterations, timed three ways (field ``timing``):
 
 * ``call``: CUDA events around the Python call (host overhead included);
-* ``graph``: one op per CUDA-graph replay, started right after an MPI barrier. The replay reuses the buffer
-  index baked in at capture, and a call zeroes only the *other* buffer's signals (low_latency.cu), so from the
-  second replay on the receiver finds its signals still set by the previous replay and does not wait for its
-  peers: this times the kernel's own work, not a full round trip;
+* ``graph``: two ops per CUDA-graph replay (the two buffers alternate per call and the index is fixed at
+  capture: a graph must hold an even number of low-latency calls, and the kernels refuse two sends in a row on
+  one buffer), started right after an MPI barrier, per op; the ranks' launch skew is paid once per 2 ops;
 * ``steady``: ``--steady-n`` ops (rounded up to even) back to back per replay, alternating the two buffers as in
   real use (each call's receive completes before the call after next), L2 flushed before each, minus a
   flush-only graph, divided by n (:meth:`cupy_ep.bench.GpuTimer.steady`): device latency per op in a pipeline,
@@ -140,7 +139,7 @@ class LowLatencyBench:
         if how == "call":
             t = timer(fn)
         elif how == "graph":
-            t = timer.graph(fn)
+            t = timer.graph(fn, per_replay=2)
         else:
             t = timer.steady(fn, self.steady_n)
         return t, timer.p99()
@@ -261,10 +260,10 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
            f"commit `{common['commit']}`; {args.tokens} tokens/rank (max tokens M = {args.tokens}), hidden "
            f"{args.hidden}, top-{args.topk} of {args.experts}; {args.iters} iterations, median and p99 of the "
            "slowest rank per iteration.", "",
-           "Timings: *call* = CUDA events around the Python call (host overhead included); *graph* = one op per "
-           "CUDA-graph replay, right after an MPI barrier; the replay reuses the buffer index baked in at capture "
-           "and a call clears only the other buffer's signals, so from the second replay on the receiver finds "
-           "its signals already set and does not wait for its peers (the kernel's own work, not a round trip); "
+           "Timings: *call* = CUDA events around the Python call (host overhead included); *graph* = two ops per "
+           "CUDA-graph replay (the two buffers alternate per call: a graph must hold an even number of "
+           "low-latency calls), right after an MPI barrier, per op, the ranks' launch skew included once per 2 "
+           "ops; "
            f"*steady* = {n or 'n'} ops back to back per replay (buffers alternating as in real use), L2 flushed "
            "before each, minus a flush-only graph, / n: device latency per op in a pipeline, the ranks' launch "
            "skew paid once per n ops. NCCL (grouped send/recv of the same per-peer bytes) is timed as graph "

@@ -15,7 +15,7 @@ import numpy as np
 from . import bootstrap, cuda_internode, cuda_low_latency, interop, jit, validate
 from . import config as _config
 from .buffer import Buffer
-from .errors import CallMismatchError, CommTimeoutError
+from .errors import CallMismatchError, CommError, CommTimeoutError
 from .event import EventOverlap
 
 _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
@@ -23,6 +23,7 @@ _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_noti
                  9: "low_latency_combine", 10: "internode_notify_dispatch", 11: "internode_cached_notify",
                  12: "internode_dispatch", 13: "internode_combine"}
 _ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check", 5: "signaller",
+               6: "buffer_reuse",
                # internode.cu WarpRole
                10: "kRDMASender", 11: "kRDMASenderCoordinator", 12: "kRDMAAndNVLForwarder",
                13: "kForwarderCoordinator", 14: "kNVLReceivers", 15: "kNVLSender", 16: "kNVLAndRDMAForwarder",
@@ -193,6 +194,11 @@ class CudaBuffer(Buffer):
                 raise CallMismatchError(f"rank {self.rank}: rank {rec['peer']} made a different call ({word}: "
                                         f"{mine} here, {theirs} there); every rank must call with the same "
                                         "config, hidden size and top-k", info)
+            if rec["role"] == "buffer_reuse":  # low-latency: two send phases in a row on one buffer
+                self._unusable_reason = f"low-latency buffers did not alternate: {rec}"
+                raise CommError(f"rank {self.rank}: {rec['kernel']} ran on low-latency buffer {rec['head']} twice in "
+                                "a row: a CUDA graph replaying an odd number of low-latency calls (the buffer index "
+                                "is fixed at capture; capture dispatch + combine pairs, as in DeepEP)", rec)
             if rec["role"] == "capacity":  # internode notify: num_worst_tokens smaller than what arrives
                 what = "rows received over RDMA" if rec["expected"] == 1 else "received rows"
                 self._unusable_reason = f"num_worst_tokens too small: {rec}"

@@ -87,7 +87,7 @@ want nvidia_smi && ep_plain_step nvidia_smi machine_info
 want unit && ep_pytest_step unit 0 -q -p no:cacheprovider --timeout=900 --timeout-method=thread \
     tests --ignore=tests/gpu
 for n in 2 4 8; do
-    # The internode file has its own step until it has passed on GPUs once (a hang there must not hide the rest).
+    # The internode file has its own step (2 ranks: 2 nodes x 1 GPU; 4 ranks: 2 x 2 over the IPC transport).
     want "gpu$n" && ep_pytest_step "gpu$n" "$n" --with-mpi -q -p no:cacheprovider --color=no \
         --timeout=900 --timeout-method=thread tests/gpu -rs --ignore=tests/gpu/test_internode.py
 done

@@ -261,8 +261,9 @@ class _FakeLLTimer:
         self.calls.append(("call", fn))
         return self._t(fn("call"))
 
-    def graph(self, fn):
+    def graph(self, fn, per_replay=1):
         self.calls.append(("graph", fn))
+        self.per_replay = per_replay
         return self._t(fn("graph"))
 
     def steady(self, fn, n):

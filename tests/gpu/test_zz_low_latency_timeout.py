@@ -68,3 +68,58 @@ def test_rank_skipping_low_latency_dispatch_times_out(comm):
     finally:
         buf.destroy()
     assert all_ok(comm, ok)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_graph_with_an_odd_number_of_low_latency_calls_is_refused(comm):
+    """A CUDA graph holding one low_latency_dispatch replays it on the same buffer every time (the index is
+    fixed at capture): the second replay's send phase finds the previous send on that buffer and stops the
+    buffer with a CommError on every rank (instead of receivers reading stale signals and old data).
+    Last in the file: the buffer ends stopped, and no low-latency Buffer follows it in this process."""
+    import cupy
+    from tests.gpu.test_low_latency import ranks_share_a_gpu
+    if ranks_share_a_gpu(comm):
+        pytest.skip("low_latency_mode needs one GPU per rank (see test_ranks_sharing_a_gpu_are_refused)")
+    rank, R = comm.Get_rank(), comm.Get_size()
+    M, H, E = 32, 1024, 8 * R
+    buf = cupy_ep.Buffer(comm, num_rdma_bytes=cfgmod.low_latency_rdma_size_hint(M, H, R, E),
+                         low_latency_mode=True, backend="cuda", timeout_s=TIMEOUT_S)
+    ok, kept = False, None
+    try:
+        with cupy.cuda.Device(buf.device_id):
+            rng = np.random.default_rng(rank)
+            inp = make_inputs(rng, M, 16, 4, E, R)
+            x = cupy.asarray(random_bf16(rng, (M, H)).view(np.uint16)).view(cupy_ep.interop.BF16)
+            idx = cupy.asarray(inp.topk_idx)
+            w = cupy.asarray(inp.topk_weights)
+            out = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)          # buffer 0
+            y = cupy.zeros((E // R, R * M, H), dtype=cupy.uint16).view(cupy_ep.interop.BF16)
+            buf.low_latency_combine(y, idx, w, out[2])                            # buffer 1
+            cupy.cuda.runtime.deviceSynchronize()
+            buf.check_health()
+            stream = cupy.cuda.Stream(non_blocking=True)
+            comm.Barrier()
+            with stream:
+                stream.begin_capture()
+                kept = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)     # buffer 0, baked in
+                graph = stream.end_capture()
+            graph.launch(stream)   # after the combine on buffer 1: fine
+            stream.synchronize()
+            buf.check_health()
+            graph.launch(stream)   # buffer 0 twice in a row: refused on the device
+            stream.synchronize()
+            del kept               # the replays wrote into the capture's outputs: held until here
+            try:
+                buf.check_health()
+                print(f"rank {rank}: no exception", flush=True)
+            except cupy_ep.CommError as e:
+                print(f"rank {rank}: {type(e).__name__}: {e}", flush=True)
+                ok = (not isinstance(e, CommTimeoutError) and "twice in a row" in str(e)
+                      and e.record.get("role") == "buffer_reuse")
+            ok = refused_after_failure(rank, lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)) and ok
+    except Exception:
+        traceback.print_exc()
+        ok = False
+    finally:
+        buf.destroy()
+    assert all_ok(comm, ok)
