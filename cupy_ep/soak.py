@@ -17,7 +17,7 @@ import zlib
 
 import numpy as np
 
-from . import Buffer, Config, reference, soak_ll
+from . import Buffer, Config, reference
 from .bench import make_routing
 
 
@@ -31,6 +31,15 @@ def iteration_shape(seed: int, it: int, max_tokens: int, num_ranks: int) -> dict
                 check=bool(rng.random() < 0.1))
 
 
+def progress(start: int, iters: int, rank: int, desc: str):
+    """Iterations ``start .. start + iters - 1``, with a tqdm bar on rank 0 (a plain range without tqdm)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return range(start, start + iters)
+    return tqdm(range(start, start + iters), disable=rank != 0, desc=desc, unit="it", mininterval=5.0)
+
+
 def checksum(*arrays) -> int:
     crc = 0
     for a in arrays:
@@ -40,6 +49,7 @@ def checksum(*arrays) -> int:
 
 
 def main(argv=None) -> int:
+    from . import soak_ll  # imported here: soak_ll imports this module's helpers
     from mpi4py import MPI
     p = argparse.ArgumentParser(prog="python -m cupy_ep.soak", description=__doc__.split("\n")[0])
     p.add_argument("--iters", type=int, default=10000)
@@ -111,12 +121,7 @@ def main(argv=None) -> int:
             total.append(xp.sum(words * weights * xp.uint64(0x9E3779B1)))
         return int(xp.stack(total).sum()) if total else 0
 
-    try:
-        from tqdm import tqdm
-        bar = tqdm(range(args.start, args.start + args.iters), disable=rank != 0, desc="soak", unit="it",
-                   mininterval=5.0)
-    except ImportError:
-        bar = range(args.start, args.start + args.iters)
+    bar = progress(args.start, args.iters, rank, "soak")
     checked = 0
     for it in bar:
         shape = iteration_shape(args.seed, it, args.max_tokens, R)

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import Buffer, reference
 from . import config as cfgmod
+from .soak import progress
 
 HIDDENS = (2048, 4096, 7168)        # multiples of 512: any of them may take the FP8 cast
 LOCAL_EXPERTS = (1, 4, 16, 32)      # experts per rank; E = L * R always divides by R
@@ -128,12 +129,7 @@ def main(args, comm) -> int:
     def bf16_bits(bits):
         return bits.astype(xp.uint16).view(BF16)
 
-    try:
-        from tqdm import tqdm
-        bar = tqdm(range(args.start, args.start + args.iters), disable=rank != 0, desc="soak-ll", unit="it",
-                   mininterval=5.0)
-    except ImportError:
-        bar = range(args.start, args.start + args.iters)
+    bar = progress(args.start, args.iters, rank, "soak-ll")
     checked = 0
     for it in bar:
         s = iteration_shape(args.seed, it, M, R, hiddens)
