@@ -27,9 +27,9 @@ def test_ranks_sharing_a_gpu_are_refused(comm):
     comm.Barrier()
 
 
-@pytest.mark.mpi(min_size=2)
-def test_rank_skipping_low_latency_dispatch_times_out(comm):
-    import cupy
+def _small_ll_buffer(comm):
+    """``(rank, R, M, H, E, buf)``: a small low-latency Buffer with the short timeout (skips where ranks share a
+    GPU: low_latency_mode refuses that)."""
     from tests.gpu.test_low_latency import ranks_share_a_gpu
     if ranks_share_a_gpu(comm):
         pytest.skip("low_latency_mode needs one GPU per rank (see test_ranks_sharing_a_gpu_are_refused)")
@@ -37,6 +37,13 @@ def test_rank_skipping_low_latency_dispatch_times_out(comm):
     M, H, E = 32, 1024, 8 * R
     buf = cupy_ep.Buffer(comm, num_rdma_bytes=cfgmod.low_latency_rdma_size_hint(M, H, R, E),
                          low_latency_mode=True, backend="cuda", timeout_s=TIMEOUT_S)
+    return rank, R, M, H, E, buf
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rank_skipping_low_latency_dispatch_times_out(comm):
+    import cupy
+    rank, R, M, H, E, buf = _small_ll_buffer(comm)
     ok = True
     try:
         rng = np.random.default_rng(rank)
@@ -77,13 +84,7 @@ def test_graph_with_an_odd_number_of_low_latency_calls_is_refused(comm):
     buffer with a CommError on every rank (instead of receivers reading stale signals and old data).
     Last in the file: the buffer ends stopped, and no low-latency Buffer follows it in this process."""
     import cupy
-    from tests.gpu.test_low_latency import ranks_share_a_gpu
-    if ranks_share_a_gpu(comm):
-        pytest.skip("low_latency_mode needs one GPU per rank (see test_ranks_sharing_a_gpu_are_refused)")
-    rank, R = comm.Get_rank(), comm.Get_size()
-    M, H, E = 32, 1024, 8 * R
-    buf = cupy_ep.Buffer(comm, num_rdma_bytes=cfgmod.low_latency_rdma_size_hint(M, H, R, E),
-                         low_latency_mode=True, backend="cuda", timeout_s=TIMEOUT_S)
+    rank, R, M, H, E, buf = _small_ll_buffer(comm)
     ok, kept = False, None
     try:
         with cupy.cuda.Device(buf.device_id):
