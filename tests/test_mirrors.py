@@ -1,0 +1,38 @@
+"""The Python tables that turn a device failure record into an exception mirror the CUDA enums: a role or
+kernel added on one side only would surface as a bare number (or the wrong name) in CommError messages."""
+import re
+from pathlib import Path
+
+from cupy_ep import cuda_backend
+
+SRC = Path(__file__).resolve().parent.parent / "cuda_src"
+
+
+def enum_values(path: Path, enum: str) -> dict[str, int]:
+    """``{name: value}`` of ``enum <enum> : int { ... };`` in a CUDA source file (explicit values only)."""
+    text = path.read_text()
+    body = re.search(r"enum\s+" + enum + r"\s*:\s*int\s*\{(.*?)\};", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    return {name: int(value) for name, value in re.findall(r"(\w+)\s*=\s*(\d+)", body)}
+
+
+def snake(camel: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", camel).lower()
+
+
+def test_role_names_mirror_the_cuda_enums():
+    expected = {v: snake(n[len("kRole"):]) for n, v in enum_values(SRC / "common.cuh", "Role").items()}
+    for name, value in enum_values(SRC / "internode.cu", "WarpRole").items():
+        if name == "kIdle":
+            continue  # never waits, never reports
+        expected[value] = snake(name[len("kRole"):]) if name.startswith("kRole") else name
+    assert cuda_backend._ROLE_NAMES == expected
+
+
+def test_kernel_names_cover_every_kernel_id():
+    ids = enum_values(SRC / "common.cuh", "KernelId")
+    assert sorted(cuda_backend._KERNEL_NAMES) == sorted(ids.values())
+    # the name is the kernel's own (snake case of the enum without the kKernel prefix), where it has one
+    by_value = {v: snake(n[len("kKernel"):]) for n, v in ids.items()}
+    for value, name in cuda_backend._KERNEL_NAMES.items():
+        assert name == by_value[value] or (value == 1 and name == "get_dispatch_layout"), (value, name)
