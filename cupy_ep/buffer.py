@@ -51,11 +51,14 @@ class Buffer:
             least :meth:`get_low_latency_rdma_size_hint` with ``low_latency_mode=True``.
         low_latency_mode: also set up the low-latency (decode) path: NVSHMEM is initialised over ``comm``
             and ``low_latency_dispatch``/``low_latency_combine`` become available (the normal-mode calls
-            keep working when ``num_nvl_bytes`` is given too).
+            keep working when ``num_nvl_bytes`` is given too). Two buffers alternate per low-latency call;
+            a CUDA graph fixes the buffer at capture, so a graph must hold an even number of low-latency
+            calls (dispatch + combine pairs, as in DeepEP): an odd number is refused on the device at the
+            second replay with a ``CommError``.
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy,
             enable_shrink: accepted for DeepEP compatibility.
         backend: ``"cuda"``, ``"host"`` or None (auto: cuda when a GPU is visible).
-        device: GPU ordinal; default local rank modulo the visible GPUs.
+        device: GPU ordinal; default the rank on this machine modulo the visible GPUs.
         timeout_s: device-wait timeout in seconds (default ``CUPY_EP_TIMEOUT_S`` or 100).
         num_ranks_per_node: GPUs per NVLink domain (default: the MPI shared-memory split). When the ranks span
             more than one such domain, the internode path runs (cupy_ep/cuda_internode.py).
