@@ -40,6 +40,23 @@ constexpr int kPhaseSend = 1, kPhaseRecv = 2;
 // kWsLastSend: 1 + the buffer index of this rank's previous send phase (0 = none yet)
 constexpr int kWsDispatchClear = 0, kWsCombineClear = 1, kWsLastSend = 2, kWsFinish = 32;
 
+// Optional phase stamps (profiling; stamps == nullptr in normal use): per block kLLStamps int64 %globaltimer
+// values, written by thread 0 right after a block-wide barrier, so each marks when the whole block got there.
+constexpr int kLLStamps = 8;
+enum LLStamp : int {
+    kStampSendStart = 0, kStampSendPrepared = 1, kStampSendWritten = 2, kStampSendEnd = 3,
+    kStampRecvStart = 4, kStampRecvFirstData = 5, kStampRecvEnd = 6,
+};
+__device__ __forceinline__ void stamp(long long* stamps, int which) {
+    if (stamps != nullptr && threadIdx.x == 0) stamps[blockIdx.x * kLLStamps + which] = (long long)globaltimer_ns();
+}
+// A block barrier only when stamping (the condition is uniform over the block).
+__device__ __forceinline__ void stamp_after_barrier(long long* stamps, int which) {
+    if (stamps == nullptr) return;
+    __syncthreads();
+    stamp(stamps, which);
+}
+
 __device__ __forceinline__ void red_add_release_sys(int* p, int v) {
     asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -143,7 +160,7 @@ __device__ void token_slots(const TopkT* topk_idx, int t, int num_topk, int num_
 }
 
 // Block 0 zeroes the next buffer's signals, then opens the countdown flag for this call's signallers.
-__device__ void clear_next_signals(int* next_signals, int num_signals, int* countdown, int num_signallers) {
+__device__ __forceinline__ void clear_next_signals(int* next_signals, int num_signals, int* countdown, int num_signallers) {
     if (blockIdx.x != 0) return;
     for (int i = threadIdx.x; i < num_signals; i += blockDim.x) next_signals[i] = 0;
     __syncthreads();
@@ -151,7 +168,7 @@ __device__ void clear_next_signals(int* next_signals, int num_signals, int* coun
 }
 
 // A signaller passes the countdown once (the clearing is then ordered before its signal).
-__device__ bool pass_countdown(int* countdown, const DeviceCtx* ctx, WaitSite site) {
+__device__ __forceinline__ bool pass_countdown(int* countdown, const DeviceCtx* ctx, WaitSite site) {
     const bool ok = wait_until(ctx, site, [&] { return ld_acquire_sys(countdown) != 0; },
                                [&](long long& head, long long& tail, long long& expected) {
                                    head = ld_volatile(countdown);
@@ -166,7 +183,7 @@ __device__ bool pass_countdown(int* countdown, const DeviceCtx* ctx, WaitSite si
 // alternates them per call, but a CUDA graph bakes the index in at capture, so a graph holding an odd number of
 // low-latency calls replays two sends on one buffer in a row; stop the buffer loudly instead of letting the
 // receivers read stale signals. (The peers make the same calls, so they stop as well.)
-__device__ void check_buffer_alternates(int* workspace, int buffer_idx, const DeviceCtx* ctx, int kernel) {
+__device__ __forceinline__ void check_buffer_alternates(int* workspace, int buffer_idx, const DeviceCtx* ctx, int kernel) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const int previous = workspace[kWsLastSend];  // written only here, by one thread per launch (stream order)
     if (previous == 1 + buffer_idx)
@@ -238,12 +255,14 @@ template <bool kUseFP8, typename TopkT>
 __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_tokens, int num_topk, bool round_scale,
                               char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
                               int buffer_idx, int* workspace, const DeviceCtx* ctx, int* hist, int* hist_all,
-                              int* s_expert, int* s_slot) {
+                              int* s_expert, int* s_slot, long long* stamps) {
     const int rank = ctx->rank, E = L.num_experts;
+    stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
     clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), E,
                        workspace + kWsDispatchClear, E);
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
+    stamp(stamps, kStampSendPrepared);  // build_histograms ends with a block barrier
 
     const int msg_int4 = dispatch_msg_int4(kUseFP8, L.hidden);
     const int warps_per_k = kLLWarps / num_topk;
@@ -272,6 +291,7 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
         }
         __syncthreads();  // slots and histogram are reused by the next token
     }
+    stamp(stamps, kStampSendWritten);
 
     // Signallers: expert e's count goes out once all its parts (from every block) are written.
     if (lane_id() == 0) {
@@ -293,6 +313,7 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
             send_signal(base, peer_bases, e / L.num_local, offset, -count - 1);
         }
     }
+    stamp_after_barrier(stamps, kStampSendEnd);
 }
 
 // Copy `units` 16-byte units with the group's threads, kInFlight loads in flight per thread.
@@ -314,7 +335,8 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
                               int* packed_recv_src_info, long long* packed_recv_layout_range, int* cumulative_stats,
                               bool use_ue8m0, char* base, const LowLatencyLayout& L, int buffer_idx,
                               int groups_per_block, const DeviceCtx* ctx, int (*s_counts)[kLLMaxRanks],
-                              int* s_failed) {
+                              int* s_failed, long long* stamps) {
+    stamp_after_barrier(stamps, kStampRecvStart);
     const Group g(groups_per_block);
     const int R = L.num_ranks, M = L.num_max_tokens, rows_per_expert = R * M;
     const int num_scales = L.hidden / 128;
@@ -339,6 +361,7 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
             }
         }
         g.sync();
+        if (e == g.global) stamp(stamps, kStampRecvFirstData);  // group 0's thread 0: its first counts are in
         if (s_failed[g.index]) continue;
         int begin = 0;
         for (int s = 0; s < R; ++s) {
@@ -383,6 +406,7 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
             if (cumulative_stats != nullptr) cumulative_stats[e] += begin;
         }
     }
+    stamp_after_barrier(stamps, kStampRecvEnd);
 }
 
 // Outputs: packed_recv_x [L][R*M][H] (e4m3 bytes or bf16), packed_recv_scales [L][S][R*M] float32 or
@@ -394,7 +418,7 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
          long long* packed_recv_layout_range, int* cumulative_stats, const int4* x, const TopkT* topk_idx,
          int num_tokens, int num_topk, int round_scale, int use_ue8m0, void* base,
          const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
-         int groups_per_block, int* workspace, int phases, const DeviceCtx* ctx) {
+         int groups_per_block, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hist[kLLMaxExperts], hist_all[kLLMaxExperts];
     __shared__ int s_expert[kLLMaxTopk], s_slot[kLLMaxTopk];
     __shared__ int s_counts[kLLMaxGroups][kLLMaxRanks];
@@ -403,11 +427,11 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
     char* b = static_cast<char*>(base);
     if (phases & kPhaseSend)
         dispatch_send<kUseFP8>(x, topk_idx, num_tokens, num_topk, round_scale != 0, b, peer_bases, L, buffer_idx,
-                               workspace, ctx, hist, hist_all, s_expert, s_slot);
+                               workspace, ctx, hist, hist_all, s_expert, s_slot, stamps);
     if (phases & kPhaseRecv)
         dispatch_recv<kUseFP8>(packed_recv_x, packed_recv_scales, packed_recv_count, packed_recv_src_info,
                                packed_recv_layout_range, cumulative_stats, use_ue8m0 != 0, b, L, buffer_idx,
-                               groups_per_block, ctx, s_counts, s_failed);
+                               groups_per_block, ctx, s_counts, s_failed, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -415,12 +439,13 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 // ---------------------------------------------------------------------------------------------------
 // Expert side: the rows of (local expert e, token owner s) go to s's recv rows [my global expert][slot],
 // slot = row - begin (the dispatch slot), then flag 1 at s's signal [my global expert].
-__device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, char* base,
+__device__ __forceinline__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, char* base,
                              const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
-                             int groups_per_block, int* workspace, const DeviceCtx* ctx) {
+                             int groups_per_block, int* workspace, const DeviceCtx* ctx, long long* stamps) {
     const Group g(groups_per_block);
     const int rank = ctx->rank, R = L.num_ranks, E = L.num_experts;
     const int row_int4 = L.hidden / 8;
+    stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
     clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), E,
                        workspace + kWsCombineClear, L.num_local * R);
@@ -456,6 +481,7 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
                 send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * global_expert, 1);
         }
     }
+    stamp_after_barrier(stamps, kStampSendEnd);
 }
 
 // Token side: out[t] = bf16(sum over k ascending of w[t,k] * row(e_k, slot_k)), fp32, no FMA (as the
@@ -464,7 +490,8 @@ template <typename TopkT>
 __device__ void combine_recv(int4* combined_x, const TopkT* topk_idx, const float* topk_weights, int num_tokens,
                              int num_topk, char* base, const LowLatencyLayout& L, int buffer_idx,
                              const DeviceCtx* ctx, int* hist, int* s_expert, int* s_slot, float* s_weight,
-                             int* s_failed) {
+                             int* s_failed, long long* stamps) {
+    stamp_after_barrier(stamps, kStampRecvStart);
     const int E = L.num_experts, row_int4 = L.hidden / 8;
     const int* flags = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
@@ -490,6 +517,7 @@ __device__ void combine_recv(int4* combined_x, const TopkT* topk_idx, const floa
             }
         }
         __syncthreads();
+        if (t == (int)blockIdx.x) stamp(stamps, kStampRecvFirstData);  // the first token's flags are in
         if (*s_failed) return;  // uniform: every thread read it after the barrier
         advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
         for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
@@ -512,6 +540,7 @@ __device__ void combine_recv(int4* combined_x, const TopkT* topk_idx, const floa
         }
         __syncthreads();  // slots, weights and histogram are reused by the next token
     }
+    stamp(stamps, kStampRecvEnd);  // the loop ends with a block barrier
 }
 
 // combined_x [T][H] bf16; x [L][R*M][H] bf16 (unused with zero_copy: the rows are in the send buffer);
@@ -521,7 +550,7 @@ __global__ void __launch_bounds__(kLLThreads, 1)
 combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx,
         const float* topk_weights, int num_tokens, int num_topk, int zero_copy, void* base,
         const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
-        int groups_per_block, int* workspace, int phases, const DeviceCtx* ctx) {
+        int groups_per_block, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hist[kLLMaxExperts];
     __shared__ int s_expert[kLLMaxTopk], s_slot[kLLMaxTopk];
     __shared__ float s_weight[kLLMaxTopk];
@@ -530,10 +559,10 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     char* b = static_cast<char*>(base);
     if (phases & kPhaseSend)
         combine_send(x, zero_copy != 0, layout_range, b, peer_bases, L, buffer_idx, groups_per_block, workspace,
-                     ctx);
+                     ctx, stamps);
     if (phases & kPhaseRecv)
         combine_recv(combined_x, topk_idx, topk_weights, num_tokens, num_topk, b, L, buffer_idx, ctx, hist,
-                     s_expert, s_slot, s_weight, &s_failed);
+                     s_expert, s_slot, s_weight, &s_failed, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------

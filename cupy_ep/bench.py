@@ -749,6 +749,8 @@ def parse_args(argv=None, gpu: bool = True):
     p.add_argument("--ll-token-sweep", type=ints, default=[0, 128],
                    help="--mode low-latency: tokens per rank T of the steady sweep, at the same max tokens M = "
                         "--tokens (default 0,128; T=0 is the fixed cost; T > M is skipped)")
+    p.add_argument("--ll-stamps", action="store_true",
+                   help="--mode low-latency: also report where a call's time goes (the kernels' phase stamps)")
     p.add_argument("--backend", choices=["cuda", "host"], default=None)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--mode", choices=["normal", "low-latency", "internode"], default="normal",

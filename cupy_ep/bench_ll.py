@@ -15,7 +15,8 @@ Per op: median and p99 over ``--iters`` (>= 200) iterations, timed three ways (f
 NCCL grouped send/recv of the same per-peer bytes is measured in the same run: as graph replays for the call and
 graph rows, steady for the steady rows. Further records: a steady token sweep (``--ll-token-sweep``: T tokens per
 rank at the same max M = ``--tokens``; T = 0 is the fixed cost) and the host time per call (timing ``host``:
-200 plain calls back to back). Results are verified against :mod:`cupy_ep.reference` before any timing (a
+200 plain calls back to back), and with ``--ll-stamps`` where a call's time goes (timing ``stamps``: the
+kernels' %globaltimer phase stamps, ``phases_us``). Results are verified against :mod:`cupy_ep.reference` before any timing (a
 mismatch aborts). Records are written to ``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``.
 """
 from __future__ import annotations
@@ -195,6 +196,40 @@ class LowLatencyBench:
             self.log(f"  {op:11s} host   T={tokens:4d} {host:7.1f} us per call on the host "
                      f"({wall:7.1f} us per call until the device is done; {HOST_CALLS} calls back to back)")
 
+    def phases(self, runs: dict, tokens: int, rounds: int = 30, calls: int = 4) -> None:
+        """Records of timing "stamps" (``--ll-stamps``): per op, where a call's time goes, from the kernels'
+        %globaltimer phase stamps (``cuda_low_latency.phase_breakdown``, us after the earliest block started),
+        median over ``rounds``; each round makes ``calls`` calls back to back (the ranks align on the first) and
+        reads the last one's stamps. Stamping adds a few block barriers, so it is measured after the timings."""
+        import cupy
+        from .cuda_low_latency import STAMP_NAMES, phase_breakdown
+        a, ll = self.args, self.buf._low_latency()
+        ll.enable_stamps()
+        try:
+            for op, (fn, _, dtype) in runs.items():
+                kind = "dispatch" if op == "ll_dispatch" else "combine"
+                per_round = []
+                for _ in range(rounds):
+                    cupy.cuda.runtime.deviceSynchronize()
+                    self.comm.Barrier()
+                    for i in range(calls):
+                        if i == calls - 1:
+                            ll.stamps_of(kind).fill(0)  # on the caller's stream: ordered before the last call
+                        fn()
+                    cupy.cuda.runtime.deviceSynchronize()
+                    per_round.append(phase_breakdown(ll.stamps_of(kind).get()))
+                phases_us = {name: float(np.median([r[name] for r in per_round if name in r]))
+                             for name in STAMP_NAMES if any(name in r for r in per_round)}
+                self.records.append({"op": op, "graph": False, "timing": "stamps", "phases_us": phases_us,
+                                     "rounds": rounds, "time_us_median": None, "time_us_p99": None,
+                                     "time_us_min": None, "nccl_time_us": None, "dtype": dtype, "tokens": tokens,
+                                     "max_tokens": self.M, "hidden": a.hidden, "topk": a.topk, "experts": a.experts,
+                                     "num_ranks": self.R})
+                self.log(f"  {op:11s} phases (us after the first block started): " +
+                         ", ".join(f"{k} {v:.1f}" for k, v in phases_us.items()))
+        finally:
+            ll.stamps = None
+
     def token_sweep(self, timer, y) -> None:
         """Steady records at T tokens per rank (``--ll-token-sweep``), same max M; T = M is the main run's."""
         import cupy
@@ -233,6 +268,8 @@ class LowLatencyBench:
             runs = self.ops(x, idx, w, y, handle, idx_np)
             self.time_ops(timer, runs, a.tokens, ("call", "graph", "steady") if self.steady_n else ("call", "graph"))
             self.host_overhead(runs, a.tokens)
+            if getattr(a, "ll_stamps", False):
+                self.phases(runs, a.tokens)
             if self.steady_n:
                 self.token_sweep(timer, y)
             else:
@@ -271,7 +308,7 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
            "| op | dtype | timing | median us | p99 us | NCCL us (same bytes) | NCCL timing | ours/NCCL |",
            "|---|---|---|---|---|---|---|---|"]
     for r in records:
-        if r["timing"] != "host" and r["tokens"] == args.tokens:
+        if r["timing"] in ("call", "graph", "steady") and r["tokens"] == args.tokens:
             out.append(f"| {r['op']} | {r['dtype']} | {r['timing']} | {r['time_us_median']:.1f} | "
                        f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {r.get('nccl_timing') or '-'} | "
                        f"{_f(r.get('ratio_to_nccl'), '.2f')} |")
@@ -284,6 +321,18 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
         for r in sorted(steady, key=lambda r: (r["op"], r["tokens"])):
             out.append(f"| {r['op']} | {r['dtype']} | {r['tokens']} | {r['time_us_median']:.1f} | "
                        f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {_f(r.get('ratio_to_nccl'), '.2f')} |")
+    stamped = [r for r in records if r.get("timing") == "stamps"]
+    if stamped:
+        names = [n for n in stamped[0]["phases_us"]]
+        out += ["", f"Phases (`--ll-stamps`): the kernels' %globaltimer stamps, us after the earliest block of a call "
+                f"started, median over blocks and over {stamped[0]['rounds']} calls (each the last of 4 back to "
+                "back). send_prepared: histograms built; send_written: the block's tokens cast and stored; "
+                "send_end: its signals sent; recv_first_data: its first expert's counts (dispatch) or first token's "
+                "flags (combine) arrived; recv_end: its outputs written.", "",
+                "| op | T | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for r in stamped:
+            out.append(f"| {r['op']} | {r['tokens']} | " +
+                       " | ".join(_f(r["phases_us"].get(n), ".1f") for n in names) + " |")
     host = [r for r in records if r.get("timing") == "host"]
     if host:
         out += ["", f"Host time per call: {host[0]['calls']} plain calls back to back (no sync inside the loop; "

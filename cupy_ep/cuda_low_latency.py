@@ -49,6 +49,30 @@ def groups_per_block(work_items: int, num_blocks: int) -> int:
     return groups
 
 
+# low_latency.cu LLStamp, in order
+STAMP_NAMES = ("send_start", "send_prepared", "send_written", "send_end", "recv_start", "recv_first_data",
+               "recv_end", "unused")
+
+
+def phase_breakdown(stamps) -> dict:
+    """Per phase of one launch, the median over blocks of (stamp - the earliest send_start) in us.
+
+    ``stamps``: numpy int64 ``[blocks][STAMP_NAMES]`` of one call (0 = not stamped: a block without work in that
+    phase, or a phase that did not run). Phases no block stamped are left out."""
+    stamps = np.asarray(stamps, dtype=np.int64)
+    starts = stamps[:, 0][stamps[:, 0] > 0]
+    if starts.size == 0:
+        return {}
+    t0 = int(starts.min())
+    out = {}
+    for i, name in enumerate(STAMP_NAMES):
+        column = stamps[:, i]
+        column = column[column > 0]
+        if column.size:
+            out[name] = float(np.median(column - t0)) / 1e3
+    return out
+
+
 def check_num_rdma_bytes(num_rdma_bytes: int) -> None:
     """low_latency_mode needs a symmetric buffer (an argument error: checked before what the machine allows)."""
     if num_rdma_bytes <= 0:
@@ -102,11 +126,26 @@ class LowLatencyState:
         self.signal_shape = None                   # (M, H, E) the signal regions were last cleaned for
         self.num_blocks = buf.num_device_sms       # one resident block per SM (blocks wait for each other)
         self.leaked: str | None = None             # why destroy() skipped the NVSHMEM teardown, if it did
+        # Optional phase stamps (profiling): [dispatch, combine][block][STAMP_NAMES] int64 %globaltimer ns, written
+        # by the kernels when enabled (CUPY_EP_LL_STAMPS=1 or enable_stamps()); None: the kernels skip them.
+        self.stamps = None
+        if os.environ.get("CUPY_EP_LL_STAMPS", "0") not in ("", "0"):
+            self.enable_stamps()
         self._kernels: dict = {}
         cupy.cuda.runtime.deviceSynchronize()
         self.nv.barrier_all()
 
     # ---- plumbing -----------------------------------------------------------------------------------
+    def enable_stamps(self) -> None:
+        """Have the kernels stamp their phases (see :func:`phase_breakdown`); costs a few block barriers."""
+        import cupy
+        with self.buf._device:
+            self.stamps = cupy.zeros((2, self.num_blocks, len(STAMP_NAMES)), dtype=cupy.int64)
+
+    def stamps_of(self, kind: str):
+        """The ``[block][STAMP_NAMES]`` stamps of the last ``"dispatch"`` or ``"combine"`` (None when off)."""
+        return None if self.stamps is None else self.stamps[0 if kind == "dispatch" else 1]
+
     @property
     def peer_bases(self):
         """Per rank the NVLink-mapped address of its buffer, or 0 (NVSHMEM puts); all 0 with force_put."""
@@ -278,7 +317,7 @@ class LowLatencyState:
         def args(phases):
             return (recv_x, scales, count, src_info, layout_range, raw_stats, raw_x, raw_idx, np.int32(num_tokens),
                     np.int32(raw_idx.shape[1]), np.int32(round_scale), np.int32(use_ue8m0)) + common + \
-                   (np.int32(phases), self.buf._ctx)
+                   (np.int32(phases), self.stamps_of("dispatch"), self.buf._ctx)
         keep = (raw_x, raw_idx, raw_stats, recv_x, scales, count, src_info, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         event = self.run(kind, name, args, phases, async_finish, keep)
@@ -318,7 +357,7 @@ class LowLatencyState:
 
         def args(phases):
             return (raw_out, raw_x, layout_range, raw_idx, raw_w, np.int32(num_tokens), np.int32(num_topk),
-                    np.int32(zero_copy)) + common + (np.int32(phases), self.buf._ctx)
+                    np.int32(zero_copy)) + common + (np.int32(phases), self.stamps_of("combine"), self.buf._ctx)
         keep = (raw_x, raw_idx, raw_w, raw_out, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         event = self.run(kind, name, args, phases, async_finish, keep)
@@ -413,5 +452,5 @@ def check_ll_experts(num_experts: int) -> None:
                          f"got {num_experts}")
 
 
-__all__ = ["LowLatencyState", "check_num_rdma_bytes", "groups_per_block", "set_nvshmem_env", "check_ll_experts",
-           "LOW_LATENCY_MAX_TOPK", "EventOverlap"]
+__all__ = ["LowLatencyState", "STAMP_NAMES", "phase_breakdown", "check_num_rdma_bytes", "groups_per_block",
+           "set_nvshmem_env", "check_ll_experts", "LOW_LATENCY_MAX_TOPK", "EventOverlap"]

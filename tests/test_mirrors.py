@@ -36,3 +36,25 @@ def test_kernel_names_cover_every_kernel_id():
     by_value = {v: snake(n[len("kKernel"):]) for n, v in ids.items()}
     for value, name in cuda_backend._KERNEL_NAMES.items():
         assert name == by_value[value] or (value == 1 and name == "get_dispatch_layout"), (value, name)
+
+
+def test_low_latency_stamp_names_mirror_the_enum():
+    from cupy_ep import cuda_low_latency as cll
+    stamps = enum_values(SRC / "low_latency.cu", "LLStamp")
+    assert [snake(n[len("kStamp"):]) for n, _ in sorted(stamps.items(), key=lambda kv: kv[1])] == \
+        list(cll.STAMP_NAMES[:len(stamps)])
+    assert sorted(stamps.values()) == list(range(len(stamps)))
+    text = (SRC / "low_latency.cu").read_text()
+    assert f"kLLStamps = {len(cll.STAMP_NAMES)};" in text
+
+
+def test_phase_breakdown_is_relative_to_the_earliest_send_start():
+    import numpy as np
+    from cupy_ep import cuda_low_latency as cll
+    stamps = np.zeros((3, len(cll.STAMP_NAMES)), dtype=np.int64)
+    stamps[:, 0] = [1000, 3000, 2000]            # send_start
+    stamps[:, 3] = [11000, 13000, 15000]         # send_end
+    stamps[1, 5] = 21000                         # recv_first_data: one block only
+    got = cll.phase_breakdown(stamps)
+    assert got == {"send_start": 1.0, "send_end": 12.0, "recv_first_data": 20.0}
+    assert cll.phase_breakdown(np.zeros((2, 8), dtype=np.int64)) == {}
