@@ -231,6 +231,54 @@ __device__ __forceinline__ void warp_copy_row(int4* dst, const int4* src, int n)
     for (; i < n; i += kWarpSize) dst[i] = kSrcVolatile ? ld_ring_v4(src + i) : ld_nc_v4(src + i);
 }
 
+// Staged copy (EXPERIMENTAL, CUPY_EP_STAGED_COPY=1, not yet run on a GPU): the sender SM is bound by the bytes
+// it keeps in flight (registers cap a warp copy at 6 x 16 B per lane under 768 threads); cp.async loads go to
+// shared memory instead, two 4-KB chunks per warp in flight while the previous chunk is stored. Each lane reads
+// back only the shared slots it loaded itself, so no warp barrier is needed; a stage is reloaded only after the
+// same lane's reads of it were consumed by its stores. src must be this rank's own input (x).
+constexpr int kStageLaneInt4 = 8;
+constexpr int kStageInt4 = kStageLaneInt4 * kWarpSize;  // one chunk: 4 KB
+constexpr int kStageBytesPerWarp = 2 * kStageInt4 * 16;  // mirrors cuda_backend._STAGE_BYTES_PER_WARP
+
+__device__ __forceinline__ void stage_chunk(int4* buf, const int4* src, int n, int chunk) {
+#pragma unroll
+    for (int u = 0; u < kStageLaneInt4; ++u) {
+        const int i = chunk * kStageInt4 + u * kWarpSize + lane_id();
+        if (i < n) cp_async_16(buf + u * kWarpSize + lane_id(), src + i);
+    }
+    cp_async_commit();
+}
+
+__device__ __forceinline__ void warp_copy_row_staged(int4* dst, const int4* src, int n, int4* stage) {
+    const int chunks = (n + kStageInt4 - 1) / kStageInt4;
+    stage_chunk(stage, src, n, 0);
+    for (int c = 0; c < chunks; ++c) {
+        if (c + 1 < chunks) {
+            stage_chunk(stage + ((c + 1) & 1) * kStageInt4, src, n, c + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        const int4* buf = stage + (c & 1) * kStageInt4;
+#pragma unroll
+        for (int u = 0; u < kStageLaneInt4; ++u) {
+            const int i = c * kStageInt4 + u * kWarpSize + lane_id();
+            if (i < n) dst[i] = buf[u * kWarpSize + lane_id()];
+        }
+    }
+}
+
+// A row of this rank's input x: staged through shared memory in the kStaged instantiations (one code path
+// per instantiation: both in one kernel would spill under the 80-register cap).
+template <bool kStaged>
+__device__ __forceinline__ void copy_input_row(int4* dst, const int4* src, int n, int4* stage) {
+    if constexpr (kStaged) {
+        warp_copy_row_staged(dst, src, n, stage);
+    } else {
+        warp_copy_row<false>(dst, src, n);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // dispatch: grid 2C, Groups<R>::kThreads threads. Even block = sender of channel blockIdx/2, odd block =
 // its receiver.
@@ -252,7 +300,7 @@ struct DispatchRecvGroups {
     static constexpr int kThreadsPerPeer = kWarpsPerPeer * kWarpSize;
 };
 
-template <int kNumRanks, typename IdxT>
+template <int kNumRanks, typename IdxT, bool kStaged = false>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
 dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights,
          int* recv_channel_prefix_matrix, int* send_head,
@@ -266,6 +314,8 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
     const int num_channels = gridDim.x / 2;
     const int channel = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
+    extern __shared__ int4 s_stage[];  // kStaged: kStageBytesPerWarp per warp (dynamic shared memory)
+    int4* stage = kStaged ? s_stage + warp_id() * (kStageBytesPerWarp / 16) : nullptr;
     __shared__ int s_value[kNumRanks];
     __shared__ int s_abort[kNumRanks];
     __shared__ int s_start[kNumRanks];
@@ -302,7 +352,7 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                 for (; j < __popc(mask); j += G::kWarpsPerRank) {
                     const int t = w0 + nth_set_bit(mask, j);
                     const long long out = row_begin + count + j;
-                    warp_copy_row<false>(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, hidden_int4);
+                    copy_input_row<kStaged>(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, hidden_int4, stage);
                     if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = t;
                     if (recv_topk_idx != nullptr) {
                         for (int k = lane_id(); k < num_topk; k += kWarpSize) {
@@ -364,8 +414,8 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                 for (; j < num_selected; j += G::kWarpsPerRank) {
                     const int t = w0 + nth_set_bit(mask, j);
                     const int slot = (cached_tail + j) % num_slots;
-                    warp_copy_row<false>(ring_x + (long long)slot * hidden_int4, x + (long long)t * hidden_int4,
-                                         hidden_int4);
+                    copy_input_row<kStaged>(ring_x + (long long)slot * hidden_int4, x + (long long)t * hidden_int4,
+                                   hidden_int4, stage);
                     if (lane_id() == 0) ring_src[slot] = t;
                     if (topk_idx != nullptr) {
                         for (int k = lane_id(); k < num_topk; k += kWarpSize) {

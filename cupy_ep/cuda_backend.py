@@ -8,6 +8,7 @@ or an ``EventOverlap`` is returned (``async_finish=True``).
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import numpy as np
@@ -42,6 +43,13 @@ _CTX_DTYPE = np.dtype([("timeout_ns", "<u8"), ("record", "<u8"), ("abort_flag", 
 _LAYOUT_THREADS = 128
 _NOTIFY_THREADS = 128
 _COMBINE_TOKENS_PER_WARP = 2  # mirrors kCombineTokensPerWarp in intranode.cu
+_STAGE_BYTES_PER_WARP = 2 * 8 * 32 * 16  # mirrors kStageBytesPerWarp in intranode.cu (two 4-KB chunks)
+
+
+def _staged_copy() -> bool:
+    """EXPERIMENTAL (CUPY_EP_STAGED_COPY=1, not yet run on a GPU): dispatch senders copy their input rows
+    through shared memory with cp.async (more bytes in flight per SM than register-held warp copies)."""
+    return os.environ.get("CUPY_EP_STAGED_COPY", "0") not in ("", "0")
 
 
 def _warps(num_ranks: int) -> int:
@@ -442,14 +450,16 @@ class CudaBuffer(Buffer):
             ctype = "long long" if idx_name == "int64" else "int"
             stride_t, stride_h = interop.scale_strides(raw_scales)
             threads = _warps(R) * 32
+            stage_bytes = _warps(R) * _STAGE_BYTES_PER_WARP if _staged_copy() else 0
             self._launch(
-                "intranode.cu", f"ep::dispatch<{R}, {ctype}>", 2 * C, threads,
+                "intranode.cu", f"ep::dispatch<{R}, {ctype}{', true' if stage_bytes else ''}>", 2 * C, threads,
                 (recv_x, recv_scales, None if cached else src_idx, recv_idx, recv_w, None if cached else rcpm,
                  None if cached else send_head, raw_x, raw_scales, raw_idx, raw_w, in_rank,
                  cpm, rpm, np.int32(T), np.int32(num_worst_tokens), np.int32(hidden_int4),
                  np.int32(num_topk), np.int32(num_experts), np.int32(S), np.int64(stride_t), np.int64(stride_h),
                  self._nvl.ptr_table, np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_send_tokens),
-                 np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx))
+                 np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx),
+                shared_mem=stage_bytes)
             keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, rpm, cpm, rcpm,
                     src_idx, send_head, in_rank)
             event = self._finish(compute, async_finish, keep)
