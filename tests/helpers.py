@@ -82,6 +82,16 @@ def refused_after_failure(rank: int, call, what: str = "the timeout") -> bool:
     return False
 
 
+def bad_input_problem(call, prefix: str, errors: tuple) -> str | None:
+    """None iff ``call()`` raises one of ``errors`` whose message starts with ``prefix`` (the argument's name);
+    else what went wrong instead."""
+    try:
+        call()
+    except errors as e:
+        return None if str(e).startswith(prefix) else f"{type(e).__name__}({e}) does not start with {prefix!r}"
+    return "no exception"
+
+
 def gather_all(comm, obj) -> list:
     """Every rank's ``obj`` (numpy arrays, tuples of them, ...), in rank order, on every rank."""
     return comm.allgather(obj)

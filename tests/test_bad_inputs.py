@@ -11,7 +11,8 @@ import pytest
 
 from cupy_ep import Buffer, BufferUnusableError, Config, CupyEpError, gpu_available
 from cupy_ep.host_backend import HostBuffer
-from tests.helpers import BF16, all_ok, make_inputs, reference_combine, reference_dispatch, same_bytes
+from tests.helpers import (BF16, all_ok, bad_input_problem, make_inputs, reference_combine, reference_dispatch,
+                           same_bytes)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -211,11 +212,7 @@ CASES = {
 def test_bad_input_raises_everywhere_and_buffer_stays_usable(comm, host_buffer, case):
     ctx = _context(comm, host_buffer)
     call, prefix = CASES[case]
-    try:
-        call(ctx)
-        problem = "no exception"
-    except (ValueError, TypeError, CupyEpError) as e:
-        problem = None if str(e).startswith(prefix) else f"{type(e).__name__}({e}) does not start with {prefix!r}"
+    problem = bad_input_problem(lambda: call(ctx), prefix, (ValueError, TypeError, CupyEpError))
     ok = _valid_round_trip(comm, host_buffer)
     assert all_ok(comm, problem is None and ok), f"rank {comm.Get_rank()}: {problem}, valid call ok: {ok}"
 

@@ -15,7 +15,7 @@ import pytest
 
 from cupy_ep import config, reference
 from cupy_ep.host_backend import HostBuffer
-from tests.helpers import (BF16, all_ok, gather_all, make_inputs, random_bf16, reference_combine,
+from tests.helpers import (BF16, all_ok, bad_input_problem, gather_all, make_inputs, random_bf16, reference_combine,
                            reference_dispatch, same_bytes)
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -358,10 +358,6 @@ def _valid_round_trip(comm, buf) -> bool:
 def test_bad_input_raises_everywhere_and_buffer_stays_usable(comm, ll_buffer, case):
     ctx = _context(comm, ll_buffer)
     call, prefix = BAD[case]
-    try:
-        call(ctx)
-        problem = "no exception"
-    except (ValueError, TypeError, NotImplementedError) as e:
-        problem = None if str(e).startswith(prefix) else f"{type(e).__name__}({e}) does not start with {prefix!r}"
+    problem = bad_input_problem(lambda: call(ctx), prefix, (ValueError, TypeError, NotImplementedError))
     ok = _valid_round_trip(comm, ll_buffer)
     assert all_ok(comm, problem is None and ok), f"rank {comm.Get_rank()}: {problem}, valid call ok: {ok}"
