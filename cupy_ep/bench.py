@@ -90,17 +90,12 @@ class GpuTimer:
         """Device-only time: ``fn`` captured ``per_replay`` times in one CUDA graph, replays timed right after an
         MPI barrier (no host overhead), per op. ``per_replay=2`` for low-latency calls: their two buffers
         alternate per call and the index is fixed at capture, so a graph must hold an even number of them."""
-        import cupy
-        stream = cupy.cuda.Stream(non_blocking=True)
+        def ops():
+            for _ in range(per_replay):
+                fn()
+        stream = self._warm_stream(ops)
         with stream:
-            for _ in range(per_replay):
-                fn()
-            stream.synchronize()
-            self.comm.Barrier()
-            stream.begin_capture()
-            for _ in range(per_replay):
-                fn()
-            graph = stream.end_capture()
+            graph = _capture(stream, ops)
         t = self._time(stream, lambda: graph.launch(stream))
         if per_replay == 1:
             return t
@@ -134,13 +129,8 @@ class GpuTimer:
 
     def _capture_steady(self, fn, n: int):
         """(stream, graph of n x (flush; fn()), graph of n x flush), fn warmed up once before capturing."""
-        import cupy
-        stream = cupy.cuda.Stream(non_blocking=True)
+        stream = self._warm_stream(fn)
         with stream:
-            fn()
-            stream.synchronize()
-            self.comm.Barrier()
-
             def ops():
                 for j in range(n):
                     self.flush.fill(j & 0xff)
@@ -150,6 +140,17 @@ class GpuTimer:
                 for j in range(n):
                     self.flush.fill(j & 0xff)
             return stream, _capture(stream, ops), _capture(stream, flushes)
+
+    def _warm_stream(self, fn):
+        """A non-blocking stream on which ``fn`` ran once (compiles and allocates outside any capture), after
+        which all ranks met."""
+        import cupy
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            fn()
+            stream.synchronize()
+        self.comm.Barrier()
+        return stream
 
     def _per_op(self, ops_us, flush_us, n: int) -> Timing:
         """Per-op times from the per-iteration times of the two steady graphs (see ``steady``)."""
