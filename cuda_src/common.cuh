@@ -173,18 +173,6 @@ __device__ __forceinline__ bool wait_until(const DeviceCtx* ctx, WaitSite site, 
 }
 
 // ---------------------------------------------------------------------------------------------------
-// cp.async (sm_80+): 16 bytes global -> shared without passing through registers; the executing thread sees
-// its own copies after cp_async_wait. .cg reads through L2 only: for this rank's own inputs.
-// ---------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory"); }
-
-// ---------------------------------------------------------------------------------------------------
 // Warp helpers
 // ---------------------------------------------------------------------------------------------------
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }

@@ -215,10 +215,17 @@ __global__ void cached_notify_combine(void** buffer_ptrs, int rank, int num_chan
                            kKernelCachedNotifyCombine);
 }
 
-// Copy one row of int4 with a warp: several independent loads in flight before the stores.
-template <bool kSrcVolatile>
+// Loads in flight per lane in a warp copy of a dispatch instantiation: the copy is bound by the bytes in
+// flight, so as many as fit in the 80 registers of a 768-thread block; at R = 1, 3, 6 and 7 a sixth spills
+// (the compile test rejects any spill).
+template <int kNumRanks>
+__host__ __device__ constexpr int dispatch_copy_unroll() {
+    return kNumRanks == 2 || kNumRanks == 4 || kNumRanks == 5 || kNumRanks == 8 ? 6 : 5;
+}
+
+// Copy one row of int4 with a warp: kUnroll independent 16-B loads per lane in flight before the stores.
+template <bool kSrcVolatile, int kUnroll = 6>
 __device__ __forceinline__ void warp_copy_row(int4* dst, const int4* src, int n) {
-    constexpr int kUnroll = 6;  // 6 x 16 B in flight per lane: the copy is load-latency bound
     int i = lane_id();
     for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
         int4 v[kUnroll];
@@ -231,76 +238,43 @@ __device__ __forceinline__ void warp_copy_row(int4* dst, const int4* src, int n)
     for (; i < n; i += kWarpSize) dst[i] = kSrcVolatile ? ld_ring_v4(src + i) : ld_nc_v4(src + i);
 }
 
-// Staged copy (EXPERIMENTAL, CUPY_EP_STAGED_COPY=1, not yet run on a GPU): the sender SM is bound by the bytes
-// it keeps in flight (registers cap a warp copy at 6 x 16 B per lane under 768 threads); cp.async loads go to
-// shared memory instead, two 4-KB chunks per warp in flight while the previous chunk is stored. Each lane reads
-// back only the shared slots it loaded itself, so no warp barrier is needed; a stage is reloaded only after the
-// same lane's reads of it were consumed by its stores. src must be this rank's own input (x).
-constexpr int kStageLaneInt4 = 8;
-constexpr int kStageInt4 = kStageLaneInt4 * kWarpSize;  // one chunk: 4 KB
-constexpr int kStageBytesPerWarp = 2 * kStageInt4 * 16;  // mirrors cuda_backend._STAGE_BYTES_PER_WARP
-
-__device__ __forceinline__ void stage_chunk(int4* buf, const int4* src, int n, int chunk) {
-#pragma unroll
-    for (int u = 0; u < kStageLaneInt4; ++u) {
-        const int i = chunk * kStageInt4 + u * kWarpSize + lane_id();
-        if (i < n) cp_async_16(buf + u * kWarpSize + lane_id(), src + i);
-    }
-    cp_async_commit();
-}
-
-__device__ __forceinline__ void warp_copy_row_staged(int4* dst, const int4* src, int n, int4* stage) {
-    const int chunks = (n + kStageInt4 - 1) / kStageInt4;
-    stage_chunk(stage, src, n, 0);
-    for (int c = 0; c < chunks; ++c) {
-        if (c + 1 < chunks) {
-            stage_chunk(stage + ((c + 1) & 1) * kStageInt4, src, n, c + 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        const int4* buf = stage + (c & 1) * kStageInt4;
-#pragma unroll
-        for (int u = 0; u < kStageLaneInt4; ++u) {
-            const int i = c * kStageInt4 + u * kWarpSize + lane_id();
-            if (i < n) dst[i] = buf[u * kWarpSize + lane_id()];
-        }
-    }
-}
-
-// A row of this rank's input x: staged through shared memory in the kStaged instantiations (one code path
-// per instantiation: both in one kernel would spill under the 80-register cap).
-template <bool kStaged>
-__device__ __forceinline__ void copy_input_row(int4* dst, const int4* src, int n, int4* stage) {
-    if constexpr (kStaged) {
-        warp_copy_row_staged(dst, src, n, stage);
-    } else {
-        warp_copy_row<false>(dst, src, n);
-    }
-}
-
 // ---------------------------------------------------------------------------------------------------
 // dispatch: grid 2C, Groups<R>::kThreads threads. Even block = sender of channel blockIdx/2, odd block =
 // its receiver.
-// Sender: warps grouped per destination rank. Rows for a peer go through the peer's ring (c, rank); rows
-//   for the own rank skip the ring: that group writes them straight into the outputs at their final rows
-//   (one local copy instead of x -> ring -> recv_x, and no flow control), with the same send_head values.
-// Receiver: warps grouped per source rank; it drains the rings of the other ranks only, and for the own
-//   rank just records the start offset (recv_channel_prefix_matrix).
+// Sender: every warp writes to a remote peer (RemoteGroups: the warps are spread over the R-1 peers). A
+//   sender SM's NVLink bandwidth is bound by the bytes its warps keep in flight (about 1.8 GB/s per warp,
+//   measured), so none of them is spent on the own rank's rows.
+// Receiver: warps grouped per source rank (Groups). A remote source's group drains the ring (c, source);
+//   the own rank's group copies this rank's own rows of the channel from x straight into the outputs at
+//   their final rows (one local copy instead of x -> ring -> recv_x, and no flow control), with the send_head
+//   values a ring would have given them.
 // ---------------------------------------------------------------------------------------------------
-// Receiver warp groups. Only where the own rank's warps give every remote source more warps (R <= 5) are
-// the groups regrouped over the R-1 sources; otherwise group g serves source g and the own group idles
-// (same width, and the plain mapping keeps the kernel within its 80 registers).
+// Warp groups over the R-1 remote peers. Only where that gives every peer more warps than Groups does
+// (R <= 5) are the warps regrouped; otherwise group g serves peer g and the own group idles (same width,
+// and the plain mapping keeps the kernels within their 80 registers).
 template <int kNumRanks>
-struct DispatchRecvGroups {
-    static constexpr int kRemoteRanks = kNumRanks > 1 ? kNumRanks - 1 : 1;  // R = 1: nothing to drain
+struct RemoteGroups {
+    static constexpr int kRemoteRanks = kNumRanks > 1 ? kNumRanks - 1 : 1;  // R = 1: nothing remote
     static constexpr bool kRegroup = Groups<kNumRanks>::kWarps / kRemoteRanks > Groups<kNumRanks>::kWarpsPerRank;
     static constexpr int kWarpsPerPeer = kRegroup ? Groups<kNumRanks>::kWarps / kRemoteRanks
                                                   : Groups<kNumRanks>::kWarpsPerRank;
     static constexpr int kThreadsPerPeer = kWarpsPerPeer * kWarpSize;
+    // The dispatch sender claims ring slots for a batch of windows of 32 tokens at a time, enough for about
+    // four rows per warp: one barrier per window would leave most warps waiting for the one with an extra row.
+    static constexpr int kBatchWindows = (kWarpsPerPeer * 4 + kWarpSize - 1) / kWarpSize;
+    static constexpr int kBatchTokens = kBatchWindows * kWarpSize;  // mirrors cuda_backend._dispatch_batch
+
+    // This warp's group: the peer it serves (-1: the warp idles) and its index in the group.
+    __device__ static int peer_of_warp(int rank) {
+        const int group = warp_id() / kWarpsPerPeer;
+        if (kNumRanks <= 1) return -1;
+        if (kRegroup) return group < kNumRanks - 1 ? (group >= rank ? group + 1 : group) : -1;
+        return group != rank ? group : -1;
+    }
+    __device__ static int warp_in_group() { return warp_id() % kWarpsPerPeer; }
 };
 
-template <int kNumRanks, typename IdxT, bool kStaged = false>
+template <int kNumRanks, typename IdxT>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
 dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights,
          int* recv_channel_prefix_matrix, int* send_head,
@@ -310,12 +284,11 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
          long long scale_token_stride, long long scale_hidden_stride,
          void** buffer_ptrs, int rank, int num_max_send_tokens, int num_slots, const DeviceCtx* ctx) {
     using G = Groups<kNumRanks>;
-    using RG = DispatchRecvGroups<kNumRanks>;
+    using RG = RemoteGroups<kNumRanks>;
+    constexpr int kUnroll = dispatch_copy_unroll<kNumRanks>();
     const int num_channels = gridDim.x / 2;
     const int channel = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
-    extern __shared__ int4 s_stage[];  // kStaged: kStageBytesPerWarp per warp (dynamic shared memory)
-    int4* stage = kStaged ? s_stage + warp_id() * (kStageBytesPerWarp / 16) : nullptr;
     __shared__ int s_value[kNumRanks];
     __shared__ int s_abort[kNumRanks];
     __shared__ int s_start[kNumRanks];
@@ -324,35 +297,118 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
 
     const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
     if (is_sender) {
-        const int peer = warp_id() / G::kWarpsPerRank;  // destination
+        const int peer = RG::peer_of_warp(rank);  // destination
+        if (peer >= 0) {
+            const int experts_per_rank = num_experts / kNumRanks;
+            int begin, end;
+            channel_range(num_tokens, num_channels, channel, begin, end);
+            const int warp_in_group = RG::warp_in_group();
+            const bool leader = warp_in_group == 0 && lane_id() == 0;
+            const int bar_id = 1 + peer;
+            void* dst_base = buffer_ptrs[peer];
+            int* tail_ptr = layout.tail.on(dst_base, channel, rank);
+            const int* head_ptr = layout.head.on(dst_base, channel, rank);
+            int4* ring_x = layout.x.on(dst_base, channel, rank);
+            int* ring_src = layout.src_idx.on(dst_base, channel, rank);
+            int* ring_topk = layout.topk_idx.on(dst_base, channel, rank);
+            float* ring_weights = layout.topk_weights.on(dst_base, channel, rank);
+            float* ring_scales = layout.scales.on(dst_base, channel, rank);
+
+            if (leader) {  // -v-1 so that 0 keeps meaning "not written yet"
+                const int prev = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
+                st_relaxed_sys(layout.start.on(dst_base, channel, rank), -prev - 1);
+                st_relaxed_sys(layout.end.on(dst_base, channel, rank),
+                               -channel_prefix_matrix[peer * num_channels + channel] - 1);
+            }
+            // Tokens are scanned in windows of 32: one load + ballot gives the window's selected tokens and
+            // their ring counters; the k-th selected token goes to warp (counter % warps). Every warp computes
+            // the same counters, so the group only meets to claim slots (per batch) and to publish the tail.
+            int cached_tail = 0, cached_head = 0, published = 0;  // cached_head: leader only
+            for (int b0 = begin; b0 < end; b0 += RG::kBatchTokens) {
+                if (leader) {
+                    bool ok = true;
+                    if (num_slots - (cached_tail - cached_head) < RG::kBatchTokens) {
+                        ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleSender, channel, peer},
+                                        [&] {
+                                            cached_head = ld_volatile(head_ptr);
+                                            return num_slots - (cached_tail - cached_head) >= RG::kBatchTokens;
+                                        },
+                                        [&](long long& h, long long& tl, long long& ex) {
+                                            h = cached_head; tl = cached_tail; ex = RG::kBatchTokens;
+                                        });
+                    }
+                    s_abort[peer] = !ok;
+                }
+                group_sync(bar_id, RG::kThreadsPerPeer);
+                if (s_abort[peer]) break;
+                const int b_end = min(b0 + RG::kBatchTokens, end);
+                for (int w0 = b0; w0 < b_end; w0 += kWarpSize) {
+                    const int window = (w0 - begin) / kWarpSize;
+                    const int t_lane = w0 + lane_id();
+                    const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + peer];
+                    const unsigned mask = __ballot_sync(0xffffffffu, selected);
+                    const int num_selected = __popc(mask);
+                    if (send_head != nullptr && window % RG::kWarpsPerPeer == warp_in_group && t_lane < end)
+                        send_head[(long long)t_lane * kNumRanks + peer] =
+                            selected ? cached_tail + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
+                    int j = (warp_in_group - cached_tail % RG::kWarpsPerPeer + RG::kWarpsPerPeer) % RG::kWarpsPerPeer;
+                    for (; j < num_selected; j += RG::kWarpsPerPeer) {
+                        const int t = w0 + nth_set_bit(mask, j);
+                        const int slot = (cached_tail + j) % num_slots;
+                        warp_copy_row<false, kUnroll>(ring_x + (long long)slot * hidden_int4,
+                                                      x + (long long)t * hidden_int4, hidden_int4);
+                        if (lane_id() == 0) ring_src[slot] = t;
+                        if (topk_idx != nullptr) {
+                            for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+                                const long long e = (long long)topk_idx[(long long)t * num_topk + k];
+                                const long long local = e - (long long)peer * experts_per_rank;
+                                const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
+                                ring_topk[slot * num_topk + k] = owned ? (int)local : -1;
+                                ring_weights[slot * num_topk + k] =
+                                    owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
+                            }
+                        }
+                        for (int i = lane_id(); i < num_scales; i += kWarpSize)
+                            ring_scales[slot * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
+                    }
+                    cached_tail += num_selected;
+                }
+                // Publish once a chunk has accumulated (and at the end): all warps of the group wrote their rows.
+                if (cached_tail - published >= num_max_send_tokens || b_end >= end) {
+                    group_sync(bar_id, RG::kThreadsPerPeer);
+                    if (leader) st_release_sys(tail_ptr, cached_tail);
+                    published = cached_tail;
+                }
+            }
+        }
+    } else {
+        const int peer = warp_id() / G::kWarpsPerRank;  // source
         const int warp_in_group = warp_id() % G::kWarpsPerRank;
-        const bool leader = warp_in_group == 0 && lane_id() == 0;
-        const int bar_id = 1 + peer;
-        const int experts_per_rank = num_experts / kNumRanks;
-        int begin, end;
-        channel_range(num_tokens, num_channels, channel, begin, end);
-        // Tokens are scanned in windows of 32: one coalesced load + ballot gives the window's selected
-        // tokens and their ring counters; the k-th selected token goes to warp (counter % warps).
         if (peer == rank) {
+            const int experts_per_rank = num_experts / kNumRanks;
+            int begin, end;
+            channel_range(num_tokens, num_channels, channel, begin, end);
             // Own rank: no ring, so no waits and no barriers; every warp counts the selected tokens itself
             // (the counter is the row offset, and the ring counter send_head records, as for any peer).
             // First output row of this channel's own tokens: what the receiver of a ring computes from the
             // start offset its sender publishes (rank_prefix_matrix of the source + channel_prefix_matrix).
-            const int row_begin = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) +
-                                  (channel > 0 ? channel_prefix_matrix[rank * num_channels + channel - 1] : 0);
+            const int channel_start = channel > 0 ? channel_prefix_matrix[rank * num_channels + channel - 1] : 0;
+            if (threadIdx.x % G::kThreadsPerRank == 0 && recv_channel_prefix_matrix != nullptr)
+                recv_channel_prefix_matrix[rank * num_channels + channel] = channel_start;
+            const int row_begin = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) + channel_start;
             int count = 0;
             for (int w0 = begin, window = 0; w0 < end; w0 += kWarpSize, ++window) {
                 const int t_lane = w0 + lane_id();
-                const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + peer];
+                const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + rank];
                 const unsigned mask = __ballot_sync(0xffffffffu, selected);
                 if (send_head != nullptr && window % G::kWarpsPerRank == warp_in_group && t_lane < end)
-                    send_head[(long long)t_lane * kNumRanks + peer] =
+                    send_head[(long long)t_lane * kNumRanks + rank] =
                         selected ? count + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
                 int j = (warp_in_group - count % G::kWarpsPerRank + G::kWarpsPerRank) % G::kWarpsPerRank;
                 for (; j < __popc(mask); j += G::kWarpsPerRank) {
                     const int t = w0 + nth_set_bit(mask, j);
                     const long long out = row_begin + count + j;
-                    copy_input_row<kStaged>(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, hidden_int4, stage);
+                    warp_copy_row<false, kUnroll>(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, hidden_int4);
                     if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = t;
                     if (recv_topk_idx != nullptr) {
                         for (int k = lane_id(); k < num_topk; k += kWarpSize) {
@@ -369,85 +425,7 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                 }
                 count += __popc(mask);
             }
-        } else {
-            void* dst_base = buffer_ptrs[peer];
-            int* tail_ptr = layout.tail.on(dst_base, channel, rank);
-            const int* head_ptr = layout.head.on(dst_base, channel, rank);
-            int4* ring_x = layout.x.on(dst_base, channel, rank);
-            int* ring_src = layout.src_idx.on(dst_base, channel, rank);
-            int* ring_topk = layout.topk_idx.on(dst_base, channel, rank);
-            float* ring_weights = layout.topk_weights.on(dst_base, channel, rank);
-            float* ring_scales = layout.scales.on(dst_base, channel, rank);
-
-            if (leader) {  // -v-1 so that 0 keeps meaning "not written yet"
-                const int prev = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
-                st_relaxed_sys(layout.start.on(dst_base, channel, rank), -prev - 1);
-                st_relaxed_sys(layout.end.on(dst_base, channel, rank),
-                               -channel_prefix_matrix[peer * num_channels + channel] - 1);
-            }
-            int cached_tail = 0, cached_head = 0, published = 0;  // cached_head: leader only
-            for (int w0 = begin, window = 0; w0 < end; w0 += kWarpSize, ++window) {
-                if (leader) {
-                    bool ok = true;
-                    if (num_slots - (cached_tail - cached_head) < kWarpSize) {
-                        ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleSender, channel, peer},
-                                        [&] {
-                                            cached_head = ld_volatile(head_ptr);
-                                            return num_slots - (cached_tail - cached_head) >= kWarpSize;
-                                        },
-                                        [&](long long& h, long long& tl, long long& ex) {
-                                            h = cached_head; tl = cached_tail; ex = kWarpSize;
-                                        });
-                    }
-                    s_abort[peer] = !ok;
-                }
-                group_sync(bar_id, G::kThreadsPerRank);
-                if (s_abort[peer]) break;
-                const int t_lane = w0 + lane_id();
-                const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + peer];
-                const unsigned mask = __ballot_sync(0xffffffffu, selected);
-                const int num_selected = __popc(mask);
-                if (send_head != nullptr && window % G::kWarpsPerRank == warp_in_group && t_lane < end)
-                    send_head[(long long)t_lane * kNumRanks + peer] =
-                        selected ? cached_tail + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
-                int j = (warp_in_group - cached_tail % G::kWarpsPerRank + G::kWarpsPerRank) % G::kWarpsPerRank;
-                for (; j < num_selected; j += G::kWarpsPerRank) {
-                    const int t = w0 + nth_set_bit(mask, j);
-                    const int slot = (cached_tail + j) % num_slots;
-                    copy_input_row<kStaged>(ring_x + (long long)slot * hidden_int4, x + (long long)t * hidden_int4,
-                                   hidden_int4, stage);
-                    if (lane_id() == 0) ring_src[slot] = t;
-                    if (topk_idx != nullptr) {
-                        for (int k = lane_id(); k < num_topk; k += kWarpSize) {
-                            const long long e = (long long)topk_idx[(long long)t * num_topk + k];
-                            const long long local = e - (long long)peer * experts_per_rank;
-                            const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
-                            ring_topk[slot * num_topk + k] = owned ? (int)local : -1;
-                            ring_weights[slot * num_topk + k] =
-                                owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
-                        }
-                    }
-                    for (int i = lane_id(); i < num_scales; i += kWarpSize)
-                        ring_scales[slot * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
-                }
-                cached_tail += num_selected;
-                // Publish once a chunk has accumulated (and at the end): all warps of the group wrote their rows.
-                if (cached_tail - published >= num_max_send_tokens || w0 + kWarpSize >= end) {
-                    group_sync(bar_id, G::kThreadsPerRank);
-                    if (leader) st_release_sys(tail_ptr, cached_tail);
-                    published = cached_tail;
-                }
-            }
-        }
-    } else {
-        // The own rank's rows were written by the sender block; only its start offset is recorded here.
-        if (threadIdx.x == 0 && recv_channel_prefix_matrix != nullptr)
-            recv_channel_prefix_matrix[rank * num_channels + channel] =
-                channel > 0 ? channel_prefix_matrix[rank * num_channels + channel - 1] : 0;
-        const int group = warp_id() / RG::kWarpsPerPeer;
-        const int peer = RG::kRegroup && group >= rank ? group + 1 : group;  // source
-        if (kNumRanks > 1 && (RG::kRegroup ? group < kNumRanks - 1 : group != rank)) {  // else: it idles
-            const int warp_in_group = warp_id() % RG::kWarpsPerPeer;
+        } else if (peer < kNumRanks) {
             const bool leader = warp_in_group == 0 && lane_id() == 0;
             const int bar_id = 1 + peer;
             void* mine = buffer_ptrs[rank];
@@ -478,11 +456,11 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                 if (ok && recv_channel_prefix_matrix != nullptr)
                     recv_channel_prefix_matrix[peer * num_channels + channel] = -start - 1;
             }
-            group_sync(bar_id, RG::kThreadsPerPeer);
+            group_sync(bar_id, G::kThreadsPerRank);
             const bool aborted = s_abort[peer];
             const int num_to_recv = s_count[peer];
             int row = (peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + rank] : 0) + s_start[peer];
-            group_sync(bar_id, RG::kThreadsPerPeer);  // everyone has read s_abort before the leader reuses it
+            group_sync(bar_id, G::kThreadsPerRank);  // everyone has read s_abort before the leader reuses it
             if (!aborted) {
                 int cached_head = 0;
                 while (cached_head < num_to_recv) {
@@ -496,14 +474,14 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                         s_abort[peer] = !ok;
                         s_value[peer] = tail;
                     }
-                    group_sync(bar_id, RG::kThreadsPerPeer);
+                    group_sync(bar_id, G::kThreadsPerRank);
                     if (s_abort[peer]) break;
                     const int tail = s_value[peer];
-                    for (int i = warp_in_group; i < tail - cached_head; i += RG::kWarpsPerPeer) {
+                    for (int i = warp_in_group; i < tail - cached_head; i += G::kWarpsPerRank) {
                         const int slot = (cached_head + i) % num_slots;
                         const long long out = row + i;
-                        warp_copy_row<true>(recv_x + out * hidden_int4, ring_x + (long long)slot * hidden_int4,
-                                            hidden_int4);
+                        warp_copy_row<true, kUnroll>(recv_x + out * hidden_int4, ring_x + (long long)slot * hidden_int4,
+                                                     hidden_int4);
                         if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = ld_volatile(&ring_src[slot]);
                         if (recv_topk_idx != nullptr) {
                             for (int k = lane_id(); k < num_topk; k += kWarpSize) {
@@ -516,7 +494,7 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                     }
                     row += tail - cached_head;
                     cached_head = tail;
-                    group_sync(bar_id, RG::kThreadsPerPeer);  // all reads of the slots are done
+                    group_sync(bar_id, G::kThreadsPerRank);  // all reads of the slots are done
                     if (leader) st_release_sys(head_ptr, cached_head);
                 }
             }
@@ -533,11 +511,13 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
 }
 
 // ---------------------------------------------------------------------------------------------------
-// combine: grid 2C, Groups<R>::kThreads threads. Even block c = sender: for every token owner `peer`,
-// the rows of x that came from peer in channel c go, in order, into peer's ring (c, rank); their ring
-// counters are exactly the owner's send_head values. Odd block c = receiver on the owner: batches of
-// tokens of channel c; wait until every ring holds the batch's rows, reduce in fp32 (0 + bias0 + bias1 +
-// contributions in ascending rank order: deterministic), round once to bf16, release the slots.
+// combine: grid 2C, Groups<R>::kThreads threads. Even block c = sender: for every remote token owner
+// `peer` (RemoteGroups: all warps write across NVLink), the rows of x that came from peer in channel c go,
+// in order, into peer's ring (c, rank); their ring counters are exactly the owner's send_head values.
+// Odd block c = receiver on the owner: batches of tokens of channel c; wait until every remote ring holds
+// the batch's rows, reduce in fp32 (0 + bias0 + bias1 + contributions in ascending rank order:
+// deterministic), round once to bf16, release the slots. The own rank's contributions are read straight
+// from x: ring counter h of channel c is row (own block start + recv_channel_prefix_matrix[rank][c] + h).
 // ---------------------------------------------------------------------------------------------------
 constexpr int kCombineTokensPerWarp = 2;
 
@@ -559,8 +539,10 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
     if (block_aborted(ctx)) return;
 
     if (is_sender) {
-        const int peer = warp_id() / G::kWarpsPerRank;
-        const int warp_in_group = warp_id() % G::kWarpsPerRank;
+        using RG = RemoteGroups<kNumRanks>;
+        const int peer = RG::peer_of_warp(rank);
+        if (peer < 0) return;  // an idle warp (plain mapping, own group): no block-wide barrier follows
+        const int warp_in_group = RG::warp_in_group();
         const bool leader = warp_in_group == 0 && lane_id() == 0;
         const int bar_id = 1 + peer;
         void* dst_base = buffer_ptrs[peer];
@@ -591,9 +573,9 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
                 }
                 s_abort[peer] = !ok;
             }
-            group_sync(bar_id, G::kThreadsPerRank);
+            group_sync(bar_id, RG::kThreadsPerPeer);
             if (s_abort[peer]) break;
-            for (int i = warp_in_group; i < n; i += G::kWarpsPerRank) {
+            for (int i = warp_in_group; i < n; i += RG::kWarpsPerPeer) {
                 const int slot = (cached_tail + i) % num_slots;
                 warp_copy_row<false>(ring_x + (long long)slot * hidden_int4, x + (long long)(row + i) * hidden_int4,
                                      hidden_int4);
@@ -603,13 +585,15 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
             }
             cached_tail += n;
             row += n;
-            group_sync(bar_id, G::kThreadsPerRank);
+            group_sync(bar_id, RG::kThreadsPerPeer);
             if (leader) st_release_sys(tail_ptr, cached_tail);
         }
     } else {
         void* mine = buffer_ptrs[rank];
         int begin, end;
         channel_range(num_tokens, num_channels, channel, begin, end);
+        const int own_row_begin = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) +
+                                  recv_channel_prefix_matrix[rank * num_channels + channel];
         const int batch = G::kWarps * kCombineTokensPerWarp;
         int released = 0;  // thread r < R: slots of ring r already handed back
         for (int b = begin; b < end; b += batch) {
@@ -618,8 +602,9 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
             bool ok = true;
             if (threadIdx.x < kNumRanks) {
                 const int r = threadIdx.x;
-                int need = 0;
-                for (int t = b; t < b_end; ++t) need = max(need, send_head[(long long)t * kNumRanks + r] + 1);
+                int need = 0;  // the own rank's rows are in x: nothing to wait for
+                for (int t = b; t < b_end && r != rank; ++t)
+                    need = max(need, send_head[(long long)t * kNumRanks + r] + 1);
                 s_need[r] = need;
                 if (need > 0) {
                     const int* tail_ptr = layout.tail.on(mine, channel, r);
@@ -633,12 +618,12 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
             }
             if (!__syncthreads_and(ok)) break;
             for (int t = b + warp_id(); t < b_end; t += G::kWarps) {
-                // This token's slot in every source ring (-1: not sent there), kept in shared memory to
-                // leave the registers to the loads in flight.
+                // This token's row in every source: a ring slot, or for the own rank a row of x (-1: not sent
+                // there); kept in shared memory to leave the registers to the loads in flight.
                 volatile int* slot = s_slot[warp_id()];
                 if (lane_id() < kNumRanks) {
                     const int h = send_head[(long long)t * kNumRanks + lane_id()];
-                    slot[lane_id()] = h >= 0 ? h % num_slots : -1;
+                    slot[lane_id()] = h < 0 ? -1 : lane_id() == rank ? own_row_begin + h : h % num_slots;
                 }
                 __syncwarp();
                 int4* out = combined_x + (long long)t * hidden_int4;
@@ -667,7 +652,8 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
                             for (int q = 0; q < kRankBatch; ++q) {
                                 const int r = r0 + q;
                                 if (i < hidden_int4 && r < kNumRanks && slot[r] >= 0)
-                                    v[u][q] = ld_ring_v4(layout.x.on(mine, channel, r) + (long long)slot[r] * hidden_int4 + i);
+                                    v[u][q] = ld_ring_v4((r == rank ? x : layout.x.on(mine, channel, r)) +
+                                                         (long long)slot[r] * hidden_int4 + i);
                             }
                         }
 #pragma unroll
@@ -691,7 +677,8 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
 #pragma unroll
                         for (int r = 0; r < kNumRanks; ++r) {
                             if (slot[r] < 0) continue;
-                            w += ld_volatile(layout.topk_weights.on(mine, channel, r) + slot[r] * num_topk + k);
+                            w += r == rank ? topk_weights[(long long)slot[r] * num_topk + k]
+                                           : ld_volatile(layout.topk_weights.on(mine, channel, r) + slot[r] * num_topk + k);
                         }
                         combined_topk_weights[(long long)t * num_topk + k] = w;
                     }

@@ -2,16 +2,19 @@
 //   num_tokens_per_rank [R], num_tokens_per_rdma_rank [R / ranks_per_node] (optional),
 //   num_tokens_per_expert [E] (a duplicated expert counts twice), is_token_in_rank [T, R] bool.
 //
-// One launch: every block histograms its slice of tokens in shared memory and writes a partial row
-// into the workspace; the last block to finish (ticket counter) sums the partial rows. No output needs
-// zeroing beforehand, so the whole call is one kernel.
+// One launch. A token's K choices sit in K adjacent lanes of a warp (a lane group of G = the next power of
+// two >= K lanes, so one warp pass covers 32 / G tokens with one coalesced load); __match_any_sync finds the
+// first lane of each (token, rank) and (token, node), which counts it. Every block histograms in shared
+// memory and adds its non-zero counts into an accumulator in the workspace (L2 atomics); the last block to
+// finish (ticket counter) copies the accumulator to the outputs and zeroes it for the next call. No output
+// needs zeroing beforehand.
 #include "common.cuh"
 
 namespace ep {
 
-constexpr int kLayoutThreads = 128;
+constexpr int kLayoutThreads = 256;  // mirrors cuda_backend._LAYOUT_THREADS
 
-// workspace: [0] ticket (kept 0 between calls), then partial rows [gridDim.x][num_columns] at +32 ints.
+// workspace: [0] ticket, then the accumulator [num_columns] at +32 ints; both 0 between calls.
 template <typename IdxT>
 __global__ void __launch_bounds__(kLayoutThreads) get_dispatch_layout(
     const IdxT* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int ranks_per_node,
@@ -28,37 +31,40 @@ __global__ void __launch_bounds__(kLayoutThreads) get_dispatch_layout(
     for (int i = threadIdx.x; i < num_columns; i += blockDim.x) s_hist[i] = 0;
     __syncthreads();
 
-    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < num_tokens; t += gridDim.x * blockDim.x) {
-        const IdxT* idx = topk_idx + (long long)t * num_topk;
+    int group = 1;
+    while (group < num_topk) group <<= 1;
+    const int tokens_per_pass = kWarpSize / group;
+    const int sub = lane_id() / group, k = lane_id() % group;
+    const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
+    for (int t0 = (blockIdx.x * (blockDim.x / kWarpSize) + warp_id()) * tokens_per_pass; t0 < num_tokens;
+         t0 += num_warps * tokens_per_pass) {
+        const int t = t0 + sub;
+        const long long e = t < num_tokens && k < num_topk ? (long long)topk_idx[(long long)t * num_topk + k] : -1;
+        const bool valid = e >= 0 && e < num_experts;
+        const int r = valid ? (int)e / experts_per_rank : 0;
         bool* row = is_token_in_rank + (long long)t * num_ranks;
-        for (int r = 0; r < num_ranks; ++r) row[r] = false;
-        for (int k = 0; k < num_topk; ++k) {
-            const long long e = (long long)idx[k];
-            if (e < 0 || e >= num_experts) continue;
-            atomicAdd(&s_expert[e], 1);
-            // Count the rank (and node) only at its first occurrence in the row: O(K^2), no local arrays.
-            const int r = (int)(e / experts_per_rank);
-            bool first_rank = true, first_node = true;
-            for (int j = 0; j < k; ++j) {
-                const long long f = (long long)idx[j];
-                if (f < 0 || f >= num_experts) continue;
-                const int rf = (int)(f / experts_per_rank);
-                first_rank &= rf != r;
-                if (num_nodes > 0) first_node &= rf / ranks_per_node != r / ranks_per_node;
-            }
-            if (first_rank) {
-                row[r] = true;
-                atomicAdd(&s_rank[r], 1);
-            }
-            if (num_nodes > 0 && first_node) atomicAdd(&s_node[r / ranks_per_node], 1);
+        if (t < num_tokens)
+            for (int j = k; j < num_ranks; j += group) row[j] = false;
+        __syncwarp();  // the group's zeros land before its trues
+        if (valid) atomicAdd(&s_expert[(int)e], 1);
+        // Keys unique per (token of the pass, rank); lanes without an expert get unique negative keys.
+        const unsigned same_rank = __match_any_sync(0xffffffffu, valid ? (sub << 24) | r : -1 - lane_id());
+        if (valid && nth_set_bit(same_rank, 0) == lane_id()) {
+            row[r] = true;
+            atomicAdd(&s_rank[r], 1);
+        }
+        if (num_nodes > 0) {
+            const int node = r / ranks_per_node;
+            const unsigned same_node = __match_any_sync(0xffffffffu, valid ? (sub << 24) | node : -1 - lane_id());
+            if (valid && nth_set_bit(same_node, 0) == lane_id()) atomicAdd(&s_node[node], 1);
         }
     }
     __syncthreads();
 
-    // Partial row of this block, then take a ticket; the last block reduces.
-    int* partials = workspace + 32;
+    // Add this block's counts into the accumulator, then take a ticket; the last block publishes.
+    int* accumulator = workspace + 32;
     for (int i = threadIdx.x; i < num_columns; i += blockDim.x)
-        partials[(long long)blockIdx.x * num_columns + i] = s_hist[i];
+        if (s_hist[i] != 0) atomicAdd(&accumulator[i], s_hist[i]);
     __threadfence();
     __shared__ int s_is_last;
     __syncthreads();
@@ -67,15 +73,13 @@ __global__ void __launch_bounds__(kLayoutThreads) get_dispatch_layout(
     if (!s_is_last) return;
     __threadfence();
     for (int i = threadIdx.x; i < num_columns; i += blockDim.x) {
-        // L2 loads (this SM never cached these lines), unrolled so that many are in flight.
-        int sum = 0;
-#pragma unroll 8
-        for (int b = 0; b < (int)gridDim.x; ++b) sum += __ldcg(&partials[(long long)b * num_columns + i]);
+        const int sum = __ldcg(&accumulator[i]);  // L2, where the atomics were performed
+        accumulator[i] = 0;                       // ready for the next call (stream order)
         if (i < num_experts) num_tokens_per_expert[i] = sum;
         else if (i < num_experts + num_ranks) num_tokens_per_rank[i - num_experts] = sum;
         else num_tokens_per_rdma_rank[i - num_experts - num_ranks] = sum;
     }
-    if (threadIdx.x == 0) workspace[0] = 0;  // ready for the next call (stream order)
+    if (threadIdx.x == 0) workspace[0] = 0;
 }
 
 }  // namespace ep

@@ -24,7 +24,7 @@ ALIGN = 128
 SIGNAL_BYTES = 128
 CALL_WORDS = 8  # mirrors kCallWords in buffer.cuh (the call-agreement check of the notify kernels)
 NOTIFY_BYTES = (MAX_NVL_RANKS * MAX_NVL_RANKS + MAX_NVL_RANKS * MAX_LOCAL_EXPERTS + MAX_NVL_RANKS * CALL_WORDS) * 4
-WORKSPACE_BYTES = 32 << 20
+WORKSPACE_BYTES = 1 << 20     # get_dispatch_layout: ticket + one accumulator int per expert, rank and node column
 
 
 def align_up(value: int, alignment: int = ALIGN) -> int:
@@ -126,9 +126,11 @@ class Config:
         return internode_buffer_bytes(num_ranks // MAX_NVL_RANKS, MAX_NVL_RANKS, hidden_bytes, self)[1]
 
 
-# DeepEP's defaults (research/deepep.md §1.3): (nvl_send, nvl_recv, rdma_send, rdma_recv)
+# (nvl_send, nvl_recv, rdma_send, rdma_recv). Dispatch: DeepEP's defaults (research/deepep.md §1.3).
+# Combine: a sender copies nvl_send rows per step with all its warps for that peer (24, 8 and 3 at R = 2, 4, 8:
+# cuda_backend._remote_warps), so the chunk is a multiple of them (DeepEP's 10 / 9 / 4 left warps idle).
 _DEFAULT_DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128)}
-_DEFAULT_COMBINE = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128)}
+_DEFAULT_COMBINE = {2: (48, 256, 6, 128), 4: (24, 256, 6, 128), 8: (6, 256, 6, 128)}
 # Internode (more than one node): DeepEP's table for 8 GPUs per node, 16..160 ranks.
 _DEFAULT_INTERNODE_DISPATCH = {16: (36, 288, 20, 128), 24: (32, 288, 8, 128), 32: (32, 288, 8, 128),
                                48: (32, 288, 8, 128), 64: (32, 288, 8, 128), 96: (20, 480, 12, 128),

@@ -40,21 +40,25 @@ _RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), (
 # Mirror of DeviceCtx (u64 timeout_ns, TimeoutRecord*, int* abort_flag, int rank, int num_ranks).
 _CTX_DTYPE = np.dtype([("timeout_ns", "<u8"), ("record", "<u8"), ("abort_flag", "<u8"),
                        ("rank", "<i4"), ("num_ranks", "<i4")])
-_LAYOUT_THREADS = 128
+_LAYOUT_THREADS = 256  # mirrors kLayoutThreads in layout.cu
 _NOTIFY_THREADS = 128
 _COMBINE_TOKENS_PER_WARP = 2  # mirrors kCombineTokensPerWarp in intranode.cu
-_STAGE_BYTES_PER_WARP = 2 * 8 * 32 * 16  # mirrors kStageBytesPerWarp in intranode.cu (two 4-KB chunks)
-
-
-def _staged_copy() -> bool:
-    """EXPERIMENTAL (CUPY_EP_STAGED_COPY=1, not yet run on a GPU): dispatch senders copy their input rows
-    through shared memory with cp.async (more bytes in flight per SM than register-held warp copies)."""
-    return os.environ.get("CUPY_EP_STAGED_COPY", "0") not in ("", "0")
 
 
 def _warps(num_ranks: int) -> int:
     """Warps of a dispatch/combine block (mirrors Groups<kNumRanks> in intranode.cu)."""
     return (24 // num_ranks) * num_ranks
+
+
+def _remote_warps(num_ranks: int) -> int:
+    """Sender warps per remote peer (mirrors RemoteGroups<kNumRanks>::kWarpsPerPeer in intranode.cu)."""
+    per_rank, remote = 24 // num_ranks, max(num_ranks - 1, 1)
+    return max(_warps(num_ranks) // remote, per_rank)
+
+
+def _dispatch_batch(num_ranks: int) -> int:
+    """Ring slots a dispatch sender claims at once (mirrors RemoteGroups<kNumRanks>::kBatchTokens)."""
+    return -(-_remote_warps(num_ranks) * 4 // 32) * 32
 
 
 def _capturing() -> bool:
@@ -307,7 +311,9 @@ class CudaBuffer(Buffer):
                 per_rdma = (cupy.empty(self.topology.num_nodes, dtype=cupy.int32) if self._internode is not None
                             else None)
             columns = num_experts + self.num_ranks + (self.topology.num_nodes if per_rdma is not None else 0)
-            grid = max(1, min(-(-num_tokens // _LAYOUT_THREADS), 2 * self.num_device_sms))
+            # one warp pass covers 32 / G tokens, G = the next power of two >= K (layout.cu)
+            tokens_per_block = (_LAYOUT_THREADS // 32) * (32 // (1 << max(num_topk - 1, 0).bit_length()))
+            grid = max(1, min(-(-num_tokens // tokens_per_block), 2 * self.num_device_sms))
             ctype = "long long" if idx_name == "int64" else "int"
             self._launch("layout.cu", f"ep::get_dispatch_layout<{ctype}>", grid, _LAYOUT_THREADS,
                          (raw_idx, np.int32(num_tokens), np.int32(num_topk), np.int32(num_experts),
@@ -398,6 +404,10 @@ class CudaBuffer(Buffer):
                 num_worst_tokens, R, T, self.device_id, self.check_values and not _capturing())
         S = info.num_scales
         hidden_int4 = info.hidden_bytes // 16
+        if cfg.num_max_nvl_chunked_recv_tokens < _dispatch_batch(R):
+            raise ValueError(f"config: dispatch at {R} ranks needs num_max_nvl_chunked_recv_tokens >= "
+                             f"{_dispatch_batch(R)} (the slots a sender claims at once), got "
+                             f"{cfg.num_max_nvl_chunked_recv_tokens}")
         self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.dispatch_channel_bytes(
             C, R, cfg.num_max_nvl_chunked_recv_tokens, info.hidden_bytes, max(num_topk, 1), S), "dispatch")
 
@@ -450,16 +460,14 @@ class CudaBuffer(Buffer):
             ctype = "long long" if idx_name == "int64" else "int"
             stride_t, stride_h = interop.scale_strides(raw_scales)
             threads = _warps(R) * 32
-            stage_bytes = _warps(R) * _STAGE_BYTES_PER_WARP if _staged_copy() else 0
             self._launch(
-                "intranode.cu", f"ep::dispatch<{R}, {ctype}{', true' if stage_bytes else ''}>", 2 * C, threads,
+                "intranode.cu", f"ep::dispatch<{R}, {ctype}>", 2 * C, threads,
                 (recv_x, recv_scales, None if cached else src_idx, recv_idx, recv_w, None if cached else rcpm,
                  None if cached else send_head, raw_x, raw_scales, raw_idx, raw_w, in_rank,
                  cpm, rpm, np.int32(T), np.int32(num_worst_tokens), np.int32(hidden_int4),
                  np.int32(num_topk), np.int32(num_experts), np.int32(S), np.int64(stride_t), np.int64(stride_h),
                  self._nvl.ptr_table, np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_send_tokens),
-                 np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx),
-                shared_mem=stage_bytes)
+                 np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx))
             keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, rpm, cpm, rcpm,
                     src_idx, send_head, in_rank)
             event = self._finish(compute, async_finish, keep)

@@ -35,7 +35,7 @@ def main(argv=None):
     p.add_argument("--sms", type=ints, default=list(range(8, 49, 8)))
     p.add_argument("--max-sms", type=int, default=24, help="the chosen config uses at most this many SMs")
     p.add_argument("--dispatch-chunks", type=ints, default=[8, 16, 24, 32, 48])
-    p.add_argument("--combine-chunks", type=ints, default=[4, 8, 12, 16, 24])
+    p.add_argument("--combine-chunks", type=ints, default=[12, 24, 48, 72, 96])
     p.add_argument("--slots", type=ints, default=[256, 512])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None, help="JSON to write (default: config.tuned_config_path())")

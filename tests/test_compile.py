@@ -13,9 +13,7 @@ def intranode_names():
         names += [f"ep::barrier<{r}>", f"ep::notify_dispatch<{r}>", f"ep::cached_notify_dispatch<{r}>",
                   f"ep::cached_notify_combine<{r}>", f"ep::combine<{r}>",
                   f"ep::dispatch<{r}, long long>", f"ep::dispatch<{r}, int>"]
-    # EXPERIMENTAL staged-copy dispatch (CUPY_EP_STAGED_COPY=1): spill-free at EP2; at EP4/EP8 it spills a few
-    # bytes under the 80-register cap, so only EP2 is held to the no-spill rule here
-    return names + ["ep::dispatch<2, long long, true>", "ep::dispatch<2, int, true>"]
+    return names
 
 
 # Internode: instantiated on demand for any (nodes, GPUs per node); compile a representative set: every GPU

@@ -56,12 +56,12 @@ def test_config_edge_values_accepted():
 
 # ---- default tables ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("num_ranks, dispatch, combine", [
-    (2, (24, 256, 6, 128), (10, 256, 6, 128)),
-    (4, (6, 256, 6, 128), (9, 256, 6, 128)),
-    (8, (6, 256, 6, 128), (4, 256, 6, 128)),
-    (3, (6, 256, 6, 128), (9, 256, 6, 128)),      # odd counts take the next tabulated one
-    (5, (6, 256, 6, 128), (4, 256, 6, 128)),
-    (7, (6, 256, 6, 128), (4, 256, 6, 128)),
+    (2, (24, 256, 6, 128), (48, 256, 6, 128)),
+    (4, (6, 256, 6, 128), (24, 256, 6, 128)),
+    (8, (6, 256, 6, 128), (6, 256, 6, 128)),
+    (3, (6, 256, 6, 128), (24, 256, 6, 128)),     # odd counts take the next tabulated one
+    (5, (6, 256, 6, 128), (6, 256, 6, 128)),
+    (7, (6, 256, 6, 128), (6, 256, 6, 128)),
 ])
 def test_default_tables(num_ranks, dispatch, combine, no_tuned_file):
     assert dataclasses.astuple(cfg.get_dispatch_config(num_ranks, 24)) == (24,) + dispatch

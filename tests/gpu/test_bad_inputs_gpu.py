@@ -78,6 +78,9 @@ CASES = {
     "dispatch/config-dict": (lambda c: c.buf.dispatch(c.x, **c.layout, **c.topk, config={"num_sms": 20}), "config:"),
     "dispatch/config-too-many-sms": (lambda c: c.buf.dispatch(c.x, **c.layout, **c.topk, config=Config(num_sms=264)),
                                      "config:"),
+    "dispatch/config-ring-below-sender-batch": (lambda c: c.buf.dispatch(
+        c.x, **c.layout, **c.topk, config=Config(num_sms=24, num_max_nvl_chunked_send_tokens=6,
+                                                 num_max_nvl_chunked_recv_tokens=16)), "config:"),
     "dispatch/num_nvl_bytes-too-small": (lambda c: c.buf.dispatch(
         c.x, **c.layout, **c.topk, config=Config(num_sms=24, num_max_nvl_chunked_recv_tokens=1 << 16)),
         "num_nvl_bytes:"),
