@@ -173,6 +173,84 @@ __device__ __forceinline__ bool wait_until(const DeviceCtx* ctx, WaitSite site, 
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Bulk copies (TMA, sm_90): one thread moves a whole chunk global -> shared -> global without registers, so a
+// warp keeps kTmaChunkBytes in flight instead of the 3 KB a register copy can. Loads complete on an
+// mbarrier (expect_tx), stores are tracked by bulk groups. Addresses and sizes must be multiples of 16.
+// The async proxy reads global memory: data published to this thread through the generic proxy (a ring
+// filled by a peer, seen through an acquire) needs fence_proxy_async() before the bulk load reads it.
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_expect_tx(unsigned long long* bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, int phase) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(smem_addr(bar)), "r"(phase) : "memory");
+}
+__device__ __forceinline__ void tma_load(void* smem, const void* gmem, int bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(smem)), "l"(gmem), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void tma_store(void* gmem, const void* smem, int bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 ::"l"(gmem), "r"(smem_addr(smem)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// The shared source of every committed store has been read (the buffer may be refilled).
+__device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Every committed store is complete (written to global memory).
+__device__ __forceinline__ void tma_store_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+constexpr int kTmaChunkBytes = 8192;  // per warp (dynamic shared memory); mirrors cuda_backend._TMA_BYTES_PER_WARP
+
+// One warp's bulk copier: lane 0 drives it, the other lanes are free for the row's small fields.
+struct TmaCopier {
+    void* buf;                  // kTmaChunkBytes of shared memory, this warp's own
+    unsigned long long* bar;    // this warp's mbarrier
+    int phase;
+
+    // Call with the whole warp once, before the first copy.
+    __device__ void init(void* buffer, unsigned long long* barrier) {
+        buf = buffer;
+        bar = barrier;
+        phase = 0;
+        if (lane_id_() == 0) mbarrier_init(bar, 1);
+        __syncwarp();
+    }
+    // Lane 0 only: copy `bytes` from src to dst through the buffer, one chunk at a time (the previous chunk's
+    // store must have read the buffer before the next load overwrites it).
+    __device__ void copy(void* dst, const void* src, long long bytes) {
+        for (long long off = 0; off < bytes; off += kTmaChunkBytes) {
+            const int n = (int)min((long long)kTmaChunkBytes, bytes - off);
+            tma_store_wait_read();
+            mbarrier_expect_tx(bar, n);
+            tma_load(buf, static_cast<const char*>(src) + off, n, bar);
+            mbarrier_wait(bar, phase);
+            phase ^= 1;
+            tma_store(static_cast<char*>(dst) + off, buf, n);
+        }
+    }
+    // Lane 0 only: every store issued so far is in global memory.
+    __device__ void finish() { tma_store_wait(); }
+
+   private:
+    __device__ static int lane_id_() { return threadIdx.x % 32; }
+};
+
+// ---------------------------------------------------------------------------------------------------
 // Warp helpers
 // ---------------------------------------------------------------------------------------------------
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }

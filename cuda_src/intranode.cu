@@ -293,9 +293,12 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
     __shared__ int s_abort[kNumRanks];
     __shared__ int s_start[kNumRanks];
     __shared__ int s_count[kNumRanks];
+    __shared__ unsigned long long s_tma_bar[G::kWarps];
+    extern __shared__ __align__(128) unsigned char s_tma_buf[];  // receiver: kTmaChunkBytes per warp
     if (block_aborted(ctx)) return;
 
     const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
+    const long long row_bytes = (long long)hidden_int4 * 16;
     if (is_sender) {
         const int peer = RG::peer_of_warp(rank);  // destination
         if (peer >= 0) {
@@ -382,8 +385,11 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
             }
         }
     } else {
+        // The receiver's copies are local (HBM to HBM): bulk copies keep 8 KB per warp in flight.
         const int peer = warp_id() / G::kWarpsPerRank;  // source
         const int warp_in_group = warp_id() % G::kWarpsPerRank;
+        TmaCopier tma;
+        tma.init(s_tma_buf + warp_id() * kTmaChunkBytes, &s_tma_bar[warp_id()]);
         if (peer == rank) {
             const int experts_per_rank = num_experts / kNumRanks;
             int begin, end;
@@ -408,7 +414,7 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                 for (; j < __popc(mask); j += G::kWarpsPerRank) {
                     const int t = w0 + nth_set_bit(mask, j);
                     const long long out = row_begin + count + j;
-                    warp_copy_row<false, kUnroll>(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, hidden_int4);
+                    if (lane_id() == 0) tma.copy(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, row_bytes);
                     if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = t;
                     if (recv_topk_idx != nullptr) {
                         for (int k = lane_id(); k < num_topk; k += kWarpSize) {
@@ -477,11 +483,11 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                     group_sync(bar_id, G::kThreadsPerRank);
                     if (s_abort[peer]) break;
                     const int tail = s_value[peer];
+                    if (lane_id() == 0) fence_proxy_async();  // the bulk loads read what the peer wrote
                     for (int i = warp_in_group; i < tail - cached_head; i += G::kWarpsPerRank) {
                         const int slot = (cached_head + i) % num_slots;
                         const long long out = row + i;
-                        warp_copy_row<true, kUnroll>(recv_x + out * hidden_int4, ring_x + (long long)slot * hidden_int4,
-                                                     hidden_int4);
+                        if (lane_id() == 0) tma.copy(recv_x + out * hidden_int4, ring_x + (long long)slot * hidden_int4, row_bytes);
                         if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = ld_volatile(&ring_src[slot]);
                         if (recv_topk_idx != nullptr) {
                             for (int k = lane_id(); k < num_topk; k += kWarpSize) {
@@ -499,6 +505,8 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                 }
             }
         }
+        if (lane_id() == 0) tma.finish();  // the outputs are written before the kernel ends
+        __syncwarp();
     }
     // num_worst_tokens: rows past the real count carry recv_topk_idx = -1 (the rest is left as is).
     if (num_worst_tokens > 0 && recv_topk_idx != nullptr) {
@@ -536,6 +544,8 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
     __shared__ int s_abort[kNumRanks];
     __shared__ int s_need[kNumRanks];
     __shared__ int s_slot[Groups<kNumRanks>::kWarps][kNumRanks];
+    __shared__ unsigned long long s_tma_bar[G::kWarps];
+    extern __shared__ __align__(128) unsigned char s_tma_buf[];  // receiver: kTmaChunkBytes per warp
     if (block_aborted(ctx)) return;
 
     if (is_sender) {
@@ -594,6 +604,8 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
         channel_range(num_tokens, num_channels, channel, begin, end);
         const int own_row_begin = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) +
                                   recv_channel_prefix_matrix[rank * num_channels + channel];
+        TmaCopier tma;  // only its buffer and mbarrier: the reduction needs the data in registers
+        tma.init(s_tma_buf + warp_id() * kTmaChunkBytes, &s_tma_bar[warp_id()]);
         const int batch = G::kWarps * kCombineTokensPerWarp;
         int released = 0;  // thread r < R: slots of ring r already handed back
         for (int b = begin; b < end; b += batch) {
@@ -617,6 +629,7 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
                 }
             }
             if (!__syncthreads_and(ok)) break;
+            if (lane_id() == 0) fence_proxy_async();  // the bulk loads read what the peers wrote
             for (int t = b + warp_id(); t < b_end; t += G::kWarps) {
                 // This token's row in every source: a ring slot, or for the own rank a row of x (-1: not sent
                 // there); kept in shared memory to leave the registers to the loads in flight.
@@ -626,50 +639,46 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
                     slot[lane_id()] = h < 0 ? -1 : lane_id() == rank ? own_row_begin + h : h % num_slots;
                 }
                 __syncwarp();
+                // The token's sources in reduction order (bias0, bias1, then every rank holding it, ascending)
+                // stream through this warp's shared buffer in column chunks: lane 0 bulk-loads one chunk of
+                // every source, all lanes wait on the mbarrier, then reduce the chunk from shared memory.
+                int num_src = (bias0 != nullptr) + (bias1 != nullptr);
+#pragma unroll
+                for (int r = 0; r < kNumRanks; ++r) num_src += slot[r] >= 0;
+                const int chunk_int4 = kTmaChunkBytes / 16 / max(num_src, 1);
+                const int4* stage = static_cast<const int4*>(tma.buf);
                 int4* out = combined_x + (long long)t * hidden_int4;
-                // kUnroll int4 columns x kRankBatch sources in flight per lane before any arithmetic; sources
-                // are still added in ascending rank order (deterministic).
-                constexpr int kRankBatch = kNumRanks < 4 ? kNumRanks : 4;
-                constexpr int kUnroll = kNumRanks == 2 ? 3 : kNumRanks == 1 ? 2 : 1;
-                for (int i0 = lane_id(); i0 < hidden_int4; i0 += kWarpSize * kUnroll) {
-                    float acc[kUnroll][8];
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int i = i0 + u * kWarpSize;
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-                        if (i >= hidden_int4) continue;
-                        if (bias0 != nullptr) accumulate_bf16x8(acc[u], ld_nc_v4(bias0 + (long long)t * hidden_int4 + i));
-                        if (bias1 != nullptr) accumulate_bf16x8(acc[u], ld_nc_v4(bias1 + (long long)t * hidden_int4 + i));
-                    }
-#pragma unroll
-                    for (int r0 = 0; r0 < kNumRanks; r0 += kRankBatch) {
-                        int4 v[kUnroll][kRankBatch];
-#pragma unroll
-                        for (int u = 0; u < kUnroll; ++u) {
-                            const int i = i0 + u * kWarpSize;
-#pragma unroll
-                            for (int q = 0; q < kRankBatch; ++q) {
-                                const int r = r0 + q;
-                                if (i < hidden_int4 && r < kNumRanks && slot[r] >= 0)
-                                    v[u][q] = ld_ring_v4((r == rank ? x : layout.x.on(mine, channel, r)) +
-                                                         (long long)slot[r] * hidden_int4 + i);
-                            }
+                for (int c0 = 0; c0 < hidden_int4; c0 += chunk_int4) {
+                    const int n = min(chunk_int4, hidden_int4 - c0);
+                    if (lane_id() == 0) {
+                        mbarrier_expect_tx(tma.bar, n * 16 * num_src);
+                        int4* dst = static_cast<int4*>(tma.buf);
+                        if (bias0 != nullptr) {
+                            tma_load(dst, bias0 + (long long)t * hidden_int4 + c0, n * 16, tma.bar);
+                            dst += chunk_int4;
                         }
-#pragma unroll
-                        for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                            for (int q = 0; q < kRankBatch; ++q)
-                                if (i0 + u * kWarpSize < hidden_int4 && r0 + q < kNumRanks && slot[r0 + q] >= 0)
-                                    accumulate_bf16x8(acc[u], v[u][q]);
+                        if (bias1 != nullptr) {
+                            tma_load(dst, bias1 + (long long)t * hidden_int4 + c0, n * 16, tma.bar);
+                            dst += chunk_int4;
+                        }
+                        for (int r = 0; r < kNumRanks; ++r) {
+                            if (slot[r] < 0) continue;
+                            const int4* row = (r == rank ? x : layout.x.on(mine, channel, r)) + (long long)slot[r] * hidden_int4;
+                            tma_load(dst, row + c0, n * 16, tma.bar);
+                            dst += chunk_int4;
+                        }
                     }
+                    mbarrier_wait(tma.bar, tma.phase);
+                    tma.phase ^= 1;
+                    for (int i = lane_id(); i < n; i += kWarpSize) {
+                        float acc[8];
 #pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int i = i0 + u * kWarpSize;
-                        if (i < hidden_int4)
-                            out[i] = make_int4((int)pack_bf16x2(acc[u][0], acc[u][1]), (int)pack_bf16x2(acc[u][2], acc[u][3]),
-                                               (int)pack_bf16x2(acc[u][4], acc[u][5]), (int)pack_bf16x2(acc[u][6], acc[u][7]));
+                        for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+                        for (int q = 0; q < num_src; ++q) accumulate_bf16x8(acc, stage[q * chunk_int4 + i]);
+                        out[c0 + i] = make_int4((int)pack_bf16x2(acc[0], acc[1]), (int)pack_bf16x2(acc[2], acc[3]),
+                                                (int)pack_bf16x2(acc[4], acc[5]), (int)pack_bf16x2(acc[6], acc[7]));
                     }
+                    __syncwarp();  // every lane has read the buffer before lane 0 refills it
                 }
                 if (combined_topk_weights != nullptr) {
                     for (int k = lane_id(); k < num_topk; k += kWarpSize) {

@@ -43,6 +43,7 @@ _CTX_DTYPE = np.dtype([("timeout_ns", "<u8"), ("record", "<u8"), ("abort_flag", 
 _LAYOUT_THREADS = 256  # mirrors kLayoutThreads in layout.cu
 _NOTIFY_THREADS = 128
 _COMBINE_TOKENS_PER_WARP = 2  # mirrors kCombineTokensPerWarp in intranode.cu
+_TMA_BYTES_PER_WARP = 8192  # mirrors kTmaChunkBytes in common.cuh (dispatch/combine receivers' bulk-copy buffers)
 
 
 def _warps(num_ranks: int) -> int:
@@ -467,7 +468,8 @@ class CudaBuffer(Buffer):
                  cpm, rpm, np.int32(T), np.int32(num_worst_tokens), np.int32(hidden_int4),
                  np.int32(num_topk), np.int32(num_experts), np.int32(S), np.int64(stride_t), np.int64(stride_h),
                  self._nvl.ptr_table, np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_send_tokens),
-                 np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx))
+                 np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx),
+                shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
             keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, rpm, cpm, rcpm,
                     src_idx, send_head, in_rank)
             event = self._finish(compute, async_finish, keep)
@@ -548,7 +550,7 @@ class CudaBuffer(Buffer):
                          (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, rcpm, send_head, np.int32(num_tokens),
                           np.int32(hidden_int4), np.int32(num_topk), self._nvl.ptr_table, np.int32(self.rank),
                           np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
-                          self._ctx))
+                          self._ctx), shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
             event = self._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, rcpm, send_head))
         return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
 
