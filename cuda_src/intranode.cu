@@ -25,36 +25,6 @@ struct Groups {
     static constexpr int kThreadsPerRank = kWarpsPerRank * kWarpSize;
 };
 
-// Warps of a dispatch block: the first half send, the rest receive (see dispatch below).
-template <int kNumRanks>
-struct DispatchWarps {
-    using G = Groups<kNumRanks>;
-    static constexpr int kRemoteRanks = kNumRanks > 1 ? kNumRanks - 1 : 1;  // R = 1: nothing remote
-    static constexpr int kSendWarps = G::kWarps / 2;
-    static constexpr int kSendPerPeer = kSendWarps / kRemoteRanks > 0 ? kSendWarps / kRemoteRanks : 1;
-    static constexpr int kRecvPerSource = (G::kWarps - kSendWarps) / kNumRanks;
-    // A sender claims ring slots for a batch of windows of 32 tokens at a time, enough for about four rows
-    // per warp: one barrier per window would leave most warps waiting for the one with an extra row.
-    static constexpr int kBatchWindows = (kSendPerPeer * 4 + kWarpSize - 1) / kWarpSize;
-    static constexpr int kBatchTokens = kBatchWindows * kWarpSize;  // mirrors cuda_backend._dispatch_batch
-};
-
-// The one carving of the dispatch rings: two half-channel rings per (channel, source), each with half of
-// the channel's num_slots (mirrors config.dispatch_bytes).
-template <int kNumRanks>
-__device__ __forceinline__ DispatchLayout dispatch_layout(int num_channels, int num_slots, int hidden_int4,
-                                                          int num_topk, int num_scales) {
-    return DispatchLayout(2 * num_channels, kNumRanks, num_slots / 2, hidden_int4, num_topk, num_scales);
-}
-
-// Tokens of [begin, end) that go to rank dst (every lane gets the count).
-template <int kNumRanks>
-__device__ __forceinline__ int warp_count_tokens(const bool* is_token_in_rank, int begin, int end, int dst) {
-    int count = 0;
-    for (int t = begin + lane_id(); t < end; t += kWarpSize) count += is_token_in_rank[(long long)t * kNumRanks + dst];
-    return warp_reduce_sum(count);
-}
-
 // ---------------------------------------------------------------------------------------------------
 // barrier: thread i < R adds 1 to its own slot i and subtracts 1 from peer i's slot `rank`; slot i then
 // reads (my arrivals - i's arrivals), and we wait until it is <= 0. Reusable without any reset.
@@ -184,7 +154,7 @@ __global__ void notify_dispatch(const int* num_tokens_per_rank, const int* num_t
                 host_expert_counters[e] = (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
             }
         }
-        const DispatchLayout layout = dispatch_layout<kNumRanks>(num_channels, num_slots, hidden_int4, num_topk, num_scales);
+        const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
         zero_ints(at_offset<int>(mine, layout.begin), (layout.meta_end - layout.begin) / 4);
         __threadfence_system();
         __syncthreads();
@@ -230,7 +200,7 @@ __device__ void reset_rings(void** buffer_ptrs, int rank, long long begin, long 
 template <int kNumRanks>
 __global__ void cached_notify_dispatch(void** buffer_ptrs, int rank, int num_channels, int num_slots,
                                        int hidden_int4, int num_topk, int num_scales, const DeviceCtx* ctx) {
-    const DispatchLayout layout = dispatch_layout<kNumRanks>(num_channels, num_slots, hidden_int4, num_topk, num_scales);
+    const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
     const CallWords words{{kOpCachedDispatch, num_channels, num_slots, hidden_int4, num_topk, num_scales, 0, 0}};
     reset_rings<kNumRanks>(buffer_ptrs, rank, layout.begin, layout.meta_end, words, ctx,
                            kKernelCachedNotifyDispatch);
@@ -269,19 +239,41 @@ __device__ __forceinline__ void warp_copy_row(int4* dst, const int4* src, int n)
 }
 
 // ---------------------------------------------------------------------------------------------------
-// dispatch: grid 2C, Groups<R>::kThreads threads. Channel c's tokens are split in two halves; block
-// 2c + h owns half h: its first warps send the half's tokens to the remote peers, its other warps receive
-// the half's rings from every source. Every SM both sends and receives: an SM's NVLink write rate, not its
-// warp count, bounded the design with dedicated sender blocks (12 or 24 sender warps per SM moved the same
-// ~24 GB/s, measured). Each half has its own ring per (channel, source), with half of the channel's slots
-// (dispatch_layout above).
-// Sender warps: grouped per remote peer. Rows go through the peer's ring (2c + h, rank); the ring counter
-//   recorded in send_head is channel-relative (half 1 adds the first half's count), so combine, which
-//   keeps one ring per channel, finds every row where it always did.
-// Receiver warps: grouped per source rank. A remote source's group drains its ring; the own rank's group
-//   copies this rank's own rows of the half from x straight into the outputs at their final rows.
-//   Both copy with bulk copies (TMA): local HBM to HBM, 8 KB in flight per warp.
+// dispatch: grid 2C, Groups<R>::kThreads threads. Even block = sender of channel blockIdx/2, odd block =
+// its receiver.
+// Sender: every warp writes to a remote peer (RemoteGroups: the warps are spread over the R-1 peers). A
+//   sender SM's NVLink bandwidth is bound by the bytes its warps keep in flight (about 1.8 GB/s per warp,
+//   measured), so none of them is spent on the own rank's rows.
+// Receiver: warps grouped per source rank (Groups). A remote source's group drains the ring (c, source);
+//   the own rank's group copies this rank's own rows of the channel from x straight into the outputs at
+//   their final rows (one local copy instead of x -> ring -> recv_x, and no flow control), with the send_head
+//   values a ring would have given them.
 // ---------------------------------------------------------------------------------------------------
+// Warp groups over the R-1 remote peers. Only where that gives every peer more warps than Groups does
+// (R <= 5) are the warps regrouped; otherwise group g serves peer g and the own group idles (same width,
+// and the plain mapping keeps the kernels within their 80 registers).
+template <int kNumRanks>
+struct RemoteGroups {
+    static constexpr int kRemoteRanks = kNumRanks > 1 ? kNumRanks - 1 : 1;  // R = 1: nothing remote
+    static constexpr bool kRegroup = Groups<kNumRanks>::kWarps / kRemoteRanks > Groups<kNumRanks>::kWarpsPerRank;
+    static constexpr int kWarpsPerPeer = kRegroup ? Groups<kNumRanks>::kWarps / kRemoteRanks
+                                                  : Groups<kNumRanks>::kWarpsPerRank;
+    static constexpr int kThreadsPerPeer = kWarpsPerPeer * kWarpSize;
+    // The dispatch sender claims ring slots for a batch of windows of 32 tokens at a time, enough for about
+    // four rows per warp: one barrier per window would leave most warps waiting for the one with an extra row.
+    static constexpr int kBatchWindows = (kWarpsPerPeer * 4 + kWarpSize - 1) / kWarpSize;
+    static constexpr int kBatchTokens = kBatchWindows * kWarpSize;  // mirrors cuda_backend._dispatch_batch
+
+    // This warp's group: the peer it serves (-1: the warp idles) and its index in the group.
+    __device__ static int peer_of_warp(int rank) {
+        const int group = warp_id() / kWarpsPerPeer;
+        if (kNumRanks <= 1) return -1;
+        if (kRegroup) return group < kNumRanks - 1 ? (group >= rank ? group + 1 : group) : -1;
+        return group != rank ? group : -1;
+    }
+    __device__ static int warp_in_group() { return warp_id() % kWarpsPerPeer; }
+};
+
 template <int kNumRanks, typename IdxT>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
 dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights,
@@ -291,22 +283,232 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
          int num_tokens, int num_worst_tokens, int hidden_int4, int num_topk, int num_experts, int num_scales,
          long long scale_token_stride, long long scale_hidden_stride,
          void** buffer_ptrs, int rank, int num_max_send_tokens, int num_slots, const DeviceCtx* ctx) {
-    using W = DispatchWarps<kNumRanks>;
+    using G = Groups<kNumRanks>;
+    using RG = RemoteGroups<kNumRanks>;
     constexpr int kUnroll = dispatch_copy_unroll<kNumRanks>();
     const int num_channels = gridDim.x / 2;
-    const int channel = blockIdx.x / 2, half = blockIdx.x % 2;
-    const int sub = blockIdx.x;  // this half's ring index (2c + h)
-    const int ring_slots = num_slots / 2;
+    const int channel = blockIdx.x / 2;
+    const bool is_sender = (blockIdx.x % 2) == 0;
     __shared__ int s_value[kNumRanks];
-    __shared__ int s_abort[kNumRanks];       // receiver groups, per source
-    __shared__ int s_send_abort[kNumRanks];  // sender groups, per destination
+    __shared__ int s_abort[kNumRanks];
     __shared__ int s_start[kNumRanks];
     __shared__ int s_count[kNumRanks];
-    __shared__ unsigned long long s_tma_bar[Groups<kNumRanks>::kWarps];
-    extern __shared__ __align__(128) unsigned char s_tma_buf[];  // receivers: kTmaChunkBytes per warp
+    __shared__ unsigned long long s_tma_bar[G::kWarps];
+    extern __shared__ __align__(128) unsigned char s_tma_buf[];  // receiver: kTmaChunkBytes per warp
     if (block_aborted(ctx)) return;
-    // num_worst_tokens: rows past the real count carry recv_topk_idx = -1 (the rest is left as is). No
-    // receiver writes those rows, so every thread does this first (the roles below end in early returns).
+
+    const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
+    const long long row_bytes = (long long)hidden_int4 * 16;
+    if (is_sender) {
+        const int peer = RG::peer_of_warp(rank);  // destination
+        if (peer >= 0) {
+            const int experts_per_rank = num_experts / kNumRanks;
+            int begin, end;
+            channel_range(num_tokens, num_channels, channel, begin, end);
+            const int warp_in_group = RG::warp_in_group();
+            const bool leader = warp_in_group == 0 && lane_id() == 0;
+            const int bar_id = 1 + peer;
+            void* dst_base = buffer_ptrs[peer];
+            int* tail_ptr = layout.tail.on(dst_base, channel, rank);
+            const int* head_ptr = layout.head.on(dst_base, channel, rank);
+            int4* ring_x = layout.x.on(dst_base, channel, rank);
+            int* ring_src = layout.src_idx.on(dst_base, channel, rank);
+            int* ring_topk = layout.topk_idx.on(dst_base, channel, rank);
+            float* ring_weights = layout.topk_weights.on(dst_base, channel, rank);
+            float* ring_scales = layout.scales.on(dst_base, channel, rank);
+
+            if (leader) {  // -v-1 so that 0 keeps meaning "not written yet"
+                const int prev = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
+                st_relaxed_sys(layout.start.on(dst_base, channel, rank), -prev - 1);
+                st_relaxed_sys(layout.end.on(dst_base, channel, rank),
+                               -channel_prefix_matrix[peer * num_channels + channel] - 1);
+            }
+            // Tokens are scanned in windows of 32: one load + ballot gives the window's selected tokens and
+            // their ring counters; the k-th selected token goes to warp (counter % warps). Every warp computes
+            // the same counters, so the group only meets to claim slots (per batch) and to publish the tail.
+            int cached_tail = 0, cached_head = 0, published = 0;  // cached_head: leader only
+            for (int b0 = begin; b0 < end; b0 += RG::kBatchTokens) {
+                if (leader) {
+                    bool ok = true;
+                    if (num_slots - (cached_tail - cached_head) < RG::kBatchTokens) {
+                        ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleSender, channel, peer},
+                                        [&] {
+                                            cached_head = ld_volatile(head_ptr);
+                                            return num_slots - (cached_tail - cached_head) >= RG::kBatchTokens;
+                                        },
+                                        [&](long long& h, long long& tl, long long& ex) {
+                                            h = cached_head; tl = cached_tail; ex = RG::kBatchTokens;
+                                        });
+                    }
+                    s_abort[peer] = !ok;
+                }
+                group_sync(bar_id, RG::kThreadsPerPeer);
+                if (s_abort[peer]) break;
+                const int b_end = min(b0 + RG::kBatchTokens, end);
+                for (int w0 = b0; w0 < b_end; w0 += kWarpSize) {
+                    const int window = (w0 - begin) / kWarpSize;
+                    const int t_lane = w0 + lane_id();
+                    const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + peer];
+                    const unsigned mask = __ballot_sync(0xffffffffu, selected);
+                    const int num_selected = __popc(mask);
+                    if (send_head != nullptr && window % RG::kWarpsPerPeer == warp_in_group && t_lane < end)
+                        send_head[(long long)t_lane * kNumRanks + peer] =
+                            selected ? cached_tail + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
+                    int j = (warp_in_group - cached_tail % RG::kWarpsPerPeer + RG::kWarpsPerPeer) % RG::kWarpsPerPeer;
+                    for (; j < num_selected; j += RG::kWarpsPerPeer) {
+                        const int t = w0 + nth_set_bit(mask, j);
+                        const int slot = (cached_tail + j) % num_slots;
+                        warp_copy_row<false, kUnroll>(ring_x + (long long)slot * hidden_int4,
+                                                      x + (long long)t * hidden_int4, hidden_int4);
+                        if (lane_id() == 0) ring_src[slot] = t;
+                        if (topk_idx != nullptr) {
+                            for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+                                const long long e = (long long)topk_idx[(long long)t * num_topk + k];
+                                const long long local = e - (long long)peer * experts_per_rank;
+                                const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
+                                ring_topk[slot * num_topk + k] = owned ? (int)local : -1;
+                                ring_weights[slot * num_topk + k] =
+                                    owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
+                            }
+                        }
+                        for (int i = lane_id(); i < num_scales; i += kWarpSize)
+                            ring_scales[slot * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
+                    }
+                    cached_tail += num_selected;
+                }
+                // Publish once a chunk has accumulated (and at the end): all warps of the group wrote their rows.
+                if (cached_tail - published >= num_max_send_tokens || b_end >= end) {
+                    group_sync(bar_id, RG::kThreadsPerPeer);
+                    if (leader) st_release_sys(tail_ptr, cached_tail);
+                    published = cached_tail;
+                }
+            }
+        }
+    } else {
+        // The receiver's copies are local (HBM to HBM): bulk copies keep 8 KB per warp in flight.
+        const int peer = warp_id() / G::kWarpsPerRank;  // source
+        const int warp_in_group = warp_id() % G::kWarpsPerRank;
+        TmaCopier tma;
+        tma.init(s_tma_buf + warp_id() * kTmaChunkBytes, &s_tma_bar[warp_id()]);
+        if (peer == rank) {
+            const int experts_per_rank = num_experts / kNumRanks;
+            int begin, end;
+            channel_range(num_tokens, num_channels, channel, begin, end);
+            // Own rank: no ring, so no waits and no barriers; every warp counts the selected tokens itself
+            // (the counter is the row offset, and the ring counter send_head records, as for any peer).
+            // First output row of this channel's own tokens: what the receiver of a ring computes from the
+            // start offset its sender publishes (rank_prefix_matrix of the source + channel_prefix_matrix).
+            const int channel_start = channel > 0 ? channel_prefix_matrix[rank * num_channels + channel - 1] : 0;
+            if (threadIdx.x % G::kThreadsPerRank == 0 && recv_channel_prefix_matrix != nullptr)
+                recv_channel_prefix_matrix[rank * num_channels + channel] = channel_start;
+            const int row_begin = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) + channel_start;
+            int count = 0;
+            for (int w0 = begin, window = 0; w0 < end; w0 += kWarpSize, ++window) {
+                const int t_lane = w0 + lane_id();
+                const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + rank];
+                const unsigned mask = __ballot_sync(0xffffffffu, selected);
+                if (send_head != nullptr && window % G::kWarpsPerRank == warp_in_group && t_lane < end)
+                    send_head[(long long)t_lane * kNumRanks + rank] =
+                        selected ? count + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
+                int j = (warp_in_group - count % G::kWarpsPerRank + G::kWarpsPerRank) % G::kWarpsPerRank;
+                for (; j < __popc(mask); j += G::kWarpsPerRank) {
+                    const int t = w0 + nth_set_bit(mask, j);
+                    const long long out = row_begin + count + j;
+                    if (lane_id() == 0) tma.copy(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, row_bytes);
+                    if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = t;
+                    if (recv_topk_idx != nullptr) {
+                        for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+                            const long long e = (long long)topk_idx[(long long)t * num_topk + k];
+                            const long long local = e - (long long)rank * experts_per_rank;
+                            const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
+                            recv_topk_idx[out * num_topk + k] = (IdxT)(owned ? local : -1);
+                            recv_topk_weights[out * num_topk + k] =
+                                owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
+                        }
+                    }
+                    for (int i = lane_id(); i < num_scales; i += kWarpSize)
+                        recv_x_scales[out * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
+                }
+                count += __popc(mask);
+            }
+        } else if (peer < kNumRanks) {
+            const bool leader = warp_in_group == 0 && lane_id() == 0;
+            const int bar_id = 1 + peer;
+            void* mine = buffer_ptrs[rank];
+            int* start_ptr = layout.start.on(mine, channel, peer);
+            int* end_ptr = layout.end.on(mine, channel, peer);
+            int* head_ptr = layout.head.on(mine, channel, peer);
+            const int* tail_ptr = layout.tail.on(mine, channel, peer);
+            const int4* ring_x = layout.x.on(mine, channel, peer);
+            const int* ring_src = layout.src_idx.on(mine, channel, peer);
+            const int* ring_topk = layout.topk_idx.on(mine, channel, peer);
+            const float* ring_weights = layout.topk_weights.on(mine, channel, peer);
+            const float* ring_scales = layout.scales.on(mine, channel, peer);
+
+            if (leader) {
+                int start = 0, stop = 0;
+                const bool ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
+                                           [&] {
+                                               start = ld_volatile(start_ptr);
+                                               stop = ld_volatile(end_ptr);
+                                               return start != 0 && stop != 0;
+                                           },
+                                           [&](long long& h, long long& tl, long long& ex) {
+                                               h = start; tl = stop; ex = -1;
+                                           });
+                s_abort[peer] = !ok;
+                s_start[peer] = -start - 1;
+                s_count[peer] = (-stop - 1) - (-start - 1);
+                if (ok && recv_channel_prefix_matrix != nullptr)
+                    recv_channel_prefix_matrix[peer * num_channels + channel] = -start - 1;
+            }
+            group_sync(bar_id, G::kThreadsPerRank);
+            const bool aborted = s_abort[peer];
+            const int num_to_recv = s_count[peer];
+            int row = (peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + rank] : 0) + s_start[peer];
+            group_sync(bar_id, G::kThreadsPerRank);  // everyone has read s_abort before the leader reuses it
+            if (!aborted) {
+                int cached_head = 0;
+                while (cached_head < num_to_recv) {
+                    if (leader) {
+                        int tail = cached_head;
+                        const bool ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
+                                                   [&] { return (tail = ld_acquire_sys(tail_ptr)) != cached_head; },
+                                                   [&](long long& h, long long& tl, long long& ex) {
+                                                       h = cached_head; tl = tail; ex = num_to_recv;
+                                                   });
+                        s_abort[peer] = !ok;
+                        s_value[peer] = tail;
+                    }
+                    group_sync(bar_id, G::kThreadsPerRank);
+                    if (s_abort[peer]) break;
+                    const int tail = s_value[peer];
+                    if (lane_id() == 0) fence_proxy_async();  // the bulk loads read what the peer wrote
+                    for (int i = warp_in_group; i < tail - cached_head; i += G::kWarpsPerRank) {
+                        const int slot = (cached_head + i) % num_slots;
+                        const long long out = row + i;
+                        if (lane_id() == 0) tma.copy(recv_x + out * hidden_int4, ring_x + (long long)slot * hidden_int4, row_bytes);
+                        if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = ld_volatile(&ring_src[slot]);
+                        if (recv_topk_idx != nullptr) {
+                            for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+                                recv_topk_idx[out * num_topk + k] = (IdxT)ld_volatile(&ring_topk[slot * num_topk + k]);
+                                recv_topk_weights[out * num_topk + k] = ld_volatile(&ring_weights[slot * num_topk + k]);
+                            }
+                        }
+                        for (int s = lane_id(); s < num_scales; s += kWarpSize)
+                            recv_x_scales[out * num_scales + s] = ld_volatile(&ring_scales[slot * num_scales + s]);
+                    }
+                    row += tail - cached_head;
+                    cached_head = tail;
+                    group_sync(bar_id, G::kThreadsPerRank);  // all reads of the slots are done
+                    if (leader) st_release_sys(head_ptr, cached_head);
+                }
+            }
+        }
+        if (lane_id() == 0) tma.finish();  // the outputs are written before the kernel ends
+        __syncwarp();
+    }
+    // num_worst_tokens: rows past the real count carry recv_topk_idx = -1 (the rest is left as is).
     if (num_worst_tokens > 0 && recv_topk_idx != nullptr) {
         const long long num_recv = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + rank];
         const long long stride = (long long)gridDim.x * blockDim.x;
@@ -314,224 +516,6 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
              i < (long long)num_worst_tokens * num_topk; i += stride)
             recv_topk_idx[i] = (IdxT)-1;
     }
-
-    const DispatchLayout layout = dispatch_layout<kNumRanks>(num_channels, num_slots, hidden_int4, num_topk, num_scales);
-    const long long row_bytes = (long long)hidden_int4 * 16;
-    const int experts_per_rank = num_experts / kNumRanks;
-    int begin, end;
-    channel_range(num_tokens, num_channels, channel, begin, end);
-    const int mid = begin + (end - begin + 1) / 2;
-    const int h_begin = half ? mid : begin, h_end = half ? end : mid;
-    if (warp_id() < W::kSendWarps) {
-        const int remote = warp_id() / W::kSendPerPeer;  // index among the remote peers
-        if (kNumRanks <= 1 || remote >= W::kRemoteRanks) return;  // idle warp: no block-wide barrier follows
-        const int peer = remote + (remote >= rank);  // destination
-        const int warp_in_group = warp_id() % W::kSendPerPeer;
-        const bool leader = warp_in_group == 0 && lane_id() == 0;
-        const int bar_id = 1 + remote;
-        void* dst_base = buffer_ptrs[peer];
-        int* tail_ptr = layout.tail.on(dst_base, sub, rank);
-        const int* head_ptr = layout.head.on(dst_base, sub, rank);
-        int4* ring_x = layout.x.on(dst_base, sub, rank);
-        int* ring_src = layout.src_idx.on(dst_base, sub, rank);
-        int* ring_topk = layout.topk_idx.on(dst_base, sub, rank);
-        float* ring_weights = layout.topk_weights.on(dst_base, sub, rank);
-        float* ring_scales = layout.scales.on(dst_base, sub, rank);
-
-        // This half's rows start after the first half's (channel-relative ring counters for send_head).
-        const int prev = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
-        const int first = warp_count_tokens<kNumRanks>(is_token_in_rank, begin, mid, peer);
-        const int base = half ? first : 0;
-        if (leader) {  // -v-1 so that 0 keeps meaning "not written yet"
-            st_relaxed_sys(layout.start.on(dst_base, sub, rank), -(prev + base) - 1);
-            st_relaxed_sys(layout.end.on(dst_base, sub, rank),
-                           half ? -channel_prefix_matrix[peer * num_channels + channel] - 1 : -(prev + first) - 1);
-        }
-        // Tokens are scanned in windows of 32: one load + ballot gives the window's selected tokens and
-        // their ring counters; the k-th selected token goes to warp (counter % warps). Every warp computes
-        // the same counters, so the group only meets to claim slots (per batch) and to publish the tail.
-        int cached_tail = 0, cached_head = 0, published = 0;  // cached_head: leader only
-        for (int b0 = h_begin; b0 < h_end; b0 += W::kBatchTokens) {
-            if (leader) {
-                bool ok = true;
-                if (ring_slots - (cached_tail - cached_head) < W::kBatchTokens) {
-                    ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleSender, channel, peer},
-                                    [&] {
-                                        cached_head = ld_volatile(head_ptr);
-                                        return ring_slots - (cached_tail - cached_head) >= W::kBatchTokens;
-                                    },
-                                    [&](long long& h, long long& tl, long long& ex) {
-                                        h = cached_head; tl = cached_tail; ex = W::kBatchTokens;
-                                    });
-                }
-                s_send_abort[peer] = !ok;
-            }
-            group_sync(bar_id, W::kSendPerPeer * kWarpSize);
-            if (s_send_abort[peer]) break;
-            const int b_end = min(b0 + W::kBatchTokens, h_end);
-            for (int w0 = b0; w0 < b_end; w0 += kWarpSize) {
-                const int window = (w0 - h_begin) / kWarpSize;
-                const int t_lane = w0 + lane_id();
-                const bool selected = t_lane < h_end && is_token_in_rank[(long long)t_lane * kNumRanks + peer];
-                const unsigned mask = __ballot_sync(0xffffffffu, selected);
-                const int num_selected = __popc(mask);
-                if (send_head != nullptr && window % W::kSendPerPeer == warp_in_group && t_lane < h_end)
-                    send_head[(long long)t_lane * kNumRanks + peer] =
-                        selected ? base + cached_tail + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
-                int j = (warp_in_group - cached_tail % W::kSendPerPeer + W::kSendPerPeer) % W::kSendPerPeer;
-                for (; j < num_selected; j += W::kSendPerPeer) {
-                    const int t = w0 + nth_set_bit(mask, j);
-                    const int slot = (cached_tail + j) % ring_slots;
-                    warp_copy_row<false, kUnroll>(ring_x + (long long)slot * hidden_int4,
-                                                  x + (long long)t * hidden_int4, hidden_int4);
-                    if (lane_id() == 0) ring_src[slot] = t;
-                    if (topk_idx != nullptr) {
-                        for (int k = lane_id(); k < num_topk; k += kWarpSize) {
-                            const long long e = (long long)topk_idx[(long long)t * num_topk + k];
-                            const long long local = e - (long long)peer * experts_per_rank;
-                            const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
-                            ring_topk[slot * num_topk + k] = owned ? (int)local : -1;
-                            ring_weights[slot * num_topk + k] =
-                                owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
-                        }
-                    }
-                    for (int i = lane_id(); i < num_scales; i += kWarpSize)
-                        ring_scales[slot * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
-                }
-                cached_tail += num_selected;
-            }
-            // Publish once a chunk has accumulated (and at the end): all warps of the group wrote their rows.
-            if (cached_tail - published >= num_max_send_tokens || b_end >= h_end) {
-                group_sync(bar_id, W::kSendPerPeer * kWarpSize);
-                if (leader) st_release_sys(tail_ptr, cached_tail);
-                published = cached_tail;
-            }
-        }
-        return;
-    }
-
-    // Receiver warps.
-    const int recv_warp = warp_id() - W::kSendWarps;
-    const int peer = recv_warp / W::kRecvPerSource;  // source
-    if (peer >= kNumRanks) return;  // idle warp
-    const int warp_in_group = recv_warp % W::kRecvPerSource;
-    TmaCopier tma;
-    tma.init(s_tma_buf + warp_id() * kTmaChunkBytes, &s_tma_bar[warp_id()]);
-    if (peer == rank) {
-        // Own rank: no ring, so no waits and no barriers; every warp counts the selected tokens itself
-        // (the counter is the row offset, and the ring counter send_head records, as for any peer).
-        // First output row of this half's own tokens: what the receiver of a ring computes from the start
-        // offset its sender publishes (rank_prefix_matrix of the source + channel_prefix_matrix).
-        const int channel_start = channel > 0 ? channel_prefix_matrix[rank * num_channels + channel - 1] : 0;
-        if (half == 0 && warp_in_group == 0 && lane_id() == 0 && recv_channel_prefix_matrix != nullptr)
-            recv_channel_prefix_matrix[rank * num_channels + channel] = channel_start;
-        const int row_begin = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) + channel_start;
-        int count = half ? warp_count_tokens<kNumRanks>(is_token_in_rank, begin, mid, rank) : 0;
-        for (int w0 = h_begin, window = 0; w0 < h_end; w0 += kWarpSize, ++window) {
-            const int t_lane = w0 + lane_id();
-            const bool selected = t_lane < h_end && is_token_in_rank[(long long)t_lane * kNumRanks + rank];
-            const unsigned mask = __ballot_sync(0xffffffffu, selected);
-            if (send_head != nullptr && window % W::kRecvPerSource == warp_in_group && t_lane < h_end)
-                send_head[(long long)t_lane * kNumRanks + rank] =
-                    selected ? count + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
-            int j = (warp_in_group - count % W::kRecvPerSource + W::kRecvPerSource) % W::kRecvPerSource;
-            for (; j < __popc(mask); j += W::kRecvPerSource) {
-                const int t = w0 + nth_set_bit(mask, j);
-                const long long out = row_begin + count + j;
-                if (lane_id() == 0) tma.copy(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, row_bytes);
-                if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = t;
-                if (recv_topk_idx != nullptr) {
-                    for (int k = lane_id(); k < num_topk; k += kWarpSize) {
-                        const long long e = (long long)topk_idx[(long long)t * num_topk + k];
-                        const long long local = e - (long long)rank * experts_per_rank;
-                        const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
-                        recv_topk_idx[out * num_topk + k] = (IdxT)(owned ? local : -1);
-                        recv_topk_weights[out * num_topk + k] =
-                            owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
-                    }
-                }
-                for (int i = lane_id(); i < num_scales; i += kWarpSize)
-                    recv_x_scales[out * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
-            }
-            count += __popc(mask);
-        }
-    } else {
-        const bool leader = warp_in_group == 0 && lane_id() == 0;
-        const int bar_id = 8 + peer - (peer > rank);  // 8..14: after the senders' 1..7
-        const int group_threads = W::kRecvPerSource * kWarpSize;
-        void* mine = buffer_ptrs[rank];
-        int* start_ptr = layout.start.on(mine, sub, peer);
-        int* end_ptr = layout.end.on(mine, sub, peer);
-        int* head_ptr = layout.head.on(mine, sub, peer);
-        const int* tail_ptr = layout.tail.on(mine, sub, peer);
-        const int4* ring_x = layout.x.on(mine, sub, peer);
-        const int* ring_src = layout.src_idx.on(mine, sub, peer);
-        const int* ring_topk = layout.topk_idx.on(mine, sub, peer);
-        const float* ring_weights = layout.topk_weights.on(mine, sub, peer);
-        const float* ring_scales = layout.scales.on(mine, sub, peer);
-
-        if (leader) {
-            int start = 0, stop = 0;
-            const bool ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
-                                       [&] {
-                                           start = ld_volatile(start_ptr);
-                                           stop = ld_volatile(end_ptr);
-                                           return start != 0 && stop != 0;
-                                       },
-                                       [&](long long& h, long long& tl, long long& ex) {
-                                           h = start; tl = stop; ex = -1;
-                                       });
-            s_abort[peer] = !ok;
-            s_start[peer] = -start - 1;
-            s_count[peer] = (-stop - 1) - (-start - 1);
-            if (ok && half == 0 && recv_channel_prefix_matrix != nullptr)
-                recv_channel_prefix_matrix[peer * num_channels + channel] = -start - 1;
-        }
-        group_sync(bar_id, group_threads);
-        const bool aborted = s_abort[peer];
-        const int num_to_recv = s_count[peer];
-        int row = (peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + rank] : 0) + s_start[peer];
-        group_sync(bar_id, group_threads);  // everyone has read s_abort before the leader reuses it
-        if (!aborted) {
-            int cached_head = 0;
-            while (cached_head < num_to_recv) {
-                if (leader) {
-                    int tail = cached_head;
-                    const bool ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
-                                               [&] { return (tail = ld_acquire_sys(tail_ptr)) != cached_head; },
-                                               [&](long long& h, long long& tl, long long& ex) {
-                                                   h = cached_head; tl = tail; ex = num_to_recv;
-                                               });
-                    s_abort[peer] = !ok;
-                    s_value[peer] = tail;
-                }
-                group_sync(bar_id, group_threads);
-                if (s_abort[peer]) break;
-                const int tail = s_value[peer];
-                if (lane_id() == 0) fence_proxy_async();  // the bulk loads read what the peer wrote
-                for (int i = warp_in_group; i < tail - cached_head; i += W::kRecvPerSource) {
-                    const int slot = (cached_head + i) % ring_slots;
-                    const long long out = row + i;
-                    if (lane_id() == 0) tma.copy(recv_x + out * hidden_int4, ring_x + (long long)slot * hidden_int4, row_bytes);
-                    if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = ld_volatile(&ring_src[slot]);
-                    if (recv_topk_idx != nullptr) {
-                        for (int k = lane_id(); k < num_topk; k += kWarpSize) {
-                            recv_topk_idx[out * num_topk + k] = (IdxT)ld_volatile(&ring_topk[slot * num_topk + k]);
-                            recv_topk_weights[out * num_topk + k] = ld_volatile(&ring_weights[slot * num_topk + k]);
-                        }
-                    }
-                    for (int s = lane_id(); s < num_scales; s += kWarpSize)
-                        recv_x_scales[out * num_scales + s] = ld_volatile(&ring_scales[slot * num_scales + s]);
-                }
-                row += tail - cached_head;
-                cached_head = tail;
-                group_sync(bar_id, group_threads);  // all reads of the slots are done
-                if (leader) st_release_sys(head_ptr, cached_head);
-            }
-        }
-    }
-    if (lane_id() == 0) tma.finish();  // the outputs are written before the kernel ends
-    __syncwarp();
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -544,27 +528,6 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
 // from x: ring counter h of channel c is row (own block start + recv_channel_prefix_matrix[rank][c] + h).
 // ---------------------------------------------------------------------------------------------------
 constexpr int kCombineTokensPerWarp = 2;
-
-// Combine sender warps grouped over the R-1 remote peers. Only where that gives every peer more warps than
-// Groups does (R <= 5) are the warps regrouped; otherwise group g serves peer g and the own group idles
-// (same width, and the plain mapping keeps the kernel within its registers).
-template <int kNumRanks>
-struct RemoteGroups {
-    static constexpr int kRemoteRanks = kNumRanks > 1 ? kNumRanks - 1 : 1;  // R = 1: nothing remote
-    static constexpr bool kRegroup = Groups<kNumRanks>::kWarps / kRemoteRanks > Groups<kNumRanks>::kWarpsPerRank;
-    static constexpr int kWarpsPerPeer = kRegroup ? Groups<kNumRanks>::kWarps / kRemoteRanks
-                                                  : Groups<kNumRanks>::kWarpsPerRank;
-    static constexpr int kThreadsPerPeer = kWarpsPerPeer * kWarpSize;
-
-    // This warp's group: the peer it serves (-1: the warp idles) and its index in the group.
-    __device__ static int peer_of_warp(int rank) {
-        const int group = warp_id() / kWarpsPerPeer;
-        if (kNumRanks <= 1) return -1;
-        if (kRegroup) return group < kNumRanks - 1 ? (group >= rank ? group + 1 : group) : -1;
-        return group != rank ? group : -1;
-    }
-    __device__ static int warp_in_group() { return warp_id() % kWarpsPerPeer; }
-};
 
 template <int kNumRanks>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)

@@ -48,15 +48,6 @@ def dispatch_channel_bytes(num_channels: int, num_ranks: int, num_recv_slots: in
             + _asym(num_channels, num_ranks, q * num_scales * 4))
 
 
-def dispatch_bytes(num_channels: int, num_ranks: int, num_recv_slots: int, hidden_bytes: int, num_topk: int,
-                   num_scales: int) -> int:
-    """Bytes of the intranode dispatch rings as the kernels carve them (``dispatch_layout`` in
-    cuda_src/intranode.cu): each channel's two halves have their own ring per source, with half of the
-    channel's ``num_recv_slots`` each."""
-    return dispatch_channel_bytes(2 * num_channels, num_ranks, num_recv_slots // 2, hidden_bytes, num_topk,
-                                  num_scales)
-
-
 def combine_channel_bytes(num_channels: int, num_ranks: int, num_recv_slots: int, hidden_bytes: int,
                           num_topk: int) -> int:
     """Bytes of the intranode combine carve (token-owner side): head, tail, x, topk_weights."""
@@ -116,8 +107,8 @@ class Config:
         hidden_elems = hidden_bytes // 2
         num_scales = -(-hidden_elems // 128)
         channel = max(
-            dispatch_bytes(self.num_channels, num_nvl_ranks, self.num_max_nvl_chunked_recv_tokens,
-                           hidden_bytes, MAX_TOPK, num_scales),
+            dispatch_channel_bytes(self.num_channels, num_nvl_ranks, self.num_max_nvl_chunked_recv_tokens,
+                                   hidden_bytes, MAX_TOPK, num_scales),
             combine_channel_bytes(self.num_channels, num_nvl_ranks, self.num_max_nvl_chunked_recv_tokens,
                                   hidden_bytes, MAX_TOPK))
         intranode = align_up(NOTIFY_BYTES + channel)

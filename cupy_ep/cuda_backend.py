@@ -52,19 +52,14 @@ def _warps(num_ranks: int) -> int:
 
 
 def _remote_warps(num_ranks: int) -> int:
-    """Combine sender warps per remote peer (mirrors RemoteGroups<kNumRanks>::kWarpsPerPeer in intranode.cu)."""
+    """Sender warps per remote peer (mirrors RemoteGroups<kNumRanks>::kWarpsPerPeer in intranode.cu)."""
     per_rank, remote = 24 // num_ranks, max(num_ranks - 1, 1)
     return max(_warps(num_ranks) // remote, per_rank)
 
 
-def _dispatch_send_warps(num_ranks: int) -> int:
-    """Dispatch sender warps per remote peer in a block (mirrors DispatchWarps<kNumRanks>::kSendPerPeer)."""
-    return max((_warps(num_ranks) // 2) // max(num_ranks - 1, 1), 1)
-
-
 def _dispatch_batch(num_ranks: int) -> int:
-    """Ring slots a dispatch sender claims at once (mirrors DispatchWarps<kNumRanks>::kBatchTokens)."""
-    return -(-_dispatch_send_warps(num_ranks) * 4 // 32) * 32
+    """Ring slots a dispatch sender claims at once (mirrors RemoteGroups<kNumRanks>::kBatchTokens)."""
+    return -(-_remote_warps(num_ranks) * 4 // 32) * 32
 
 
 def _capturing() -> bool:
@@ -410,11 +405,11 @@ class CudaBuffer(Buffer):
                 num_worst_tokens, R, T, self.device_id, self.check_values and not _capturing())
         S = info.num_scales
         hidden_int4 = info.hidden_bytes // 16
-        if cfg.num_max_nvl_chunked_recv_tokens // 2 < _dispatch_batch(R):
+        if cfg.num_max_nvl_chunked_recv_tokens < _dispatch_batch(R):
             raise ValueError(f"config: dispatch at {R} ranks needs num_max_nvl_chunked_recv_tokens >= "
-                             f"{2 * _dispatch_batch(R)} (each half-channel ring gets half of the slots, and a "
-                             f"sender claims {_dispatch_batch(R)} at once), got {cfg.num_max_nvl_chunked_recv_tokens}")
-        self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.dispatch_bytes(
+                             f"{_dispatch_batch(R)} (the slots a sender claims at once), got "
+                             f"{cfg.num_max_nvl_chunked_recv_tokens}")
+        self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.dispatch_channel_bytes(
             C, R, cfg.num_max_nvl_chunked_recv_tokens, info.hidden_bytes, max(num_topk, 1), S), "dispatch")
 
         kind = interop.kind_of(info.x)

@@ -102,18 +102,15 @@ def test_set_num_sms_rejects(bad, restore_num_sms):
 # ---- size hints --------------------------------------------------------------------------------------
 def test_size_hint_literal_deepseek_v3_shape(no_tuned_file):
     # R=8, H=7168 bf16, num_sms=20 (10 channels), 256 slots, 56 scales, top-k 32:
-    # dispatch carve (one ring per channel) = 4*384 + 80*256*14336 + 80*256*4 + 2*80*256*32*4 + 80*256*56*4
-    #                                        = 303,515,136
-    # as dispatch carves it (two half-channel rings of 128 slots): the same payload, meta 4*640 = 303,516,160
+    # dispatch carve = 4*384 + 80*256*14336 + 80*256*4 + 2*80*256*32*4 + 80*256*56*4 = 303,515,136
     # combine carve  = 2*384 + 80*256*14336 + 80*256*32*4                          = 296,223,488
     # NOTIFY_BYTES = (8*8 rank matrix + 8*1024 expert counts + 8*8 call words) * 4 = 33,280
-    # hint = align128(NOTIFY_BYTES 33,280 + 303,516,160)                            = 303,549,440
+    # hint = align128(NOTIFY_BYTES 33,280 + 303,515,136)                            = 303,548,416
     assert cfg.NOTIFY_BYTES == 33280
     assert cfg.dispatch_channel_bytes(10, 8, 256, 14336, 32, 56) == 303_515_136
-    assert cfg.dispatch_bytes(10, 8, 256, 14336, 32, 56) == 303_516_160
     assert cfg.combine_channel_bytes(10, 8, 256, 14336, 32) == 296_223_488
-    assert Config().get_nvl_buffer_size_hint(14336, 8) == 303_549_440
-    assert Buffer.get_nvl_buffer_size_hint(14336, 8) == 303_549_440
+    assert Config().get_nvl_buffer_size_hint(14336, 8) == 303_548_416
+    assert Buffer.get_nvl_buffer_size_hint(14336, 8) == 303_548_416
 
 
 @pytest.mark.parametrize("num_sms, recv_tokens", [(2, 7), (20, 256), (24, 512), (32, 100)])
@@ -122,10 +119,7 @@ def test_size_hint_literal_deepseek_v3_shape(no_tuned_file):
 def test_size_hint_is_the_carve_sum(num_sms, recv_tokens, num_ranks, hidden_bytes):
     c = Config(num_sms=num_sms, num_max_nvl_chunked_send_tokens=1, num_max_nvl_chunked_recv_tokens=recv_tokens)
     scales = -(-(hidden_bytes // 2) // 128)
-    # dispatch: two half-channel rings per (channel, source), half of the slots each
-    assert cfg.dispatch_bytes(c.num_channels, num_ranks, recv_tokens, hidden_bytes, cfg.MAX_TOPK, scales) == \
-        cfg.dispatch_channel_bytes(2 * c.num_channels, num_ranks, recv_tokens // 2, hidden_bytes, cfg.MAX_TOPK, scales)
-    want = max(cfg.dispatch_bytes(c.num_channels, num_ranks, recv_tokens, hidden_bytes, cfg.MAX_TOPK, scales),
+    want = max(cfg.dispatch_channel_bytes(c.num_channels, num_ranks, recv_tokens, hidden_bytes, cfg.MAX_TOPK, scales),
                cfg.combine_channel_bytes(c.num_channels, num_ranks, recv_tokens, hidden_bytes, cfg.MAX_TOPK))
     hint = c.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
     assert hint % 128 == 0

@@ -60,19 +60,15 @@ def test_phase_breakdown_is_relative_to_the_earliest_send_start():
     assert cll.phase_breakdown(np.zeros((2, 8), dtype=np.int64)) == {}
 
 
-def test_sender_groups_mirror_the_cuda_structs():
-    """cuda_backend's sender-warp and batch sizes follow DispatchWarps / RemoteGroups in intranode.cu (a
-    smaller Python batch would let through a ring the sender can never fill: a hang, not an error)."""
+def test_dispatch_sender_groups_mirror_remote_groups():
+    """cuda_backend's sender-warp and batch sizes follow RemoteGroups in intranode.cu (a smaller Python value
+    would let through a ring the sender can never fill: a hang, not an error)."""
     text = (SRC / "intranode.cu").read_text()
-    assert "kBatchWindows = (kSendPerPeer * 4 + kWarpSize - 1) / kWarpSize;" in text
-    assert "kSendWarps = G::kWarps / 2;" in text
+    assert "kBatchWindows = (kWarpsPerPeer * 4 + kWarpSize - 1) / kWarpSize;" in text
     assert "kWarpsPerRank = 24 / kNumRanks;" in text
-    # by hand from the C++: half of Groups' warps (24, 24, 20, 24, 21, 24 at R = 2..8) over the R-1 peers
-    send = {1: 12, 2: 12, 3: 6, 4: 4, 5: 2, 6: 2, 7: 1, 8: 1}
-    for r, w in send.items():
-        assert cuda_backend._dispatch_send_warps(r) == w, r
+    # by hand from the C++: R-1 remote peers share Groups' warps where that gives each more than 24 / R
+    warps = {1: 24, 2: 24, 3: 12, 4: 8, 5: 5, 6: 4, 7: 3, 8: 3}
+    for r, w in warps.items():
+        assert cuda_backend._remote_warps(r) == w, r
         assert cuda_backend._dispatch_batch(r) == -(-w * 4 // 32) * 32
-    assert [cuda_backend._dispatch_batch(r) for r in (2, 3, 4, 8)] == [64, 32, 32, 32]
-    # combine: R-1 remote peers share Groups' warps where that gives each more than 24 / R
-    combine = {1: 24, 2: 24, 3: 12, 4: 8, 5: 5, 6: 4, 7: 3, 8: 3}
-    assert {r: cuda_backend._remote_warps(r) for r in combine} == combine
+    assert [cuda_backend._dispatch_batch(r) for r in (2, 3, 4, 8)] == [96, 64, 32, 32]
