@@ -173,6 +173,52 @@ __device__ __forceinline__ bool wait_until(const DeviceCtx* ctx, WaitSite site, 
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Warp helpers
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
+
+__device__ __forceinline__ int warp_reduce_sum(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ int warp_reduce_max(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Warp copy of n int4 with kUnroll independent 16-B loads per lane in flight before the stores (a copy is
+// bound by the bytes it keeps in flight). kPeerSource: the source was written by another GPU or SM (relaxed L2
+// loads, never .nc); otherwise it is this rank's own input. N: int, or long long for byte counts past 2^31.
+template <bool kPeerSource, int kUnroll, typename N>
+__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, N n) {
+    N i = lane_id();
+    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = kPeerSource ? ld_ring_v4(src + i + u * kWarpSize) : ld_nc_v4(src + i + u * kWarpSize);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) dst[i + u * kWarpSize] = v[u];
+    }
+    for (; i < n; i += kWarpSize) dst[i] = kPeerSource ? ld_ring_v4(src + i) : ld_nc_v4(src + i);
+}
+
+// Lane index of the n-th (0-based) set bit of mask (n < popc(mask)).
+__device__ __forceinline__ int nth_set_bit(unsigned mask, int n) {
+    for (int i = 0; i < n; ++i) mask &= mask - 1u;
+    return __ffs(mask) - 1;
+}
+
+// Contiguous token range of a channel: blocks of ceil(T / C) (mirrors reference.channel_ranges).
+__device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int channel, int& begin, int& end) {
+    const int per = (num_tokens + num_channels - 1) / num_channels;
+    begin = min(per * channel, num_tokens);
+    end = min(begin + per, num_tokens);
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Bulk copies (TMA, sm_90): one thread moves a whole chunk global -> shared -> global without registers, so a
 // warp keeps kTmaChunkBytes in flight instead of the 3 KB a register copy can. Loads complete on an
 // mbarrier (expect_tx), stores are tracked by bulk groups. Addresses and sizes must be multiples of 16.
@@ -227,7 +273,7 @@ struct TmaCopier {
         buf = buffer;
         bar = barrier;
         phase = 0;
-        if (lane_id_() == 0) mbarrier_init(bar, 1);
+        if (lane_id() == 0) mbarrier_init(bar, 1);
         __syncwarp();
     }
     // Lane 0 only: copy `bytes` from src to dst through the buffer, one chunk at a time (the previous chunk's
@@ -245,40 +291,7 @@ struct TmaCopier {
     }
     // Lane 0 only: every store issued so far is in global memory.
     __device__ void finish() { tma_store_wait(); }
-
-   private:
-    __device__ static int lane_id_() { return threadIdx.x % 32; }
 };
-
-// ---------------------------------------------------------------------------------------------------
-// Warp helpers
-// ---------------------------------------------------------------------------------------------------
-__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
-__device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
-
-__device__ __forceinline__ int warp_reduce_sum(int v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ int warp_reduce_max(int v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// Lane index of the n-th (0-based) set bit of mask (n < popc(mask)).
-__device__ __forceinline__ int nth_set_bit(unsigned mask, int n) {
-    for (int i = 0; i < n; ++i) mask &= mask - 1u;
-    return __ffs(mask) - 1;
-}
-
-// Contiguous token range of a channel: blocks of ceil(T / C) (mirrors reference.channel_ranges).
-__device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int channel, int& begin, int& end) {
-    const int per = (num_tokens + num_channels - 1) / num_channels;
-    begin = min(per * channel, num_tokens);
-    end = min(begin + per, num_tokens);
-}
 
 // ---------------------------------------------------------------------------------------------------
 // bf16 <-> fp32 without cuda_bf16.h (round to nearest even; NaN -> quiet NaN with its sign, like ml_dtypes)

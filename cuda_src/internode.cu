@@ -45,10 +45,9 @@
 // writes, publishes tail with release (NVLink) or fence + atomic add (RDMA); consumer acquires tail, reads,
 // returns head. Every spin goes through wait_until (common.cuh); on timeout the kernels return.
 //
-// STATUS: the put path (every node's data through put_warp, own node direct) passed the GPU tests on both
-// transports (2 x 1 and 2 x 2, H200 box). The direct path to peers (the default wherever Rdma::direct is not
-// null), the unrolled IPC put and the unrolled combine reductions came after that run: compile-checked only
-// until the GPU tests run them (with and without CUPY_EP_INTERNODE_FORCE_PUT=1).
+// STATUS: both the direct path to peers (the default wherever Rdma::direct is not null) and the put path
+// (CUPY_EP_INTERNODE_FORCE_PUT=1) pass the GPU tests on both transports (2 x 1 and 2 x 2, H200 box; record in
+// benchmarks/results/gpu_tests_h200x2.md).
 #include "common.cuh"
 #include "buffer.cuh"
 #include "rdma_transport.cuh"
@@ -116,20 +115,8 @@ __device__ __forceinline__ int next_set_bit(unsigned mask, int from) {
     return __ffs(high != 0 ? high : mask) - 1;
 }
 
-// Warp copy of n int4; Peer = true: the source was written by another GPU / SM (L2 loads, never .nc).
-template <bool kPeerSource>
-__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n) {
-    constexpr int kUnroll = 4;
-    int i = lane_id();
-    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = kPeerSource ? ld_ring_v4(src + i + u * kWarpSize) : ld_nc_v4(src + i + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) dst[i + u * kWarpSize] = v[u];
-    }
-    for (; i < n; i += kWarpSize) dst[i] = kPeerSource ? ld_ring_v4(src + i) : ld_nc_v4(src + i);
-}
+// Warp copies here keep 4 loads per lane in flight (common.cuh warp_copy): the role loops hold more state.
+constexpr int kCopyUnroll = 4;
 
 // dst[c] = bf16(fp32 sum) for the warp's int4 columns c < n (8 bf16 each) of: bias0[c], bias1[c] (rows of this
 // rank's inputs, skipped when null), then src0[slot[k] + c] for k = 0 .. kSources - 1 with slot[k] >= 0 (rings
@@ -199,6 +186,24 @@ __device__ __forceinline__ int4* rdma_ring_for(const Rdma& rdma, const SymBuffer
 template <typename Rdma>
 __device__ __forceinline__ bool rdma_needs_put(const Rdma& rdma, int node, int n) {
     return n != node && rdma.direct(0, n) == nullptr;
+}
+
+// Hand `count` slots of the ring (channel, node -> n) from slot `first` on to node n (warp-collective): where
+// n is not load/store reachable, put them from my send half to the same place in n's receive half; then lane
+// 0 orders everything with rdma.fence() (system scope) and adds count to n's tail, which the consumer
+// acquires. The caller orders the slots' own stores before this (fence_acq_rel_sys + __syncwarp).
+template <typename Rdma>
+__device__ __forceinline__ void rdma_publish_slots(const Rdma& rdma, const SymBuffer<int4>& data,
+                                                   const AsymBuffer<int>& tail, int channel, int node, int n,
+                                                   int first, int count, int token_int4s, int token_bytes) {
+    if (rdma_needs_put(rdma, node, n))
+        rdma.put_warp(offset_in(rdma.a.base, data.recv(rdma.a.base, channel, node) + (long long)first * token_int4s),
+                      data.send(rdma.a.base, channel, n) + (long long)first * token_int4s, token_bytes * count, n);
+    __syncwarp();
+    if (lane_id() == 0) {
+        rdma.fence();
+        rdma.add(offset_in(rdma.a.base, tail.on(rdma.a.base, channel, node)), count, n);
+    }
 }
 
 __device__ __forceinline__ bool block_aborted_internode(const DeviceCtx* ctx) {
@@ -611,7 +616,7 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                     const unsigned n_bits = __shfl_sync(kFullMask, bits, n);
                     int4* token = rdma_ring_for(rdma, rl.data, channel, node, n) + (long long)slot * fmt.int4s;
                     char* tb = reinterpret_cast<char*>(token);
-                    warp_copy<false>(token, x + (long long)t * hidden_int4, hidden_int4);
+                    warp_copy<false, kCopyUnroll>(token, x + (long long)t * hidden_int4, hidden_int4);
                     for (int s = lane; s < num_scales; s += kWarpSize)
                         reinterpret_cast<float*>(tb + fmt.scales_off)[s] =
                             x_scales[t * scale_token_stride + s * scale_hidden_stride];
@@ -686,14 +691,7 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                 const int n = __ffs(m) - 1;
                 const int cnt = __shfl_sync(kFullMask, count, n);
                 const int first = __shfl_sync(kFullMask, issued, n) % num_rdma_slots;
-                if (rdma_needs_put(rdma, node, n))
-                    rdma.put_warp(offset_in(rdma_base, rl.data.recv(rdma_base, channel, node) + (long long)first * fmt.int4s),
-                                  rl.data.send(rdma_base, channel, n) + (long long)first * fmt.int4s, fmt.bytes * cnt, n);
-                __syncwarp();
-                if (lane == 0) {
-                    rdma.fence();
-                    rdma.add(offset_in(rdma_base, rl.tail.on(rdma_base, channel, node)), cnt, n);
-                }
+                rdma_publish_slots(rdma, rl.data, rl.tail, channel, node, n, first, cnt, fmt.int4s, fmt.bytes);
             }
             issued += count;
         }
@@ -744,7 +742,7 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                 const int src_bits = ld_volatile(reinterpret_cast<const int*>(tb + fmt.meta_off) + 1);
                 const long long row = __shfl_sync(kFullMask, next_row, src_node);
                 if (lane == src_node) ++next_row;
-                warp_copy<true>(recv_x + row * hidden_int4, reinterpret_cast<const int4*>(tb), hidden_int4);
+                warp_copy<true, kCopyUnroll>(recv_x + row * hidden_int4, reinterpret_cast<const int4*>(tb), hidden_int4);
                 for (int s = lane; s < num_scales; s += kWarpSize)
                     recv_x_scales[row * num_scales + s] = ld_volatile(reinterpret_cast<const float*>(tb + fmt.scales_off) + s);
                 if (lane == 0 && recv_src_meta != nullptr) recv_src_meta[row] = make_int2(src_node, src_bits);
@@ -819,7 +817,7 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                 if (lane == 0 && send_nvl_head != nullptr)
                     send_nvl_head[(long long)(base_row + first + used) * G + j] = to_j ? fwd : -1;
                 if (to_j) {
-                    warp_copy<true>(nvl_ring + (long long)(nvl_tail % num_nvl_slots) * fmt.int4s, token, fmt.int4s);
+                    warp_copy<true, kCopyUnroll>(nvl_ring + (long long)(nvl_tail % num_nvl_slots) * fmt.int4s, token, fmt.int4s);
                     ++nvl_tail;
                     ++fwd;
                     ++sent;
@@ -931,7 +929,7 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
             const int cnt = min(num_nvl_send, __shfl_sync(kFullMask, row_end, n) - r0);
             for (int i = 0; i < cnt; ++i) {
                 int4* token = ring + (long long)(n * sub_slots + (s0 + i) % sub_slots) * fmt.int4s;
-                warp_copy<false>(token, x + (long long)(r0 + i) * hidden_int4, hidden_int4);
+                warp_copy<false, kCopyUnroll>(token, x + (long long)(r0 + i) * hidden_int4, hidden_int4);
                 for (int kk = lane; kk < num_topk; kk += kWarpSize)
                     reinterpret_cast<float*>(reinterpret_cast<char*>(token) + fmt.weights_off)[kk] =
                         topk_weights != nullptr ? topk_weights[(long long)(r0 + i) * num_topk + kk] : 0.0f;
@@ -1018,7 +1016,6 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
         const int total = row[channel] - (channel > 0 ? row[channel - 1] : 0);
         const int row_base = (n > 0 ? recv_rdma_rank_prefix_sum[n - 1] : 0) + (channel > 0 ? row[channel - 1] : 0);
         int4* ring = rdma_ring_for(rdma, rl.data, channel, node, n);
-        const bool put = rdma_needs_put(rdma, node, n);
         const int* head_ptr = rl.head.on(rdma_base, channel, n);
         long long* slot = s_slot[warp];
         const int4* nvl0 = nl.x.on(my_nvl, channel, 0);   // GPU j's ring: + j * elems_per_rank
@@ -1063,15 +1060,8 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
             // -> its fence.acq_rel.sys -> __syncwarp -> lane 0's rdma.fence() (system scope) -> the tail add.
             __syncwarp();
             fence_acq_rel_sys();
-            const int first = issued % num_rdma_slots;
-            if (put)
-                rdma.put_warp(offset_in(rdma_base, rl.data.recv(rdma_base, channel, node) + (long long)first * fmt.int4s),
-                              ring + (long long)first * fmt.int4s, fmt.bytes * chunk, n);
-            __syncwarp();
-            if (lane == 0) {
-                rdma.fence();
-                rdma.add(offset_in(rdma_base, rl.tail.on(rdma_base, channel, node)), chunk, n);
-            }
+            rdma_publish_slots(rdma, rl.data, rl.tail, channel, node, n, issued % num_rdma_slots, chunk, fmt.int4s,
+                               fmt.bytes);
             issued += chunk;
         }
       }

@@ -215,28 +215,9 @@ __global__ void cached_notify_combine(void** buffer_ptrs, int rank, int num_chan
                            kKernelCachedNotifyCombine);
 }
 
-// Loads in flight per lane in a warp copy of a dispatch instantiation: the copy is bound by the bytes in
-// flight, so as many as fit in the 80 registers of a 768-thread block; at R = 1, 3, 6 and 7 a sixth spills
-// (the compile test rejects any spill).
-template <int kNumRanks>
-__host__ __device__ constexpr int dispatch_copy_unroll() {
-    return kNumRanks == 2 || kNumRanks == 4 || kNumRanks == 5 || kNumRanks == 8 ? 6 : 5;
-}
-
-// Copy one row of int4 with a warp: kUnroll independent 16-B loads per lane in flight before the stores.
-template <bool kSrcVolatile, int kUnroll = 6>
-__device__ __forceinline__ void warp_copy_row(int4* dst, const int4* src, int n) {
-    int i = lane_id();
-    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-            v[u] = kSrcVolatile ? ld_ring_v4(src + i + u * kWarpSize) : ld_nc_v4(src + i + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) dst[i + u * kWarpSize] = v[u];
-    }
-    for (; i < n; i += kWarpSize) dst[i] = kSrcVolatile ? ld_ring_v4(src + i) : ld_nc_v4(src + i);
-}
+// Senders copy rows of this rank's own input into a peer's ring with 6 loads per lane in flight (the most the
+// 80 registers of a 768-thread block hold); the receivers' local copies are bulk copies.
+constexpr int kSendUnroll = 6;
 
 // ---------------------------------------------------------------------------------------------------
 // dispatch: grid 2C, Groups<R>::kThreads threads. Even block = sender of channel blockIdx/2, odd block =
@@ -285,7 +266,6 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
          void** buffer_ptrs, int rank, int num_max_send_tokens, int num_slots, const DeviceCtx* ctx) {
     using G = Groups<kNumRanks>;
     using RG = RemoteGroups<kNumRanks>;
-    constexpr int kUnroll = dispatch_copy_unroll<kNumRanks>();
     const int num_channels = gridDim.x / 2;
     const int channel = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
@@ -358,7 +338,7 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                     for (; j < num_selected; j += RG::kWarpsPerPeer) {
                         const int t = w0 + nth_set_bit(mask, j);
                         const int slot = (cached_tail + j) % num_slots;
-                        warp_copy_row<false, kUnroll>(ring_x + (long long)slot * hidden_int4,
+                        warp_copy<false, kSendUnroll>(ring_x + (long long)slot * hidden_int4,
                                                       x + (long long)t * hidden_int4, hidden_int4);
                         if (lane_id() == 0) ring_src[slot] = t;
                         if (topk_idx != nullptr) {
@@ -587,7 +567,7 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
             if (s_abort[peer]) break;
             for (int i = warp_in_group; i < n; i += RG::kWarpsPerPeer) {
                 const int slot = (cached_tail + i) % num_slots;
-                warp_copy_row<false>(ring_x + (long long)slot * hidden_int4, x + (long long)(row + i) * hidden_int4,
+                warp_copy<false, kSendUnroll>(ring_x + (long long)slot * hidden_int4, x + (long long)(row + i) * hidden_int4,
                                      hidden_int4);
                 if (topk_weights != nullptr)
                     for (int k = lane_id(); k < num_topk; k += kWarpSize)

@@ -64,20 +64,9 @@ struct IpcRdma {
     __device__ char* direct(long long offset, int pe) const { return rdma_direct(a, offset, pe); }
     __device__ void put_warp(long long dst_offset, const void* src, long long bytes, int pe) const {
         int4* dst = reinterpret_cast<int4*>(remote(dst_offset, pe));
-        const int4* s = static_cast<const int4*>(src);
-        const long long n = bytes / 16;
-        // src was written by other warps of this block (made visible by the caller's fence); L2 loads. Four loads
-        // in flight per lane (as warp_copy in internode.cu) instead of one: a put is latency-bound otherwise.
-        constexpr int kUnroll = 4;
-        long long i = lane_id();
-        for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
-            int4 v[kUnroll];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) v[u] = ld_ring_v4(s + i + u * kWarpSize);
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) dst[i + u * kWarpSize] = v[u];
-        }
-        for (; i < n; i += kWarpSize) dst[i] = ld_ring_v4(s + i);
+        // src was written by other warps of this block (made visible by the caller's fence): L2 loads, four in
+        // flight per lane (as internode.cu's copies) instead of one: a put is latency-bound otherwise.
+        warp_copy<true, 4>(dst, static_cast<const int4*>(src), bytes / 16);
     }
     __device__ void add(long long dst_offset, int value, int pe) const {
         atomicAdd_system(reinterpret_cast<int*>(remote(dst_offset, pe)), value);

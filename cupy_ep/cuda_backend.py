@@ -415,9 +415,7 @@ class CudaBuffer(Buffer):
         kind = interop.kind_of(info.x)
         with self._device:
             raw_x = interop.unwrap(info.x, "bfloat16" if info.dtype == "bfloat16" else "float8_e4m3fn")
-            raw_scales = None
-            if info.scales is not None:
-                raw_scales = interop.unwrap(info.scales)
+            raw_scales = interop.unwrap(info.scales)
             compute = self._begin(kind, previous_event)
             alloc_stream = self.comm_stream if allocate_on_comm_stream else compute
             layout_args = (np.int32(C), np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4),
@@ -431,8 +429,8 @@ class CudaBuffer(Buffer):
                 raw_idx = raw_w = None
             else:
                 in_rank = interop.unwrap(is_token_in_rank)
-                raw_idx = interop.unwrap(topk_idx) if topk_idx is not None else None
-                raw_w = interop.unwrap(topk_weights) if topk_weights is not None else None
+                raw_idx = interop.unwrap(topk_idx)
+                raw_w = interop.unwrap(topk_weights)
                 with alloc_stream:
                     rpm = cupy.empty((R, R), dtype=cupy.int32)
                     cpm = cupy.empty((R, C), dtype=cupy.int32)
@@ -536,8 +534,8 @@ class CudaBuffer(Buffer):
         kind = interop.kind_of(x)
         with self._device:
             raw_x = interop.unwrap(x)
-            raw_w = interop.unwrap(topk_weights) if topk_weights is not None else None
-            raw_b = [interop.unwrap(b) if b is not None else None for b in biases]
+            raw_w = interop.unwrap(topk_weights)
+            raw_b = [interop.unwrap(b) for b in biases]
             compute = self._begin(kind, previous_event)
             with (self.comm_stream if allocate_on_comm_stream else compute):
                 out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)

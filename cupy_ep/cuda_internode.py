@@ -310,7 +310,7 @@ class InternodeState:
 
         kind = interop.kind_of(info.x)
         raw_x = interop.unwrap(info.x, "bfloat16" if info.dtype == "bfloat16" else "float8_e4m3fn")
-        raw_scales = interop.unwrap(info.scales) if info.scales is not None else None
+        raw_scales = interop.unwrap(info.scales)
         compute = buf._begin(kind, previous_event)
         alloc_stream = buf.comm_stream if allocate_on_comm_stream else compute
         common = (self.nvl.ptr_table,) + self.rdma_args() + (np.int32(buf.rank),)
@@ -328,8 +328,8 @@ class InternodeState:
             raw_idx = raw_w = src_meta = rrcpm = rgcpm = send_rdma_head = send_nvl_head = None
         else:
             in_rank = interop.unwrap(is_token_in_rank)
-            raw_idx = interop.unwrap(topk_idx) if topk_idx is not None else None
-            raw_w = interop.unwrap(topk_weights) if topk_weights is not None else None
+            raw_idx = interop.unwrap(topk_idx)
+            raw_w = interop.unwrap(topk_weights)
             with alloc_stream:
                 rdma_cpm = cupy.empty((N, C), dtype=cupy.int32)
                 gbl_cpm = cupy.empty((R, C), dtype=cupy.int32)
@@ -417,8 +417,8 @@ class InternodeState:
         kind = interop.kind_of(x)
         raw = {k: interop.unwrap(v) for k, v in h.items()}
         raw_x = interop.unwrap(x)
-        raw_w = interop.unwrap(topk_weights) if topk_weights is not None else None
-        raw_b = [interop.unwrap(b) if b is not None else None for b in biases]
+        raw_w = interop.unwrap(topk_weights)
+        raw_b = [interop.unwrap(b) for b in biases]
         compute = buf._begin(kind, previous_event)
         with (buf.comm_stream if allocate_on_comm_stream else compute):
             out = cupy.empty((T, hidden), dtype=cupy.uint16)

@@ -298,7 +298,7 @@ class LowLatencyState:
         L, rows = num_experts // R, R * max_tokens
         kind = interop.kind_of(x)
         raw_x, raw_idx = interop.unwrap(x), interop.unwrap(topk_idx)
-        raw_stats = interop.unwrap(stats) if stats is not None else None
+        raw_stats = interop.unwrap(stats)
         compute = interop.current_stream(kind, self.buf.device_id)
         with compute:
             recv_x = cupy.empty((L, rows, hidden), dtype=cupy.uint8 if use_fp8 else cupy.uint16)

@@ -108,7 +108,10 @@ def raw_dtype(name: str) -> np.dtype:
 
 
 def unwrap(x, logical: str | None = None):
-    """``x`` as a raw CuPy array (GPU) or numpy array (host), zero-copy, viewed as the raw dtype."""
+    """``x`` as a raw CuPy array (GPU) or numpy array (host), zero-copy, viewed as the raw dtype (None stays
+    None: optional arguments pass straight through)."""
+    if x is None:
+        return None
     name = logical or dtype_name(x)
     raw = raw_dtype(name)
     if _lib(x) == "torch":
