@@ -343,9 +343,12 @@ def test_cuda_graph_capture_and_replay_with_new_data(comm, ll_buf):
         del gathered
 
         def copy_in():
-            x_d[...] = _dev(x)
-            idx_d[...] = _dev(idx)
-            y_d[...] = _dev(y)
+            # on the graph's stream: copies on the default stream would not be ordered before the replay on this
+            # non-blocking stream (stream.synchronize() waits for this stream only)
+            with stream:
+                x_d[...] = _dev(x)
+                idx_d[...] = _dev(idx)
+                y_d[...] = _dev(y)
             stream.synchronize()
 
         _step(ll_buf, comm, f"replay {it}: copying the inputs", copy_in)   # agreement = barrier before replay
