@@ -524,6 +524,7 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
     __shared__ int s_abort[kNumRanks];
     __shared__ int s_need[kNumRanks];
     __shared__ int s_slot[Groups<kNumRanks>::kWarps][kNumRanks];
+    __shared__ int s_heads[Groups<kNumRanks>::kWarps * kCombineTokensPerWarp][kNumRanks];  // receiver: the batch's send_head
     __shared__ unsigned long long s_tma_bar[G::kWarps];
     extern __shared__ __align__(128) unsigned char s_tma_buf[];  // receiver: kTmaChunkBytes per warp
     if (block_aborted(ctx)) return;
@@ -586,17 +587,21 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
                                   recv_channel_prefix_matrix[rank * num_channels + channel];
         TmaCopier tma;  // only its buffer and mbarrier: the reduction needs the data in registers
         tma.init(s_tma_buf + warp_id() * kTmaChunkBytes, &s_tma_bar[warp_id()]);
-        const int batch = G::kWarps * kCombineTokensPerWarp;
+        constexpr int batch = G::kWarps * kCombineTokensPerWarp;  // = the rows of s_heads
         int released = 0;  // thread r < R: slots of ring r already handed back
         for (int b = begin; b < end; b += batch) {
             const int b_end = min(b + batch, end);
+            // The batch's send_head rows, staged by the whole block at once: one load latency per batch instead
+            // of a chain of loads per rank before the wait and another load per token before its first copy.
+            for (int i = threadIdx.x; i < (b_end - b) * kNumRanks; i += blockDim.x)
+                s_heads[0][i] = send_head[(long long)b * kNumRanks + i];
+            __syncthreads();
             // Thread r < R: the ring counter the batch needs, then wait for it.
             bool ok = true;
             if (threadIdx.x < kNumRanks) {
                 const int r = threadIdx.x;
                 int need = 0;  // the own rank's rows are in x: nothing to wait for
-                for (int t = b; t < b_end && r != rank; ++t)
-                    need = max(need, send_head[(long long)t * kNumRanks + r] + 1);
+                for (int i = 0; i < b_end - b && r != rank; ++i) need = max(need, s_heads[i][r] + 1);
                 s_need[r] = need;
                 if (need > 0) {
                     const int* tail_ptr = layout.tail.on(mine, channel, r);
@@ -615,7 +620,7 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
                 // there); kept in shared memory to leave the registers to the loads in flight.
                 volatile int* slot = s_slot[warp_id()];
                 if (lane_id() < kNumRanks) {
-                    const int h = send_head[(long long)t * kNumRanks + lane_id()];
+                    const int h = s_heads[t - b][lane_id()];
                     slot[lane_id()] = h < 0 ? -1 : lane_id() == rank ? own_row_begin + h : h % num_slots;
                 }
                 __syncwarp();
