@@ -644,7 +644,8 @@ __global__ void clean_low_latency_buffer(int* signals0, int num_signals0, int* s
     nvshmemx_barrier_all_block();
 }
 
-// out: signal, send, recv, total bytes and the offsets of sig1, send0, recv0 (config.low_latency_layout).
+// out: signal, send, recv, total bytes, the offsets of sig1, send0, recv0 and the dispatch's index table inside
+// a recv region (config.low_latency_layout).
 __global__ void ll_carve_probe(int max_tokens, int hidden, int num_ranks, int num_experts, long long* out) {
     const LowLatencyLayout L(max_tokens, hidden, num_ranks, num_experts);
     out[0] = L.signal_bytes;
@@ -654,6 +655,7 @@ __global__ void ll_carve_probe(int max_tokens, int hidden, int num_ranks, int nu
     out[4] = L.signal_offset(1);
     out[5] = L.send_offset(0);
     out[6] = L.recv_offset(0);
+    out[7] = L.index_offset;
 }
 
 }  // namespace ep
