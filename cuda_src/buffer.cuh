@@ -157,24 +157,26 @@ struct CombineLayout {
 //                    (0 = not arrived); combine: flag 1 from the owner of global expert e at e.
 //   send     dispatch: the cast message of token t at t * msg (the source of NVSHMEM puts);
 //            combine:  bf16 rows [L][R*M][H] (the zero-copy buffer, and the source of puts).
-//   recv     dispatch: messages [L][R][M] (local expert, src rank, slot);
+//   recv     dispatch: messages [R][M] (src rank, src token: each token arrives once per destination rank),
+//                      then the index table int32 [L][R][M] (local expert, src rank, slot) -> src token;
 //            combine:  bf16 rows [E][M] (global expert, slot at the token owner).
 // A dispatch message is a 16-byte header (int source token index, 3 reserved ints), then the row
 // (bf16, or e4m3 followed by H/128 float scales). Its size is fixed at 16 + 2H (>= 16 + H + H/32), so
-// the layout does not depend on use_fp8. cupy_ep/config.py mirrors this (low_latency_layout_bytes).
+// the layout does not depend on use_fp8. cupy_ep/config.py mirrors this (low_latency_layout).
 // ---------------------------------------------------------------------------------------------------
 struct LowLatencyLayout {
-    long long msg_bytes, row_bytes, signal_bytes, send_bytes, recv_bytes, total_bytes;
+    long long msg_bytes, row_bytes, signal_bytes, send_bytes, recv_bytes, total_bytes, index_offset;
     int num_max_tokens, hidden, num_ranks, num_experts, num_local;
     __host__ __device__ LowLatencyLayout(int max_tokens, int hidden_, int ranks, int experts)
         : num_max_tokens(max_tokens), hidden(hidden_), num_ranks(ranks), num_experts(experts),
           num_local(experts / ranks) {
         msg_bytes = 16 + 2LL * hidden;
         row_bytes = 2LL * hidden;
-        const long long m = max_tokens, e = experts;
+        const long long m = max_tokens, e = experts, r = ranks;
         signal_bytes = align_up(e * 4, kAlign);
         send_bytes = align_up(m * msg_bytes > e * m * row_bytes ? m * msg_bytes : e * m * row_bytes, kAlign);
-        const long long recv_dispatch = e * m * msg_bytes, recv_combine = e * m * row_bytes;
+        index_offset = r * m * msg_bytes;  // a multiple of 16
+        const long long recv_dispatch = index_offset + e * m * 4, recv_combine = e * m * row_bytes;
         recv_bytes = align_up(recv_dispatch > recv_combine ? recv_dispatch : recv_combine, kAlign);
         total_bytes = 2 * (signal_bytes + send_bytes + recv_bytes);
     }
@@ -183,8 +185,11 @@ struct LowLatencyLayout {
     __host__ __device__ long long send_offset(int i) const { return 2 * signal_bytes + i * send_bytes; }
     __host__ __device__ long long recv_offset(int i) const { return 2 * (signal_bytes + send_bytes) + i * recv_bytes; }
     // Offsets inside a region (bytes)
-    __device__ long long dispatch_recv_msg(int local_expert, int src_rank, int slot) const {
-        return (((long long)local_expert * num_ranks + src_rank) * num_max_tokens + slot) * msg_bytes;
+    __device__ long long dispatch_recv_msg(int src_rank, int token) const {
+        return ((long long)src_rank * num_max_tokens + token) * msg_bytes;
+    }
+    __device__ long long dispatch_recv_index(int local_expert, int src_rank, int slot) const {
+        return index_offset + (((long long)local_expert * num_ranks + src_rank) * num_max_tokens + slot) * 4;
     }
     __device__ long long combine_send_row(int local_expert, int row) const {
         return ((long long)local_expert * num_ranks * num_max_tokens + row) * row_bytes;

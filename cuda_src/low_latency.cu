@@ -1,7 +1,9 @@
 // low_latency.cu: the low-latency (decode) path on NVSHMEM symmetric memory (research/deepep.md §1.8, §4).
 //
-//   dispatch<kUseFP8, TopkT>   every (token, top-k slot) -> slot of (expert, my rank) on the expert's rank,
-//                              then per expert a count signal; receive: packed per-expert outputs
+//   dispatch<kUseFP8, TopkT>   every token -> once to each rank owning one of its experts ([my rank][token] of
+//                              that rank's recv area), plus per (token, top-k slot) a 4-byte index entry
+//                              (expert, my rank, slot) -> token; then per expert a count signal;
+//                              receive: per expert, the rows gathered through the index into packed outputs
 //   combine<TopkT>             every expert row -> its token owner, flag per expert; receive: weighted sum
 //   clean_low_latency_buffer   zero both signal regions between two NVSHMEM barriers (the library cleans on the
 //                              host with timed barriers instead; tests/gpu/test_nvshmem.py uses this one as its
@@ -12,14 +14,25 @@
 // and blocks may wait for each other without a grid barrier). `phases` selects SEND (1), RECV (2) or both:
 // return_recv_hook launches SEND, the hook launches RECV.
 //
-// Slots are deterministic: the message of (token t, slot k) for expert e goes to slot
+// Slots are deterministic: (token t, slot k) for expert e gets slot
 // #{(t', k') before (t, k) in row-major order with topk_idx[t', k'] == e}, computed from a shared-memory
 // histogram of topk_idx (each block builds the counts of the rows before its first token, then advances
 // it token by token). Rows of a local expert are therefore ordered (source rank, token, k) exactly as
 // cupy_ep/reference.py says, and the combine side finds its rows by recomputing the same slots.
 //
+// Dispatch send: a block casts token t into the send area (the symmetric source of puts), warp 0 finds the
+// slots and the distinct destination ranks of t, writes the index entries index[e % L][my rank][slot] = t on
+// the experts' ranks, and the block's warps split over the destination ranks to store the message once per
+// rank at recv [my rank][t] (~1 copy per rank instead of one per expert: ~4x fewer bytes at top-8 of 256 on
+// 2 ranks). After a block barrier warp 0's lane k adds 1 (release) to the local counter of expert e_k: its
+// index entry and the message it names are written. A signaller sends expert e's count once its counter
+// reaches min(hist_all[e], M), i.e. once every index entry and message the count covers is written.
+// Dispatch receive: per (local expert, source) it acquires the count, then gathers row i from the message of
+// token index[i] (local loads, index loads first, then kInFlight int4 payload loads per thread).
+//
 // Peers reachable by loads/stores (peer_bases[r] != 0, from nvshmem_ptr on the host) get direct NVLink
-// stores; the others get nvshmemx_putmem_nbi_warp + nvshmem_quiet. Signals: the dispatch count arrives
+// stores; the others get nvshmemx_putmem_nbi_warp (messages) / nvshmem_int_p (index entries), each followed
+// by nvshmem_quiet from the issuing lane before the block barrier that precedes the counter adds. Signals: the dispatch count arrives
 // as -count-1 and the combine flag as 1, so 0 means "not arrived"; each call zeroes the *other* buffer's
 // signals (two buffers alternate), then lets its signallers go through a countdown flag, so no signal of
 // this call can overtake the clearing and the next call finds clean signals (also under graph replay).
@@ -36,7 +49,8 @@ constexpr int kLLMaxTopk = 11;       // mirrors reference.LOW_LATENCY_MAX_TOPK
 constexpr int kLLMaxRanks = 64;      // mirrors config.LL_MAX_RANKS
 constexpr int kLLMaxGroups = 8;      // warp groups per block (named barriers 1..8)
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
-// workspace (int32, zeroed once by the host): countdown flags, then the dispatch's per-expert counters
+// workspace (int32, zeroed once by the host): countdown flags, then the dispatch's per-expert counters (kept
+// (token, k) entries written, each with its token's message; reset to 0 by the expert's signaller)
 // kWsLastSend: 1 + the buffer index of this rank's previous send phase (0 = none yet)
 constexpr int kWsDispatchClear = 0, kWsCombineClear = 1, kWsLastSend = 2, kWsFinish = 32;
 
@@ -159,6 +173,25 @@ __device__ void token_slots(const TopkT* topk_idx, int t, int num_topk, int num_
     s_slot[k] = slot;
 }
 
+// Dispatch, warp 0: token_slots by lanes k < K, then the token's destination ranks: s_dest[0, *s_num_dest) are
+// the distinct ranks owning the expert of a kept (t, k) (slot >= 0), in the order of their first k.
+template <typename TopkT>
+__device__ __forceinline__ void token_dests(const TopkT* topk_idx, int t, int num_topk, int num_experts,
+                                            int num_local, int max_tokens, const int* hist, int* s_expert,
+                                            int* s_slot, int* s_dest, int* s_num_dest) {
+    if (warp_id() != 0) return;
+    token_slots(topk_idx, t, num_topk, num_experts, max_tokens, hist, s_expert, s_slot);
+    __syncwarp();
+    const int lane = lane_id();
+    const bool kept = lane < num_topk && s_slot[lane] >= 0;
+    const int dst = kept ? s_expert[lane] / num_local : -1 - lane;  // lanes not kept: a key of their own
+    const unsigned same = __match_any_sync(0xffffffffu, dst);
+    const bool first = kept && __ffs(same) - 1 == lane;
+    const unsigned firsts = __ballot_sync(0xffffffffu, first);
+    if (first) s_dest[__popc(firsts & ((1u << lane) - 1u))] = dst;
+    if (lane == 0) *s_num_dest = __popc(firsts);
+}
+
 // Block 0 zeroes the next buffer's signals, then opens the countdown flag for this call's signallers.
 __device__ __forceinline__ void clear_next_signals(int* next_signals, int num_signals, int* countdown, int num_signallers) {
     if (blockIdx.x != 0) return;
@@ -255,7 +288,7 @@ template <bool kUseFP8, typename TopkT>
 __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_tokens, int num_topk, bool round_scale,
                               char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
                               int buffer_idx, int* workspace, const DeviceCtx* ctx, int* hist, int* hist_all,
-                              int* s_expert, int* s_slot, long long* stamps) {
+                              int* s_expert, int* s_slot, int* s_dest, int* s_num_dest, long long* stamps) {
     const int rank = ctx->rank, E = L.num_experts;
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
@@ -265,46 +298,66 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
     stamp(stamps, kStampSendPrepared);  // build_histograms ends with a block barrier
 
     const int msg_int4 = dispatch_msg_int4(kUseFP8, L.hidden);
-    const int warps_per_k = kLLWarps / num_topk;
-    const int part_int4 = (msg_int4 + warps_per_k - 1) / warps_per_k;
-    const int k = warp_id() / warps_per_k, part = warp_id() % warps_per_k;
     char* send = base + L.send_offset(buffer_idx);
+    const long long recv = L.recv_offset(buffer_idx);
     int* finish = workspace + kWsFinish;
+    const int lane = lane_id();
     for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
         char* msg = send + (long long)t * L.msg_bytes;
         cast_token<kUseFP8>(x + (long long)t * (L.hidden / 8), t, L.hidden, round_scale, msg);
-        token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, s_expert, s_slot);
-        __syncthreads();  // the message and the slots are visible to the block
-        advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
-        if (k < num_topk && s_slot[k] >= 0) {
-            const int e = s_expert[k];
-            const int begin = part * part_int4;
-            const long long offset = L.recv_offset(buffer_idx) +
-                                     L.dispatch_recv_msg(e % L.num_local, rank, s_slot[k]) + begin * 16LL;
-            warp_send(reinterpret_cast<const int4*>(msg) + begin, offset, min(part_int4, msg_int4 - begin), base,
-                      peer_bases, e / L.num_local);
-            __syncwarp();
-            if (lane_id() == 0) {
-                if (peer_bases[e / L.num_local] == 0) nvshmem_quiet();
-                red_add_release_sys(finish + e, 1);  // release: this warp's part is written
+        token_dests(topk_idx, t, num_topk, E, L.num_local, L.num_max_tokens, hist, s_expert, s_slot, s_dest,
+                    s_num_dest);
+        // Warp 0, lane k: the index entry of (t, k) on the expert's rank (the message itself goes once per rank).
+        bool index_put = false;
+        if (warp_id() == 0 && lane < num_topk && s_slot[lane] >= 0) {
+            const int e = s_expert[lane], pe = e / L.num_local;
+            const long long offset = recv + L.dispatch_recv_index(e % L.num_local, rank, s_slot[lane]);
+            char* direct = reinterpret_cast<char*>(peer_bases[pe]);
+            if (direct != nullptr) {
+                *reinterpret_cast<int*>(direct + offset) = t;
+            } else {
+                nvshmem_int_p(reinterpret_cast<int*>(base + offset), t, pe);
+                index_put = true;
             }
         }
-        __syncthreads();  // slots and histogram are reused by the next token
+        __syncthreads();  // the message, the slots and the destinations are visible to the block
+        advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
+        // The message to each destination rank, at [my rank][t] of its recv region: the warps split evenly
+        // over the destinations, each warp one part of the message.
+        const int num_dest = *s_num_dest;
+        if (num_dest > 0) {
+            const int warps_per_dest = kLLWarps / num_dest;
+            const int d = warp_id() / warps_per_dest, part = warp_id() - d * warps_per_dest;
+            if (d < num_dest) {
+                const int part_int4 = (msg_int4 + warps_per_dest - 1) / warps_per_dest;
+                const int begin = part * part_int4;
+                const int pe = s_dest[d];
+                warp_send(reinterpret_cast<const int4*>(msg) + begin, recv + L.dispatch_recv_msg(rank, t) + begin * 16LL,
+                          min(part_int4, msg_int4 - begin), base, peer_bases, pe);
+                __syncwarp();
+                if (lane == 0 && peer_bases[pe] == 0) nvshmem_quiet();
+            }
+        }
+        if (index_put) nvshmem_quiet();
+        __syncthreads();  // every part and index entry of this token is written (puts: completed)
+        // One count per kept (t, k): its index entry and the message it points at are written (the barrier
+        // orders the other warps' stores before this thread's release). Warp 0 wrote s_expert/s_slot itself and
+        // only rewrites them after these adds (program order), so the next token needs no extra barrier.
+        if (warp_id() == 0 && lane < num_topk && s_slot[lane] >= 0) red_add_release_sys(finish + s_expert[lane], 1);
     }
-    stamp(stamps, kStampSendWritten);
+    stamp(stamps, kStampSendWritten);  // thread 0 is past the last token's barrier (and its own adds)
 
-    // Signallers: expert e's count goes out once all its parts (from every block) are written.
+    // Signallers: expert e's count goes out once all its index entries and messages (from every block) are written.
     if (lane_id() == 0) {
         for (int e = blockIdx.x + gridDim.x * warp_id(); e < E; e += gridDim.x * kLLWarps) {
             const int count = min(hist_all[e], L.num_max_tokens);
-            const int target = count * warps_per_k;
             const WaitSite site{kKernelLowLatencyDispatch, kRoleSignaller, e, e / L.num_local};
             if (!pass_countdown(workspace + kWsDispatchClear, ctx, site)) break;
-            const bool ok = wait_until(ctx, site, [&] { return ld_acquire_sys(finish + e) >= target; },
+            const bool ok = wait_until(ctx, site, [&] { return ld_acquire_sys(finish + e) >= count; },
                                        [&](long long& head, long long& tail, long long& expected) {
                                            head = ld_volatile(finish + e);
                                            tail = count;
-                                           expected = target;
+                                           expected = count;
                                        });
             if (!ok) break;
             finish[e] = 0;  // for the next call (kernel boundary orders it)
@@ -367,26 +420,41 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
         for (int s = 0; s < R; ++s) {
             const int count = s_counts[g.index][s];
             if (g.thread == 0) packed_recv_layout_range[(long long)e * R + s] = ((long long)begin << 32) | count;
-            const char* msgs = recv + L.dispatch_recv_msg(e, s, 0);
+            const int* index = reinterpret_cast<const int*>(recv + L.dispatch_recv_index(e, s, 0));
+            const char* msgs = recv + L.dispatch_recv_msg(s, 0);  // message of (s, t) at msgs + t * msg_bytes
             const long long row0 = (long long)e * rows_per_expert + begin;
-            // payload rows
-            group_copy(g, count * data_int4,
-                       [&](int u) {
-                           const int i = u / data_int4, c = u - i * data_int4;
-                           return ld_ring_v4(reinterpret_cast<const int4*>(msgs + i * L.msg_bytes + 16) + c);
-                       },
-                       [&](int u, int4 v) {
-                           const int i = u / data_int4, c = u - i * data_int4;
-                           reinterpret_cast<int4*>(packed_recv_x)[(row0 + i) * data_int4 + c] = v;
-                       });
+            // payload rows: row i is the message of token index[i]; the index loads of a thread's kInFlight
+            // units go out together, then their payload loads
+            {
+                constexpr int kInFlight = 4;
+                const int units = count * data_int4;
+                int4* out = reinterpret_cast<int4*>(packed_recv_x) + row0 * data_int4;
+                for (int u = g.thread; u < units; u += kInFlight * g.threads) {
+                    int token[kInFlight];
+#pragma unroll
+                    for (int j = 0; j < kInFlight; ++j)
+                        if (u + j * g.threads < units) token[j] = ld_volatile(index + (u + j * g.threads) / data_int4);
+                    int4 v[kInFlight];
+#pragma unroll
+                    for (int j = 0; j < kInFlight; ++j) {
+                        const int w = u + j * g.threads;
+                        if (w < units)
+                            v[j] = ld_ring_v4(reinterpret_cast<const int4*>(msgs + token[j] * L.msg_bytes + 16) +
+                                              w % data_int4);
+                    }
+#pragma unroll
+                    for (int j = 0; j < kInFlight; ++j)
+                        if (u + j * g.threads < units) out[u + j * g.threads] = v[j];
+                }
+            }
             // source token indices and scales (column-major: [L][S][R*M])
-            for (int i = g.thread; i < count; i += g.threads)
-                packed_recv_src_info[row0 + i] = ld_volatile(reinterpret_cast<const int*>(msgs + i * L.msg_bytes));
+            for (int i = g.thread; i < count; i += g.threads) packed_recv_src_info[row0 + i] = ld_volatile(index + i);
             if constexpr (kUseFP8) {
                 const int words = use_ue8m0 ? num_scales / 4 : num_scales;
                 for (int u = g.thread; u < count * words; u += g.threads) {
                     const int i = u / words, j = u - i * words;
-                    const float* scales = reinterpret_cast<const float*>(msgs + i * L.msg_bytes + 16 + L.hidden);
+                    const float* scales =
+                        reinterpret_cast<const float*>(msgs + ld_volatile(index + i) * L.msg_bytes + 16 + L.hidden);
                     const long long at = ((long long)e * words + j) * rows_per_expert + begin + i;
                     if (use_ue8m0) {
                         unsigned packed = 0;
@@ -420,14 +488,15 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
          const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
          int groups_per_block, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hist[kLLMaxExperts], hist_all[kLLMaxExperts];
-    __shared__ int s_expert[kLLMaxTopk], s_slot[kLLMaxTopk];
+    __shared__ int s_expert[kLLMaxTopk], s_slot[kLLMaxTopk], s_dest[kLLMaxTopk], s_num_dest;
     __shared__ int s_counts[kLLMaxGroups][kLLMaxRanks];
     __shared__ int s_failed[kLLMaxGroups];
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
     if (phases & kPhaseSend)
         dispatch_send<kUseFP8>(x, topk_idx, num_tokens, num_topk, round_scale != 0, b, peer_bases, L, buffer_idx,
-                               workspace, ctx, hist, hist_all, s_expert, s_slot, stamps);
+                               workspace, ctx, hist, hist_all, s_expert, s_slot, s_dest, &s_num_dest,
+                               stamps);
     if (phases & kPhaseRecv)
         dispatch_recv<kUseFP8>(packed_recv_x, packed_recv_scales, packed_recv_count, packed_recv_src_info,
                                packed_recv_layout_range, cumulative_stats, use_ue8m0 != 0, b, L, buffer_idx,
@@ -575,7 +644,8 @@ __global__ void clean_low_latency_buffer(int* signals0, int num_signals0, int* s
     nvshmemx_barrier_all_block();
 }
 
-// out: signal, send, recv, total bytes and the offsets of sig1, send0, recv0 (config.low_latency_layout).
+// out: signal, send, recv, total bytes, the offsets of sig1, send0, recv0 and the dispatch's index table inside
+// a recv region (config.low_latency_layout).
 __global__ void ll_carve_probe(int max_tokens, int hidden, int num_ranks, int num_experts, long long* out) {
     const LowLatencyLayout L(max_tokens, hidden, num_ranks, num_experts);
     out[0] = L.signal_bytes;
@@ -585,6 +655,7 @@ __global__ void ll_carve_probe(int max_tokens, int hidden, int num_ranks, int nu
     out[4] = L.signal_offset(1);
     out[5] = L.send_offset(0);
     out[6] = L.recv_offset(0);
+    out[7] = L.index_offset;
 }
 
 }  // namespace ep

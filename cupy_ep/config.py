@@ -238,25 +238,28 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
                        num_experts: int) -> dict:
     """Byte sizes and offsets of the GPU's ``LowLatencyLayout`` (cuda_src/buffer.cuh), which it mirrors.
 
-    Two buffers alternate, laid out ``[sig0][sig1][send0][send1][recv0][recv1]``; M tokens, E experts::
+    Two buffers alternate, laid out ``[sig0][sig1][send0][send1][recv0][recv1]``; M tokens, E experts, R ranks::
 
         msg    = 16 + 2H                         # dispatch message: header + bf16 row (>= e4m3 row + scales)
         row    = 2H                              # combine row (no LogFMT metadata)
         signal = align_up(4E)
         send   = align_up(max(M * msg, E * M * row))
-        recv   = align_up(max(E * M * msg, E * M * row))
+        index  = R * M * msg                     # dispatch recv: messages [R][M], then int32 index [E/R][R][M]
+        recv   = align_up(max(index + 4 * E * M, E * M * row))
         total  = 2 * (signal + send + recv)
 
+    ``dispatch_index_offset`` is ``index``: where the dispatch's index table starts inside a recv region.
     Never more than :func:`low_latency_rdma_size_hint` for the shapes DeepEP supports (hidden >= 512).
     """
-    m, e = num_max_dispatch_tokens_per_rank, num_experts
+    m, e, r = num_max_dispatch_tokens_per_rank, num_experts, num_ranks
     msg, row = 16 + 2 * hidden, 2 * hidden
     signal = align_up(4 * e)
     send = align_up(max(m * msg, e * m * row))
-    recv = align_up(max(e * m * msg, e * m * row))
+    index = r * m * msg
+    recv = align_up(max(index + 4 * e * m, e * m * row))
     return {"msg_bytes": msg, "row_bytes": row, "signal_bytes": signal, "send_bytes": send, "recv_bytes": recv,
             "total_bytes": 2 * (signal + send + recv), "signal_offset_1": signal, "send_offset_0": 2 * signal,
-            "recv_offset_0": 2 * (signal + send)}
+            "recv_offset_0": 2 * (signal + send), "dispatch_index_offset": index}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -7,6 +7,9 @@ Decisions (research/deepep.md §1.8, §4 is the model):
 * rows of a local expert are ordered (source rank, token, k), bit for bit as :mod:`cupy_ep.reference`: the
   kernels compute each message's slot from a histogram of ``topk_idx`` instead of DeepEP's atomics, so the
   output is deterministic (no sorting needed to compare, reproducible across runs);
+* dispatch sends each token once per destination rank (to ``[source rank][token]`` of its recv region) plus one
+  4-byte index entry per (token, k) at ``[local expert][source rank][slot]``; the receiver gathers the expert's
+  rows through the index (``LowLatencyLayout`` in cuda_src/buffer.cuh, :func:`cupy_ep.config.low_latency_layout`);
 * one launch per call (send and receive phases in one kernel, no grid barrier: every block is resident, grid
   = SM count); ``return_recv_hook=True`` launches the send phase only and the hook launches the receive phase;
 * two buffers alternate per call (dispatch and combine alike); each call zeroes the other buffer's signals, so

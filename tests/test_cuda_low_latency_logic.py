@@ -1,10 +1,14 @@
 """GPU-less checks of the low-latency GPU path's pure-Python logic: layout sizes vs the DeepEP size hint,
-warp-group choice, NVSHMEM environment defaults, the teardown decision of LowLatencyState.destroy."""
+warp-group choice, NVSHMEM environment defaults, the teardown decision of LowLatencyState.destroy; and a numpy
+model of the dispatch's wire scheme in low_latency.cu (messages once per destination rank at [src][token], the
+index table [L][R][M], the per-expert counts) on the layout's byte offsets, checked against the reference.
+The model is written from the kernel's description, not run from it: it checks the scheme, not the CUDA code."""
 import os
 
+import numpy as np
 import pytest
 
-from cupy_ep import config
+from cupy_ep import config, reference
 from cupy_ep.cuda_low_latency import groups_per_block, set_nvshmem_env
 
 
@@ -108,3 +112,139 @@ def test_destroy_skips_every_nvshmem_collective_when_a_device_failed(monkeypatch
         state.destroy()
     assert nv.calls == [] and state.nv is None
     assert ("rank(s) [0]" if broken == "peer" else "rank(s) [1]") in state.leaked
+
+
+# ---- the dispatch's wire scheme, modelled in numpy on the layout's byte offsets ------------------------------
+@pytest.mark.parametrize("ranks,experts", [(2, 4), (2, 256), (4, 16)])
+def test_dispatch_index_table_lies_after_the_messages_inside_the_recv_region(ranks, experts):
+    M, H = 128, 7168
+    lay = config.low_latency_layout(M, H, ranks, experts)
+    assert lay["dispatch_index_offset"] == ranks * M * lay["msg_bytes"]  # messages [R][M]
+    assert lay["dispatch_index_offset"] % 16 == 0
+    assert lay["dispatch_index_offset"] + 4 * experts * M <= lay["recv_bytes"]  # index [L][R][M] int32
+    assert experts * M * lay["row_bytes"] <= lay["recv_bytes"]  # the combine's rows [E][M] still fit
+
+
+def test_dispatch_recv_region_is_smaller_than_one_message_per_expert_slot():
+    lay = config.low_latency_layout(128, 7168, 2, 256)
+    # dispatch needs R*M messages + E*M ints (3.8 MB), no longer E*M messages: recv_bytes is the combine's rows
+    assert lay["dispatch_index_offset"] + 4 * 256 * 128 < 4 << 20
+    assert lay["recv_bytes"] == config.align_up(256 * 128 * 2 * 7168)
+
+
+def _send_model(rank, x_cast, scales, topk_idx, M, E, R, recv, lay, log):
+    """One source rank's dispatch send as low_latency.cu does it: per token the slots of its kept (t, k)
+    (histogram of the rows before it), the distinct destination ranks (first k first), the index entries, the
+    message once per destination rank; then per expert the count its counter reached."""
+    L, H = E // R, x_cast.shape[1]
+    hist = np.zeros(E, np.int64)
+    finish = np.zeros(E, np.int64)
+    for t, row in enumerate(topk_idx):
+        kept = []
+        for k, e in enumerate(row):
+            if 0 <= e < E:
+                slot = hist[e] + sum(1 for j in range(k) if row[j] == e)
+                if slot < M:
+                    kept.append((int(e), int(slot)))
+        dests = list(dict.fromkeys(e // L for e, _ in kept))  # __match_any_sync: distinct, in order of first k
+        for e, slot in kept:
+            at = lay["dispatch_index_offset"] + ((e % L * R + rank) * M + slot) * 4
+            recv[e // L][at:at + 4] = np.array([t], np.int32).view(np.uint8)
+        msg = np.zeros(lay["msg_bytes"], np.uint8)
+        msg[:4] = np.array([t], np.int32).view(np.uint8)
+        msg[16:16 + H] = x_cast[t]
+        msg[16 + H:16 + H + 4 * (H // 128)] = scales[t].astype(np.float32).view(np.uint8)
+        for r in dests:
+            at = (rank * M + t) * lay["msg_bytes"]
+            recv[r][at:at + lay["msg_bytes"]] = msg
+            log.append((rank, r, t))
+        for e, _ in kept:
+            finish[e] += 1
+        for e in row:
+            if 0 <= e < E:
+                hist[e] += 1
+    counts = np.minimum(hist, M)  # min(hist_all[e], M): the signaller waits for exactly this many adds
+    assert np.array_equal(finish, counts)
+    return counts
+
+
+def _recv_model(rank, counts_from, M, E, R, H, recv, lay, use_ue8m0):
+    """The dispatch receive of `rank`: per (local expert, source) read the count, gather through the index."""
+    L, S = E // R, H // 128
+    recv_x = np.zeros((L, R * M, H), np.uint8)
+    words = S // 4 if use_ue8m0 else S
+    recv_scales = np.zeros((L, words, R * M), np.int32 if use_ue8m0 else np.float32)
+    src_info = np.zeros((L, R * M), np.int32)
+    layout_range = np.zeros((L, R), np.int64)
+    count = np.zeros(L, np.int32)
+    for e in range(L):
+        begin = 0
+        for s in range(R):
+            n = int(counts_from[s][rank * L + e])
+            layout_range[e, s] = (begin << 32) | n
+            at = lay["dispatch_index_offset"] + (e * R + s) * M * 4
+            index = recv[rank][at:at + 4 * n].view(np.int32)
+            for i, t in enumerate(index):
+                assert 0 <= t < M
+                m = (s * M + int(t)) * lay["msg_bytes"]
+                msg = recv[rank][m:m + lay["msg_bytes"]]
+                recv_x[e, begin + i] = msg[16:16 + H]
+                sc = msg[16 + H:16 + H + 4 * S].view(np.float32)
+                if use_ue8m0:
+                    recv_scales[e, :, begin + i] = reference.pack_ue8m0(sc[None, :])[0]
+                else:
+                    recv_scales[e, :, begin + i] = sc
+                src_info[e, begin + i] = t
+            begin += n
+        count[e] = begin
+    return recv_x, recv_scales, src_info, layout_range, count
+
+
+@pytest.mark.parametrize("R,E,K,T,M,mask,dup", [(2, 16, 4, 12, 16, 0.0, False), (2, 8, 8, 16, 16, 0.2, False),
+                                                (4, 32, 6, 9, 12, 0.3, False), (3, 6, 5, 7, 36, 0.0, True),
+                                                (2, 4, 3, 0, 4, 0.0, False)])
+@pytest.mark.parametrize("use_ue8m0", [False, True])
+def test_dispatch_scheme_model_matches_the_reference(R, E, K, T, M, mask, dup, use_ue8m0):
+    """The once-per-rank messages + index table, on stale (random) recv regions, give the reference's outputs,
+    and no message slot [src][token] of a rank is written twice in one call."""
+    from tests.helpers import make_inputs
+    rng = np.random.default_rng(R * 1000 + E * 10 + K)
+    H = 512
+    ins = [make_inputs(rng, T, H, K, E, R, mask_prob=mask, duplicates=dup) for _ in range(R)]
+    xs, idxs = [i.x for i in ins], [i.topk_idx for i in ins]
+    lay = config.low_latency_layout(M, H, R, E)
+    recv = [rng.integers(0, 256, lay["recv_bytes"], dtype=np.uint8) for _ in range(R)]  # stale bytes
+    log = []
+    counts_from = []
+    for s in range(R):
+        x_cast, scales = reference.per_token_cast_to_fp8(xs[s], round_scale=use_ue8m0)
+        counts_from.append(_send_model(s, x_cast, scales, idxs[s], M, E, R, recv, lay, log))
+    assert len(log) == len(set(log))  # each (source, destination, token) message once
+    for t_rank in range(R):
+        want = reference.low_latency_dispatch(xs, idxs, M, E, t_rank, use_fp8=True, round_scale=use_ue8m0,
+                                              use_ue8m0=use_ue8m0)
+        recv_x, recv_scales, src_info, layout_range, count = _recv_model(t_rank, counts_from, M, E, R, H, recv,
+                                                                         lay, use_ue8m0)
+        assert np.array_equal(count, want.recv_count)
+        assert np.array_equal(layout_range, want.layout_range)
+        for e in range(E // R):
+            n = count[e]
+            assert np.array_equal(recv_x[e, :n], want.recv_x[e, :n])
+            assert np.array_equal(src_info[e, :n], want.src_info[e, :n])
+            assert np.array_equal(recv_scales[e, :, :n], np.moveaxis(want.recv_x_scales[e, :n], 0, -1))
+
+
+def test_dispatch_scheme_sends_each_token_once_per_destination_rank():
+    """Top-8 of 256 on 2 ranks: the messages that cross are the (token, rank) pairs, not the (token, k) ones."""
+    from tests.helpers import make_inputs
+    rng = np.random.default_rng(7)
+    R, E, K, T, M, H = 2, 256, 8, 128, 128, 512
+    ins = [make_inputs(rng, T, H, K, E, R) for _ in range(R)]
+    lay = config.low_latency_layout(M, H, R, E)
+    recv = [np.zeros(lay["recv_bytes"], np.uint8) for _ in range(R)]
+    log = []
+    for s in range(R):
+        x_cast, scales = reference.per_token_cast_to_fp8(ins[s].x)
+        _send_model(s, x_cast, scales, ins[s].topk_idx, M, E, R, recv, lay, log)
+    pairs = sum(len({int(e) // (E // R) for e in row}) for i in ins for row in i.topk_idx)
+    assert len(log) == pairs <= 2 * T * R < T * K * R  # at most R per token instead of K
