@@ -156,6 +156,19 @@ __device__ __forceinline__ void reduce_columns(int4* dst, const int4* src0, cons
         dst[c + u * kWarpSize] = make_int4((int)pack_bf16x2(acc[u][0], acc[u][1]), (int)pack_bf16x2(acc[u][2], acc[u][3]),
                                            (int)pack_bf16x2(acc[u][4], acc[u][5]), (int)pack_bf16x2(acc[u][6], acc[u][7]));
 }
+// Top-k weight k of a token summed over its sources' ring copies (slot < 0: the source does not hold it), in
+// source order like reduce_rows; the weights sit at weights_off bytes into each ring token.
+template <int kSources>
+__device__ __forceinline__ float sum_token_weight(const int4* src0, const long long* slot, long long weights_off,
+                                                  int k) {
+    float sum = 0.0f;
+    for (int j = 0; j < kSources; ++j) {
+        if (slot[j] < 0) continue;
+        const char* token = reinterpret_cast<const char*>(src0 + slot[j]);
+        sum += ld_volatile(reinterpret_cast<const float*>(token + weights_off) + k);
+    }
+    return sum;
+}
 template <int kSources>
 __device__ __forceinline__ void reduce_rows(int4* dst, const int4* src0, const long long* slot, const int4* bias0,
                                             const int4* bias1, int n) {
@@ -960,16 +973,8 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
             reduce_rows<N>(combined_x + row, ring0, slot, bias0 != nullptr ? bias0 + row : nullptr,
                            bias1 != nullptr ? bias1 + row : nullptr, hidden_int4);
             if (combined_topk_weights != nullptr) {
-                for (int kk = lane; kk < num_topk; kk += kWarpSize) {
-                    float sum = 0.0f;
-                    for (int n = 0; n < N; ++n) {
-                        const long long s = slot[n];
-                        if (s < 0) continue;
-                        const char* tb = reinterpret_cast<const char*>(ring0 + s);
-                        sum += ld_volatile(reinterpret_cast<const float*>(tb + fmt.weights_off) + kk);
-                    }
-                    combined_topk_weights[(long long)t * num_topk + kk] = sum;
-                }
+                for (int kk = lane; kk < num_topk; kk += kWarpSize)
+                    combined_topk_weights[(long long)t * num_topk + kk] = sum_token_weight<N>(ring0, slot, fmt.weights_off, kk);
             }
             __syncwarp();
             if (lane == 0) {
@@ -1041,16 +1046,9 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
                 __syncwarp();
                 int4* dst = ring + (long long)(i % num_rdma_slots) * fmt.int4s;
                 reduce_rows<G>(dst, nvl0, slot, nullptr, nullptr, hidden_int4);
-                for (int kk = lane; kk < num_topk; kk += kWarpSize) {
-                    float sum = 0.0f;
-                    for (int j = 0; j < G; ++j) {
-                        const long long s = slot[j];
-                        if (s < 0) continue;
-                        const char* tb = reinterpret_cast<const char*>(nvl0 + s);
-                        sum += ld_volatile(reinterpret_cast<const float*>(tb + fmt.weights_off) + kk);
-                    }
-                    reinterpret_cast<float*>(reinterpret_cast<char*>(dst) + fmt.weights_off)[kk] = sum;
-                }
+                for (int kk = lane; kk < num_topk; kk += kWarpSize)
+                    reinterpret_cast<float*>(reinterpret_cast<char*>(dst) + fmt.weights_off)[kk] =
+                        sum_token_weight<G>(nvl0, slot, fmt.weights_off, kk);
                 __syncwarp();
                 // One consumer per sub-ring, in order: the slot is free again.
                 if (lane < G && h >= 0) st_release_sys(nl.head.on(nvl_ptrs[lane], channel, nvl_rank) + n, h + 1);
