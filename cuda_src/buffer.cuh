@@ -87,17 +87,21 @@ struct SymBuffer {
 // Count exchange of notify_dispatch: row-major matrix [src][dst] of tokens, and per source rank the
 // token counts of the receiving rank's local experts. call_words[src][kCallWords]: what each rank says
 // this call is (op, channels, ring slots, row size...), compared by every rank before any ring is used.
+// num_tokens[src]: the source's token count, published by cached_notify_combine (a combine's sender needs
+// the token owner's count to find the owner's channel ranges).
 constexpr int kCallWords = 8;
 struct NotifyArea {
     Buffer<int> rank_matrix;     // [kMaxNvlRanks * kMaxNvlRanks]
     Buffer<int> expert_counts;   // [kMaxNvlRanks][kMaxLocalExperts]
     Buffer<int> call_words;      // [kMaxNvlRanks][kCallWords]
+    Buffer<int> num_tokens;      // [kMaxNvlRanks]
     long long end;
     __device__ NotifyArea() {
         Carver c(kSignalBytes);
         rank_matrix = Buffer<int>(c, kMaxNvlRanks * kMaxNvlRanks);
         expert_counts = Buffer<int>(c, (long long)kMaxNvlRanks * kMaxLocalExperts);
         call_words = Buffer<int>(c, kMaxNvlRanks * kCallWords);
+        num_tokens = Buffer<int>(c, kMaxNvlRanks);
         end = c.offset;
     }
 };

@@ -4,9 +4,10 @@
 //   barrier               all ranks meet (signal counters in every rank's buffer)
 //   notify_dispatch       count exchange -> rank/channel prefix matrices, per-expert counts to the host
 //   cached_notify_dispatch  reuse a handle: only reset the rings
-//   dispatch              channels = SM pairs: even block sends channel c, odd block receives it
-//   cached_notify_combine reset the combine rings
-//   combine               reverse direction, reduced on the token's owner
+//   dispatch              channels = SM pairs (even block sends channel c, odd block receives it), plus
+//                         blocks that copy the rank's own rows
+//   cached_notify_combine reset the combine rings, publish the token count
+//   combine               reverse direction, reduced on the token's owner (channels of its own)
 //   carve_probe           writes the layout sums (tests compare them with cupy_ep/config.py)
 //
 // Flow control per (channel, peer) ring: the producer waits until Q - (tail - head) >= chunk, writes
@@ -186,12 +187,14 @@ __global__ void notify_dispatch(const int* num_tokens_per_rank, const int* num_t
 }
 
 // Zero a layout's ring meta (start/end/head/tail) in my buffer between two barriers, and check that all
-// ranks agree about the call.
+// ranks agree about the call. num_tokens >= 0: also tell every peer my token count (notify.num_tokens).
 template <int kNumRanks>
 __device__ void reset_rings(void** buffer_ptrs, int rank, long long begin, long long meta_end,
-                            const CallWords& words, const DeviceCtx* ctx, int kernel) {
+                            const CallWords& words, const DeviceCtx* ctx, int kernel, int num_tokens = -1) {
     if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kernel)) return;
     publish_call_words<kNumRanks>(buffer_ptrs, rank, words);
+    if (num_tokens >= 0 && threadIdx.x < kNumRanks)
+        NotifyArea().num_tokens.on(buffer_ptrs[threadIdx.x])[rank] = num_tokens;
     zero_ints(at_offset<int>(buffer_ptrs[rank], begin), (meta_end - begin) / 4);
     if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kernel)) return;
     check_call_words<kNumRanks>(buffer_ptrs, rank, words, ctx, kernel);
@@ -206,13 +209,14 @@ __global__ void cached_notify_dispatch(void** buffer_ptrs, int rank, int num_cha
                            kKernelCachedNotifyDispatch);
 }
 
+// Also publishes num_tokens: a combine sender needs the token owner's count to cut its channels.
 template <int kNumRanks>
 __global__ void cached_notify_combine(void** buffer_ptrs, int rank, int num_channels, int num_slots,
-                                      int hidden_int4, int num_topk, const DeviceCtx* ctx) {
+                                      int hidden_int4, int num_topk, int num_tokens, const DeviceCtx* ctx) {
     const CombineLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk);
     const CallWords words{{kOpCombine, num_channels, num_slots, hidden_int4, num_topk, 0, 0, 0}};
     reset_rings<kNumRanks>(buffer_ptrs, rank, layout.begin, layout.meta_end, words, ctx,
-                           kKernelCachedNotifyCombine);
+                           kKernelCachedNotifyCombine, num_tokens);
 }
 
 // Senders copy rows of this rank's own input into a peer's ring with 6 loads per lane in flight (the most the
@@ -220,15 +224,18 @@ __global__ void cached_notify_combine(void** buffer_ptrs, int rank, int num_chan
 constexpr int kSendUnroll = 6;
 
 // ---------------------------------------------------------------------------------------------------
-// dispatch: grid 2C, Groups<R>::kThreads threads. Even block = sender of channel blockIdx/2, odd block =
-// its receiver.
+// dispatch: grid 2C + O blocks of Groups<R>::kThreads threads (Config.intranode_dispatch_split picks C and O).
+// Blocks 2c and 2c + 1 are channel c's sender and receiver; blocks 2C .. 2C + O - 1 copy the own rows.
 // Sender: every warp writes to a remote peer (RemoteGroups: the warps are spread over the R-1 peers). A
 //   sender SM's NVLink bandwidth is bound by the bytes its warps keep in flight (about 1.8 GB/s per warp,
 //   measured), so none of them is spent on the own rank's rows.
-// Receiver: warps grouped per source rank (Groups). A remote source's group drains the ring (c, source);
-//   the own rank's group copies this rank's own rows of the channel from x straight into the outputs at
-//   their final rows (one local copy instead of x -> ring -> recv_x, and no flow control), with the send_head
-//   values a ring would have given them.
+// Receiver: its warps grouped over the R-1 remote sources (RemoteGroups again); a group drains the ring
+//   (c, source) into the outputs with bulk copies.
+// Own-row blocks: this rank's own tokens go from x straight into the outputs at their final rows: one
+//   local copy instead of x -> ring -> recv_x, no flow control, and SMs of their own, because a receiver SM
+//   is already busy with its rings (its copies read and write HBM: about 95 GB/s of traffic per SM).
+// send_head[t][r] = the row of token t inside rank r's block of rows from this rank (the count of earlier
+// tokens sent to r), -1 if not sent: independent of channels, so a combine may use other channels.
 // ---------------------------------------------------------------------------------------------------
 // Warp groups over the R-1 remote peers. Only where that gives every peer more warps than Groups does
 // (R <= 5) are the warps regrouped; otherwise group g serves peer g and the own group idles (same width,
@@ -255,6 +262,77 @@ struct RemoteGroups {
     __device__ static int warp_in_group() { return warp_id() % kWarpsPerPeer; }
 };
 
+// The top-k ids of a row as `dst_rank` receives them (local expert id, or -1 and weight 0 if another rank
+// owns the expert), and its FP8 scales; the lanes of a warp split the entries.
+template <typename IdxT>
+__device__ __forceinline__ void copy_own_row_meta(IdxT* recv_topk_idx, float* recv_topk_weights, float* recv_x_scales,
+                                                  long long out, const IdxT* topk_idx, const float* topk_weights,
+                                                  const float* x_scales, int t, int num_topk, int dst_rank,
+                                                  int experts_per_rank, int num_scales, long long scale_token_stride,
+                                                  long long scale_hidden_stride) {
+    if (recv_topk_idx != nullptr) {
+        for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+            const long long e = (long long)topk_idx[(long long)t * num_topk + k];
+            const long long local = e - (long long)dst_rank * experts_per_rank;
+            const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
+            recv_topk_idx[out * num_topk + k] = (IdxT)(owned ? local : -1);
+            recv_topk_weights[out * num_topk + k] =
+                owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
+        }
+    }
+    for (int i = lane_id(); i < num_scales; i += kWarpSize)
+        recv_x_scales[out * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
+}
+
+// Own-row block `own_block` of `num_own_blocks`: the blocks split the tokens into equal ranges of whole
+// windows of 32. A token's row inside the own source block is the count of earlier own tokens (= its
+// send_head); the count before the range comes from channel_prefix_matrix plus a scan of the part of the
+// range's first channel that lies before it.
+template <int kNumRanks, typename IdxT>
+__device__ void copy_own_rows(int own_block, int num_own_blocks, TmaCopier& tma, int4* recv_x, float* recv_x_scales,
+                              int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights, int* send_head,
+                              const int4* x, const float* x_scales, const IdxT* topk_idx, const float* topk_weights,
+                              const bool* is_token_in_rank, const int* channel_prefix_matrix,
+                              const int* rank_prefix_matrix, int num_tokens, int num_channels, int hidden_int4,
+                              int num_topk, int num_experts, int num_scales, long long scale_token_stride,
+                              long long scale_hidden_stride, int rank) {
+    using G = Groups<kNumRanks>;
+    const int num_windows = (num_tokens + kWarpSize - 1) / kWarpSize;
+    const int per_block = (num_windows + num_own_blocks - 1) / num_own_blocks * kWarpSize;
+    const int begin = min(own_block * per_block, num_tokens), end = min(begin + per_block, num_tokens);
+    if (begin >= end) return;  // uniform over the block
+    const int per_channel = (num_tokens + num_channels - 1) / num_channels;
+    const int first_channel = begin / per_channel;
+    int base = first_channel > 0 ? channel_prefix_matrix[rank * num_channels + first_channel - 1] : 0;
+    for (int t0 = first_channel * per_channel; t0 < begin; t0 += blockDim.x) {
+        const int t = t0 + threadIdx.x;
+        base += __syncthreads_count(t < begin && is_token_in_rank[(long long)t * kNumRanks + rank]);
+    }
+    const int row_begin = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) + base;
+    const int experts_per_rank = num_experts / kNumRanks;
+    const long long row_bytes = (long long)hidden_int4 * 16;
+    // Every warp scans every window (one load + ballot) and takes the selected tokens k with
+    // (count + k) % warps == its index: no barriers, the same rows as a ring receiver would write.
+    int count = 0;
+    for (int w0 = begin, window = 0; w0 < end; w0 += kWarpSize, ++window) {
+        const int t_lane = w0 + lane_id();
+        const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + rank];
+        const unsigned mask = __ballot_sync(0xffffffffu, selected);
+        if (send_head != nullptr && window % G::kWarps == warp_id() && t_lane < end)
+            send_head[(long long)t_lane * kNumRanks + rank] =
+                selected ? base + count + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
+        for (int j = (warp_id() - count % G::kWarps + G::kWarps) % G::kWarps; j < __popc(mask); j += G::kWarps) {
+            const int t = w0 + nth_set_bit(mask, j);
+            const long long out = row_begin + count + j;
+            if (lane_id() == 0) tma.copy(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, row_bytes);
+            if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = t;
+            copy_own_row_meta(recv_topk_idx, recv_topk_weights, recv_x_scales, out, topk_idx, topk_weights, x_scales,
+                              t, num_topk, rank, experts_per_rank, num_scales, scale_token_stride, scale_hidden_stride);
+        }
+        count += __popc(mask);
+    }
+}
+
 template <int kNumRanks, typename IdxT>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
 dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights,
@@ -263,23 +341,28 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
          const bool* is_token_in_rank, const int* channel_prefix_matrix, const int* rank_prefix_matrix,
          int num_tokens, int num_worst_tokens, int hidden_int4, int num_topk, int num_experts, int num_scales,
          long long scale_token_stride, long long scale_hidden_stride,
-         void** buffer_ptrs, int rank, int num_max_send_tokens, int num_slots, const DeviceCtx* ctx) {
+         void** buffer_ptrs, int rank, int num_channels, int num_max_send_tokens, int num_slots,
+         const DeviceCtx* ctx) {
     using G = Groups<kNumRanks>;
     using RG = RemoteGroups<kNumRanks>;
-    const int num_channels = gridDim.x / 2;
     const int channel = blockIdx.x / 2;
-    const bool is_sender = (blockIdx.x % 2) == 0;
+    const bool is_own_rows = (int)blockIdx.x >= 2 * num_channels;
+    const bool is_sender = !is_own_rows && (blockIdx.x % 2) == 0;
     __shared__ int s_value[kNumRanks];
     __shared__ int s_abort[kNumRanks];
     __shared__ int s_start[kNumRanks];
     __shared__ int s_count[kNumRanks];
     __shared__ unsigned long long s_tma_bar[G::kWarps];
-    extern __shared__ __align__(128) unsigned char s_tma_buf[];  // receiver: kTmaChunkBytes per warp
+    extern __shared__ __align__(128) unsigned char s_tma_buf[];  // receivers: kTmaChunkBytes per warp
     if (block_aborted(ctx)) return;
 
     const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
     const long long row_bytes = (long long)hidden_int4 * 16;
     if (is_sender) {
+        // The own source's channel start (what a ring receiver learns from its sender's start value).
+        if (threadIdx.x == 0 && recv_channel_prefix_matrix != nullptr)
+            recv_channel_prefix_matrix[rank * num_channels + channel] =
+                channel > 0 ? channel_prefix_matrix[rank * num_channels + channel - 1] : 0;
         const int peer = RG::peer_of_warp(rank);  // destination
         if (peer >= 0) {
             const int experts_per_rank = num_experts / kNumRanks;
@@ -296,10 +379,11 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
             int* ring_topk = layout.topk_idx.on(dst_base, channel, rank);
             float* ring_weights = layout.topk_weights.on(dst_base, channel, rank);
             float* ring_scales = layout.scales.on(dst_base, channel, rank);
+            // Tokens of earlier channels sent to peer: the first row of this channel in peer's block.
+            const int sent_before = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
 
             if (leader) {  // -v-1 so that 0 keeps meaning "not written yet"
-                const int prev = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
-                st_relaxed_sys(layout.start.on(dst_base, channel, rank), -prev - 1);
+                st_relaxed_sys(layout.start.on(dst_base, channel, rank), -sent_before - 1);
                 st_relaxed_sys(layout.end.on(dst_base, channel, rank),
                                -channel_prefix_matrix[peer * num_channels + channel] - 1);
             }
@@ -333,7 +417,7 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                     const int num_selected = __popc(mask);
                     if (send_head != nullptr && window % RG::kWarpsPerPeer == warp_in_group && t_lane < end)
                         send_head[(long long)t_lane * kNumRanks + peer] =
-                            selected ? cached_tail + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
+                            selected ? sent_before + cached_tail + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
                     int j = (warp_in_group - cached_tail % RG::kWarpsPerPeer + RG::kWarpsPerPeer) % RG::kWarpsPerPeer;
                     for (; j < num_selected; j += RG::kWarpsPerPeer) {
                         const int t = w0 + nth_set_bit(mask, j);
@@ -365,53 +449,19 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
             }
         }
     } else {
-        // The receiver's copies are local (HBM to HBM): bulk copies keep 8 KB per warp in flight.
-        const int peer = warp_id() / G::kWarpsPerRank;  // source
-        const int warp_in_group = warp_id() % G::kWarpsPerRank;
+        // The receivers' copies are local (HBM to HBM): bulk copies keep 8 KB per warp in flight.
         TmaCopier tma;
         tma.init(s_tma_buf + warp_id() * kTmaChunkBytes, &s_tma_bar[warp_id()]);
-        if (peer == rank) {
-            const int experts_per_rank = num_experts / kNumRanks;
-            int begin, end;
-            channel_range(num_tokens, num_channels, channel, begin, end);
-            // Own rank: no ring, so no waits and no barriers; every warp counts the selected tokens itself
-            // (the counter is the row offset, and the ring counter send_head records, as for any peer).
-            // First output row of this channel's own tokens: what the receiver of a ring computes from the
-            // start offset its sender publishes (rank_prefix_matrix of the source + channel_prefix_matrix).
-            const int channel_start = channel > 0 ? channel_prefix_matrix[rank * num_channels + channel - 1] : 0;
-            if (threadIdx.x % G::kThreadsPerRank == 0 && recv_channel_prefix_matrix != nullptr)
-                recv_channel_prefix_matrix[rank * num_channels + channel] = channel_start;
-            const int row_begin = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) + channel_start;
-            int count = 0;
-            for (int w0 = begin, window = 0; w0 < end; w0 += kWarpSize, ++window) {
-                const int t_lane = w0 + lane_id();
-                const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + rank];
-                const unsigned mask = __ballot_sync(0xffffffffu, selected);
-                if (send_head != nullptr && window % G::kWarpsPerRank == warp_in_group && t_lane < end)
-                    send_head[(long long)t_lane * kNumRanks + rank] =
-                        selected ? count + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
-                int j = (warp_in_group - count % G::kWarpsPerRank + G::kWarpsPerRank) % G::kWarpsPerRank;
-                for (; j < __popc(mask); j += G::kWarpsPerRank) {
-                    const int t = w0 + nth_set_bit(mask, j);
-                    const long long out = row_begin + count + j;
-                    if (lane_id() == 0) tma.copy(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, row_bytes);
-                    if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = t;
-                    if (recv_topk_idx != nullptr) {
-                        for (int k = lane_id(); k < num_topk; k += kWarpSize) {
-                            const long long e = (long long)topk_idx[(long long)t * num_topk + k];
-                            const long long local = e - (long long)rank * experts_per_rank;
-                            const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
-                            recv_topk_idx[out * num_topk + k] = (IdxT)(owned ? local : -1);
-                            recv_topk_weights[out * num_topk + k] =
-                                owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
-                        }
-                    }
-                    for (int i = lane_id(); i < num_scales; i += kWarpSize)
-                        recv_x_scales[out * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
-                }
-                count += __popc(mask);
-            }
-        } else if (peer < kNumRanks) {
+        const int peer = is_own_rows ? -1 : RG::peer_of_warp(rank);  // source
+        if (is_own_rows) {
+            copy_own_rows<kNumRanks, IdxT>(blockIdx.x - 2 * num_channels, gridDim.x - 2 * num_channels, tma, recv_x,
+                                           recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights, send_head,
+                                           x, x_scales, topk_idx, topk_weights, is_token_in_rank,
+                                           channel_prefix_matrix, rank_prefix_matrix, num_tokens, num_channels,
+                                           hidden_int4, num_topk, num_experts, num_scales, scale_token_stride,
+                                           scale_hidden_stride, rank);
+        } else if (peer >= 0) {
+            const int warp_in_group = RG::warp_in_group();
             const bool leader = warp_in_group == 0 && lane_id() == 0;
             const int bar_id = 1 + peer;
             void* mine = buffer_ptrs[rank];
@@ -442,11 +492,11 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                 if (ok && recv_channel_prefix_matrix != nullptr)
                     recv_channel_prefix_matrix[peer * num_channels + channel] = -start - 1;
             }
-            group_sync(bar_id, G::kThreadsPerRank);
+            group_sync(bar_id, RG::kThreadsPerPeer);
             const bool aborted = s_abort[peer];
             const int num_to_recv = s_count[peer];
             int row = (peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + rank] : 0) + s_start[peer];
-            group_sync(bar_id, G::kThreadsPerRank);  // everyone has read s_abort before the leader reuses it
+            group_sync(bar_id, RG::kThreadsPerPeer);  // everyone has read s_abort before the leader reuses it
             if (!aborted) {
                 int cached_head = 0;
                 while (cached_head < num_to_recv) {
@@ -460,11 +510,11 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                         s_abort[peer] = !ok;
                         s_value[peer] = tail;
                     }
-                    group_sync(bar_id, G::kThreadsPerRank);
+                    group_sync(bar_id, RG::kThreadsPerPeer);
                     if (s_abort[peer]) break;
                     const int tail = s_value[peer];
                     if (lane_id() == 0) fence_proxy_async();  // the bulk loads read what the peer wrote
-                    for (int i = warp_in_group; i < tail - cached_head; i += G::kWarpsPerRank) {
+                    for (int i = warp_in_group; i < tail - cached_head; i += RG::kWarpsPerPeer) {
                         const int slot = (cached_head + i) % num_slots;
                         const long long out = row + i;
                         if (lane_id() == 0) tma.copy(recv_x + out * hidden_int4, ring_x + (long long)slot * hidden_int4, row_bytes);
@@ -480,7 +530,7 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                     }
                     row += tail - cached_head;
                     cached_head = tail;
-                    group_sync(bar_id, G::kThreadsPerRank);  // all reads of the slots are done
+                    group_sync(bar_id, RG::kThreadsPerPeer);  // all reads of the slots are done
                     if (leader) st_release_sys(head_ptr, cached_head);
                 }
             }
@@ -499,21 +549,40 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
 }
 
 // ---------------------------------------------------------------------------------------------------
-// combine: grid 2C, Groups<R>::kThreads threads. Even block c = sender: for every remote token owner
-// `peer` (RemoteGroups: all warps write across NVLink), the rows of x that came from peer in channel c go,
-// in order, into peer's ring (c, rank); their ring counters are exactly the owner's send_head values.
-// Odd block c = receiver on the owner: batches of tokens of channel c; wait until every remote ring holds
-// the batch's rows, reduce in fp32 (0 + bias0 + bias1 + contributions in ascending rank order:
-// deterministic), round once to bf16, release the slots. The own rank's contributions are read straight
-// from x: ring counter h of channel c is row (own block start + recv_channel_prefix_matrix[rank][c] + h).
+// combine: grid 2C, Groups<R>::kThreads threads; its channels need not be the dispatch's: channel c is the
+// token owner's tokens [b, e) = channel_range(owner's count, C, c).
+// Even block c = sender: for every remote token owner `peer` (RemoteGroups: all warps write across NVLink),
+// the rows of x that came from peer's tokens [b, e) (a run of rows: found by searching recv_src_idx, which
+// is sorted inside peer's block) go, in order, into peer's ring (c, rank). Ring counters are absolute: the
+// first row's counter is its index inside peer's block, i.e. exactly the owner's send_head value, so slot =
+// send_head % slots on both sides.
+// Odd block c = receiver on the owner: batches of tokens of channel c; wait until every remote ring's tail
+// passes the batch's largest send_head, reduce in fp32 (0 + bias0 + bias1 + contributions in ascending rank
+// order: deterministic), round once to bf16, release the slots. The own rank's contributions are read
+// straight from x: row (own block start + send_head).
 // ---------------------------------------------------------------------------------------------------
 constexpr int kCombineTokensPerWarp = 2;
+
+// First index i in [0, n) with a[i] >= key (n if none) of an ascending array; every lane returns it. Each
+// step loads 32 evenly spaced probes at once and narrows [lo, hi) 32-fold (3 dependent loads for 32K rows).
+__device__ __forceinline__ int warp_lower_bound(const int* a, int n, int key) {
+    int lo = 0, hi = n;
+    while (hi - lo > kWarpSize) {
+        const int step = (hi - lo + kWarpSize - 1) / kWarpSize;
+        const int probe = lo + lane_id() * step;
+        const int below = __popc(__ballot_sync(0xffffffffu, probe < hi && a[probe] < key));  // a prefix of lanes
+        const int first_not_below = lo + below * step;  // a probe >= key, if below < 32 and it is < hi
+        if (below > 0) lo = lo + (below - 1) * step + 1;
+        if (below < kWarpSize && first_not_below < hi) hi = first_not_below;
+    }
+    return lo + __popc(__ballot_sync(0xffffffffu, lo + lane_id() < hi && a[lo + lane_id()] < key));
+}
 
 template <int kNumRanks>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
 combine(int4* combined_x, float* combined_topk_weights, const int4* x, const float* topk_weights,
         const int4* bias0, const int4* bias1, const int* rank_prefix_matrix,
-        const int* recv_channel_prefix_matrix, const int* send_head, int num_tokens, int hidden_int4,
+        const int* recv_src_idx, const int* send_head, int num_tokens, int hidden_int4,
         int num_topk, void** buffer_ptrs, int rank, int num_max_send_tokens, int num_slots,
         const DeviceCtx* ctx) {
     using G = Groups<kNumRanks>;
@@ -543,11 +612,15 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
         float* ring_weights = layout.topk_weights.on(dst_base, channel, rank);
 
         const int block_begin = peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + rank] : 0;
-        const int row_begin = block_begin + recv_channel_prefix_matrix[peer * num_channels + channel];
-        const int row_end = channel + 1 < num_channels
-                                ? block_begin + recv_channel_prefix_matrix[peer * num_channels + channel + 1]
-                                : rank_prefix_matrix[peer * kNumRanks + rank];
-        int cached_tail = 0, cached_head = 0;
+        const int block_rows = rank_prefix_matrix[peer * kNumRanks + rank] - block_begin;
+        const int owner_tokens = ld_volatile(NotifyArea().num_tokens.on(buffer_ptrs[rank]) + peer);
+        int token_begin, token_end;
+        channel_range(owner_tokens, num_channels, channel, token_begin, token_end);
+        const int first = warp_lower_bound(recv_src_idx + block_begin, block_rows, token_begin);
+        const int last = warp_lower_bound(recv_src_idx + block_begin, block_rows, token_end);
+        const int row_begin = block_begin + first, row_end = block_begin + last;
+        // Absolute counters: the ring starts at `first`; a head still 0 (nothing released yet) means `first`.
+        int cached_tail = first, cached_head = first;
         for (int row = row_begin; row < row_end;) {
             const int n = min(num_max_send_tokens, row_end - row);
             if (leader) {
@@ -555,7 +628,7 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
                 if (num_slots - (cached_tail - cached_head) < n) {
                     ok = wait_until(ctx, WaitSite{kKernelCombine, kRoleSender, channel, peer},
                                     [&] {
-                                        cached_head = ld_volatile(head_ptr);
+                                        cached_head = max(ld_volatile(head_ptr), first);
                                         return num_slots - (cached_tail - cached_head) >= n;
                                     },
                                     [&](long long& h, long long& tl, long long& ex) {
@@ -583,8 +656,7 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
         void* mine = buffer_ptrs[rank];
         int begin, end;
         channel_range(num_tokens, num_channels, channel, begin, end);
-        const int own_row_begin = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) +
-                                  recv_channel_prefix_matrix[rank * num_channels + channel];
+        const int own_row_begin = rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0;
         TmaCopier tma;  // only its buffer and mbarrier: the reduction needs the data in registers
         tma.init(s_tma_buf + warp_id() * kTmaChunkBytes, &s_tma_bar[warp_id()]);
         constexpr int batch = G::kWarps * kCombineTokensPerWarp;  // = the rows of s_heads

@@ -448,7 +448,8 @@ class Bench:
             recv_x, recv_idx, recv_w, counts, handle, _ = dispatch(xx, cfg)
             ref = reference.dispatch([g[pick][0] if pick else g[0] for g in gathered], [g[2] for g in gathered],
                                      [g[3] for g in gathered], self.experts, rank, 1,
-                                     [g[1][1] for g in gathered] if pick else None, cfg.num_channels)
+                                     [g[1][1] for g in gathered] if pick else None,
+                                     cfg.intranode_dispatch_channels(len(gathered)))
             got = self.host(recv_x)
             got_x = got[0] if pick else got
             checks = [("recv_x", got_x, ref.recv_x), ("recv_topk_idx", self.host(recv_idx), ref.recv_topk_idx),
@@ -738,8 +739,8 @@ def parse_args(argv=None, gpu: bool = True):
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--sms", type=ints, default=[8, 16, 24, 32] if gpu else [2], help="SM counts to sweep")
-    p.add_argument("--default-sms", type=int, default=24 if gpu else 2)
+    p.add_argument("--sms", type=ints, default=[8, 16, 24, 32] if gpu else [4], help="SM counts to sweep")
+    p.add_argument("--default-sms", type=int, default=24 if gpu else 4)
     p.add_argument("--token-sweep", type=ints, default=[512, 1024, 2048, 8192] if gpu else [])
     p.add_argument("--iters", type=int, default=50 if gpu else 3)
     p.add_argument("--warmup", type=int, default=5 if gpu else 1)

@@ -149,8 +149,8 @@ class Buffer:
 
     def _resolve_config(self, config, kind: str, hidden_bytes: int, num_channels: int | None = None
                         ) -> _config.Config:
-        """``config`` checked, or the default for ``kind``. A combine's default takes its channel count
-        from the dispatch handle (``num_channels``), which fixes it."""
+        """``config`` checked, or the default for ``kind``. ``num_channels``: a channel count the call must
+        use (an internode combine takes its dispatch handle's); an intranode combine has its own."""
         if config is None:
             getter = _config.get_dispatch_config if kind == "dispatch" else _config.get_combine_config
             cfg = getter(self.num_ranks, Buffer.num_sms, hidden_bytes)

@@ -23,7 +23,10 @@ MAX_HIDDEN_BYTES = 65536          # 32768 bf16 elements; the kernels loop, so th
 ALIGN = 128
 SIGNAL_BYTES = 128
 CALL_WORDS = 8  # mirrors kCallWords in buffer.cuh (the call-agreement check of the notify kernels)
-NOTIFY_BYTES = (MAX_NVL_RANKS * MAX_NVL_RANKS + MAX_NVL_RANKS * MAX_LOCAL_EXPERTS + MAX_NVL_RANKS * CALL_WORDS) * 4
+# rank matrix, per-expert counts, call words, and every rank's token count (the combine's channel split)
+# (each array rounded up to 128 bytes, as buffer.cuh's Carver does)
+NOTIFY_BYTES = sum(-(-n * 4 // 128) * 128 for n in (MAX_NVL_RANKS * MAX_NVL_RANKS, MAX_NVL_RANKS * MAX_LOCAL_EXPERTS,
+                                                    MAX_NVL_RANKS * CALL_WORDS, MAX_NVL_RANKS))
 WORKSPACE_BYTES = 1 << 20     # get_dispatch_layout: ticket + one accumulator int per expert, rank and node column
 
 
@@ -62,7 +65,9 @@ class Config:
     """Launch and ring-buffer settings of the normal (high-throughput) kernels.
 
     Attributes:
-        num_sms: SMs the dispatch/combine kernels occupy; even, one channel per SM pair.
+        num_sms: SMs the dispatch/combine kernels occupy; even. Combine (and internode): one channel per SM
+            pair. Intranode dispatch: :meth:`intranode_dispatch_split` (channels of a sender and a receiver SM,
+            plus SMs that copy the rank's own rows).
         num_max_nvl_chunked_send_tokens: tokens a sender writes before publishing its tail.
         num_max_nvl_chunked_recv_tokens: ring slots per (channel, rank) queue.
         num_max_rdma_chunked_send_tokens / num_max_rdma_chunked_recv_tokens: the same for the RDMA domain
@@ -97,6 +102,26 @@ class Config:
     @property
     def num_channels(self) -> int:
         return self.num_sms // 2
+
+    def intranode_dispatch_split(self, num_ranks: int) -> tuple[int, int]:
+        """``(channels, own_blocks)`` of an intranode dispatch: ``2 * channels + own_blocks == num_sms``.
+
+        A channel is a sender SM (NVLink writes into the peers' rings) and a receiver SM (drains the rings
+        of the R - 1 peers into the outputs); the own-row SMs copy this rank's own tokens into the outputs
+        (no ring). Their shares follow the bytes each moves per SM at the measured rates (a sender's P2P
+        writes and a receiver's local copy cost about the same per byte): senders and receivers R - 1 parts
+        each, own rows 1, so ``channels = round(num_sms * (R - 1) / (2R - 1))``, at least one own-row SM.
+        At R = 2 that is thirds: 24 SMs -> 8 channels + 8 own-row SMs."""
+        if self.num_sms < 4:
+            raise ValueError(f"config: an intranode dispatch needs num_sms >= 4 (a sender, a receiver and an "
+                             f"own-row SM), got num_sms={self.num_sms}")
+        share = self.num_sms * max(num_ranks - 1, 0) / max(2 * num_ranks - 1, 1)
+        channels = min(max(int(share + 0.5), 1), (self.num_sms - 1) // 2)
+        return channels, self.num_sms - 2 * channels
+
+    def intranode_dispatch_channels(self, num_ranks: int) -> int:
+        """Channels of an intranode dispatch (the handle's prefix matrices are ``[R, channels]``)."""
+        return self.intranode_dispatch_split(num_ranks)[0]
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of ``num_nvl_bytes`` that dispatch and combine with this config need.

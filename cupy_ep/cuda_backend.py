@@ -30,7 +30,7 @@ _ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_c
                13: "kForwarderCoordinator", 14: "kNVLReceivers", 15: "kNVLSender", 16: "kNVLAndRDMAForwarder",
                17: "kRDMAReceiver", 18: "kCoordinator", 19: "rdma_barrier", 20: "nvl_barrier", 22: "capacity"}
 # Mirror of the CallWords a notify kernel compares (intranode.cu): index -> name.
-_CALL_WORDS = ("op", "num_channels (num_sms / 2)", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
+_CALL_WORDS = ("op", "num_channels", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
                "num_scales", "num_experts", "reserved")
 _CALL_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine"}
 # Mirror of cuda_src/common.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64).
@@ -325,7 +325,10 @@ class CudaBuffer(Buffer):
                 interop.wrap(per_expert, kind, "int32"), interop.wrap(in_rank, kind, "bool"), event)
 
     # ---- dispatch -----------------------------------------------------------------------------------
-    def _unpack_handle(self, handle, num_tokens: int, num_channels: int):
+    def _unpack_handle(self, handle, num_tokens: int, num_channels: int | None):
+        """The handle's raw arrays after checking dtypes, device and shapes; ``num_channels``: the channels
+        of the dispatch config (a cached dispatch must cut the tokens as the handle's did), or None (a
+        combine has its own)."""
         if not isinstance(handle, (tuple, list)) or len(handle) != 6:
             raise ValueError("handle: must be the 6-tuple returned by an intranode dispatch")
         names = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
@@ -337,14 +340,16 @@ class CudaBuffer(Buffer):
             raws.append(interop.unwrap(a))
         rpm, cpm, rcpm, src_idx, in_rank, send_head = raws
         R = self.num_ranks
-        expected = {"rank_prefix_matrix": (R, R), "channel_prefix_matrix": (R, num_channels),
-                    "recv_channel_prefix_matrix": (R, num_channels), "is_token_in_rank": (num_tokens, R),
+        channels = num_channels if num_channels is not None else (cpm.shape[1] if cpm.ndim == 2 else -1)
+        expected = {"rank_prefix_matrix": (R, R), "channel_prefix_matrix": (R, channels),
+                    "recv_channel_prefix_matrix": (R, channels), "is_token_in_rank": (num_tokens, R),
                     "send_head": (num_tokens, R)}
         for name, a in zip(names, raws):
             if name in expected and tuple(a.shape) != expected[name]:
-                raise ValueError(f"handle.{name}: expected shape {expected[name]} (this buffer, {num_tokens} tokens, "
-                                 f"config.num_sms={2 * num_channels}), got {tuple(a.shape)}; was the handle made "
-                                 "by another buffer, other inputs or another num_sms?")
+                sms = "" if num_channels is None else f", a dispatch config with {num_channels} channels"
+                raise ValueError(f"handle.{name}: expected shape {expected[name]} (this buffer, {num_tokens} tokens"
+                                 f"{sms}), got {tuple(a.shape)}; was the handle made by another buffer, other "
+                                 "inputs or another num_sms?")
         if src_idx.ndim != 1:
             raise ValueError(f"handle.recv_src_idx: must be 1-D, got shape {tuple(src_idx.shape)}")
         return rpm, cpm, rcpm, src_idx, in_rank, send_head
@@ -392,7 +397,8 @@ class CudaBuffer(Buffer):
                     info, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, cfg,
                     previous_event, async_finish, allocate_on_comm_stream, self.check_values and not _capturing())
-        R, C, T = self.num_ranks, cfg.num_channels, info.num_tokens
+        R, T = self.num_ranks, info.num_tokens
+        C, num_own_blocks = cfg.intranode_dispatch_split(R)
         cached = handle is not None
         num_topk, idx_name, num_experts = 0, "int64", 0
         if cached:
@@ -460,13 +466,14 @@ class CudaBuffer(Buffer):
             stride_t, stride_h = interop.scale_strides(raw_scales)
             threads = _warps(R) * 32
             self._launch(
-                "intranode.cu", f"ep::dispatch<{R}, {ctype}>", 2 * C, threads,
+                "intranode.cu", f"ep::dispatch<{R}, {ctype}>", 2 * C + num_own_blocks, threads,
                 (recv_x, recv_scales, None if cached else src_idx, recv_idx, recv_w, None if cached else rcpm,
                  None if cached else send_head, raw_x, raw_scales, raw_idx, raw_w, in_rank,
                  cpm, rpm, np.int32(T), np.int32(num_worst_tokens), np.int32(hidden_int4),
                  np.int32(num_topk), np.int32(num_experts), np.int32(S), np.int64(stride_t), np.int64(stride_h),
-                 self._nvl.ptr_table, np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_send_tokens),
-                 np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx),
+                 self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
+                 np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
+                 self._ctx),
                 shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
             keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, rpm, cpm, rcpm,
                     src_idx, send_head, in_rank)
@@ -511,13 +518,13 @@ class CudaBuffer(Buffer):
         num_recv, hidden = validate.check_combine_x(x, self.device_id)
         if not isinstance(handle, (tuple, list)) or len(handle) != 6:
             raise ValueError("handle: must be the 6-tuple returned by an intranode dispatch")
-        handle_channels = int(handle[2].shape[1]) if getattr(handle[2], "ndim", 0) == 2 else None
-        cfg = self._resolve_config(config, "combine", hidden * 2, handle_channels)
+        # a combine cuts the tokens into its own channels: send_head does not depend on the dispatch's
+        cfg = self._resolve_config(config, "combine", hidden * 2)
         self._check_sms(cfg)
         validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         num_tokens = int(handle[4].shape[0]) if hasattr(handle[4], "shape") else 0
         R, C = self.num_ranks, cfg.num_channels
-        rpm, _, rcpm, src_idx, in_rank, send_head = self._unpack_handle(handle, num_tokens, C)
+        rpm, _, _, src_idx, in_rank, send_head = self._unpack_handle(handle, num_tokens, None)
         if int(src_idx.shape[0]) != num_recv:
             raise ValueError(f"x: has {num_recv} rows but the handle's dispatch received {src_idx.shape[0]}")
         num_topk = validate.check_combine_topk_weights(topk_weights, num_recv, self.device_id) or 1
@@ -543,13 +550,13 @@ class CudaBuffer(Buffer):
             self._launch("intranode.cu", f"ep::cached_notify_combine<{R}>", 1, _NOTIFY_THREADS,
                          (self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
                           np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4), np.int32(num_topk),
-                          self._ctx))
+                          np.int32(num_tokens), self._ctx))
             self._launch("intranode.cu", f"ep::combine<{R}>", 2 * C, _warps(R) * 32,
-                         (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, rcpm, send_head, np.int32(num_tokens),
+                         (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, src_idx, send_head, np.int32(num_tokens),
                           np.int32(hidden_int4), np.int32(num_topk), self._nvl.ptr_table, np.int32(self.rank),
                           np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
                           self._ctx), shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
-            event = self._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, rcpm, send_head))
+            event = self._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, src_idx, send_head))
         return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
 
     # ---- low-latency mode (the logic lives in cuda_low_latency.LowLatencyState) ----------------------

@@ -256,14 +256,14 @@ class HostBuffer(Buffer):
                                                         exchange(args.topk_weights, 0), me, epr)
             recv_topk_idx, recv_topk_weights = wrap(got_idx, args.topk_name), wrap(got_w, "float32")
         recv_src_idx = exchange(np.arange(itr.shape[0], dtype=np.int32), -1)
-        channels = args.config.num_channels
+        channels = args.config.intranode_dispatch_channels(self.num_ranks)
         new_handle = (
             wrap(rank_prefix, "int32"),
             wrap(reference.local_channel_prefix_matrix(itr, channels), "int32"),
             wrap(reference.recv_channel_prefix_matrix([n["channel_counts"][me] for n in notes]), "int32"),
             wrap(recv_src_idx, "int32"),
             args.user_is_token_in_rank,
-            wrap(reference.local_send_head(itr, channels), "int32"),
+            wrap(reference.local_send_head(itr), "int32"),
         )
         return recv_x, recv_topk_idx, recv_topk_weights, counts_list, new_handle, EventOverlap()
 
@@ -278,6 +278,7 @@ class HostBuffer(Buffer):
         validate.check_num_worst_tokens(num_worst_tokens, num_ranks, num_tokens)
         # FP8 rows are sized as BF16 for the config lookup (DeepEP's hidden_bytes convention), as the GPU path
         config = self._resolve_config(config, "dispatch", max(info.hidden_bytes, 2 * info.hidden))
+        channels = config.intranode_dispatch_channels(num_ranks)
         validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         if (topk_idx is None) != (topk_weights is None):
             raise ValueError("topk_idx, topk_weights: give both or neither")
@@ -288,12 +289,12 @@ class HostBuffer(Buffer):
         scales = "" if info.scales is None else f" + scales [*, {info.num_scales}]"
         same = {"handle": "given" if handle is not None else "None",
                 "x": f"{args.x_name} [*, {info.hidden}]{scales}",
-                "config": f"{config.num_channels} channels", "topk_idx": None}
+                "config": f"{channels} channels", "topk_idx": None}
 
         if handle is not None:
             if topk_idx is not None:
                 raise ValueError("topk_idx, topk_weights: must be None in cached mode (a handle was given)")
-            args.handle = self._check_handle(handle, config, num_tokens)
+            args.handle = self._check_handle(handle, config, num_tokens, channels)
             args.is_token_in_rank = args.handle[4]
             return args, same, None
 
@@ -343,7 +344,7 @@ class HostBuffer(Buffer):
                 if not np.array_equal(per_expert, want_per_expert):
                     raise ValueError("num_tokens_per_expert: does not match topk_idx")
         notify = {"sent": sent.astype(np.int64), "per_expert": per_expert.astype(np.int64),
-                  "channel_counts": reference.local_channel_counts(args.is_token_in_rank, config.num_channels),
+                  "channel_counts": reference.local_channel_counts(args.is_token_in_rank, channels),
                   "num_worst_tokens": num_worst_tokens}
         return args, same, notify
 
@@ -397,10 +398,8 @@ class HostBuffer(Buffer):
         if isinstance(x, (tuple, list)):
             raise TypeError("x: combine takes one bf16 [N, H] array, not an FP8 pair")
         info = validate.check_x(x)
-        handle_channels = None
-        if isinstance(handle, (tuple, list)) and len(handle) == 6 and getattr(handle[2], "ndim", 0) == 2:
-            handle_channels = int(handle[2].shape[1])
-        config = self._resolve_config(config, "combine", info.hidden_bytes, handle_channels)
+        # a combine cuts the tokens into its own channels (send_head does not depend on the dispatch's)
+        config = self._resolve_config(config, "combine", info.hidden_bytes)
         raw_handle = self._check_handle(handle, config, None)
         num_recv, num_tokens = raw_handle[3].shape[0], raw_handle[4].shape[0]
         if info.num_tokens != num_recv:
@@ -736,9 +735,11 @@ class HostBuffer(Buffer):
         return validate.check_low_latency_handle(handle, self.num_ranks, self.check_values)
 
     # ---- shared helpers -----------------------------------------------------------------------------
-    def _check_handle(self, handle, config: Config, num_tokens: int | None) -> tuple:
+    def _check_handle(self, handle, config: Config, num_tokens: int | None,
+                      dispatch_channels: int | None = None) -> tuple:
         """The dispatch handle as raw numpy arrays, after checking its types and shapes (and, when
-        ``num_tokens`` is given, that it was made for that many tokens)."""
+        ``num_tokens`` is given, that it was made for that many tokens; when ``dispatch_channels`` is given,
+        for a dispatch with that many channels: a cached dispatch must cut its tokens as the first did)."""
         if not isinstance(handle, (tuple, list)) or len(handle) != len(_HANDLE_FIELDS):
             got = type(handle).__name__ + (f" of {len(handle)}" if isinstance(handle, (tuple, list)) else "")
             raise ValueError(f"handle: must be the 6-tuple an intranode dispatch returned, got {got}")
@@ -758,9 +759,9 @@ class HostBuffer(Buffer):
         if self.check_values and (np.any(np.diff(real, prepend=0) < 0) or real[-1] > num_recv):
             raise ValueError("handle: rank_prefix_matrix does not fit recv_src_idx "
                              f"({real[-1]} rows > {num_recv}, or not a prefix sum)")
-        if config.num_channels != channels:
-            raise ValueError(f"config: has {config.num_channels} channels (num_sms={config.num_sms}), "
-                             f"but the handle was made with {channels}")
+        if dispatch_channels is not None and dispatch_channels != channels:
+            raise ValueError(f"config: a dispatch with num_sms={config.num_sms} has {dispatch_channels} channels "
+                             f"at {num_ranks} ranks, but the handle was made with {channels}")
         return raw
 
     def _agree(self, check):

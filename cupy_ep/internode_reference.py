@@ -39,7 +39,7 @@ def node_matrix(is_token_in_rank: np.ndarray, gpus_per_node: int) -> np.ndarray:
 
 def _counter(selected: np.ndarray, num_channels: int) -> np.ndarray:
     """Per column, the running count of selected rows inside each channel (or -1): send_head's rule."""
-    return reference.local_send_head(selected, num_channels)
+    return reference.local_channel_send_head(selected, num_channels)
 
 
 def handle(is_token_in_rank_list: Sequence[np.ndarray], rank: int, gpus_per_node: int,

@@ -11,8 +11,8 @@ DeepEP V1's (research/deepep.md §1.4-1.6, §1.5b):
   order) rounded once to bf16; the top-k weights are summed the same way.
 
 Channels: a rank's tokens are cut into ``C`` contiguous ranges, channel ``c`` owning
-``[min(c*ceil(T/C), T), min((c+1)*ceil(T/C), T))``. The handle's prefix matrices and ``send_head`` are
-defined over those ranges (see :func:`channel_ranges`).
+``[min(c*ceil(T/C), T), min((c+1)*ceil(T/C), T))``. The handle's prefix matrices are defined over those
+ranges (see :func:`channel_ranges`); the intranode ``send_head`` is not (:func:`local_send_head`).
 
 Functions named ``local_*`` need only one rank's data (the host backend uses them); the others take lists
 with one entry per rank (the global view that tests build with an all-gather).
@@ -92,8 +92,9 @@ def local_channel_prefix_matrix(is_token_in_rank: np.ndarray, num_channels: int)
     return np.cumsum(local_channel_counts(is_token_in_rank, num_channels), axis=1).astype(np.int32)
 
 
-def local_send_head(is_token_in_rank: np.ndarray, num_channels: int) -> np.ndarray:
-    """``send_head [T, R] int32``: the ring counter token t took in (its channel, rank r)'s queue, or -1.
+def local_channel_send_head(is_token_in_rank: np.ndarray, num_channels: int) -> np.ndarray:
+    """``[T, R] int32``: the ring counter token t took in (its channel, rank r)'s queue, or -1 (the
+    internode handle's rule).
 
     The counter starts at 0 in every channel and counts the channel's earlier tokens that went to r."""
     num_tokens, num_ranks = is_token_in_rank.shape
@@ -103,6 +104,16 @@ def local_send_head(is_token_in_rank: np.ndarray, num_channels: int) -> np.ndarr
         counter = np.cumsum(block, axis=0) - block
         out[s:e] = np.where(is_token_in_rank[s:e], counter, -1)
     return out
+
+
+def local_send_head(is_token_in_rank: np.ndarray) -> np.ndarray:
+    """Intranode ``send_head [T, R] int32``: where token t landed inside rank r's block of rows from this
+    rank (the count of this rank's earlier tokens that went to r), or -1 if not sent there.
+
+    Independent of channels, so a combine may cut the tokens into other channels than its dispatch did."""
+    block = np.asarray(is_token_in_rank).astype(np.int64)
+    counter = np.cumsum(block, axis=0) - block
+    return np.where(is_token_in_rank, counter, -1).astype(np.int32)
 
 
 def rank_prefix_matrix(num_tokens_per_rank_list: Sequence[np.ndarray]) -> np.ndarray:
@@ -193,7 +204,7 @@ def dispatch(x_list, topk_idx_list, topk_weights_list, num_experts: int, rank: i
         cpm = local_channel_prefix_matrix(itr_list[rank], num_channels)
         rcpm = recv_channel_prefix_matrix(
             [local_channel_counts(itr, num_channels)[rank] for itr in itr_list])
-        send_head = local_send_head(itr_list[rank], num_channels)
+        send_head = local_send_head(itr_list[rank])
     return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, recv_src_idx,
                           rpm, cpm, rcpm, itr_list[rank], send_head)
 

@@ -173,6 +173,8 @@ CASES = {
     "cached/handle.recv_src_idx-int64": (
         lambda c: c.buf.dispatch(c.x, handle=_handle(c, 3, c.handle[3].astype(np.int64))), "handle.recv_src_idx:"),
     "cached/config-channels": (lambda c: c.buf.dispatch(c.x, handle=c.handle, config=Config(num_sms=4)), "config:"),
+    "dispatch/config-2-sms": (lambda c: c.buf.dispatch(c.x, **c.layout, **c.topk, config=Config(num_sms=2)),
+                              "config:"),
     # combine
     "combine/x-float32": (lambda c: c.buf.combine(c.recv_x.astype(np.float32), c.handle), "x:"),
     "combine/x-rows": (lambda c: c.buf.combine(np.zeros((c.N + 1, c.H), BF16), c.handle), "x:"),
@@ -194,7 +196,6 @@ CASES = {
         lambda c: c.buf.combine(c.recv_x, c.handle, topk_weights=np.zeros((c.N + 1, 3), np.float32)), "topk_weights:"),
     "combine/topk_weights-int": (lambda c: c.buf.combine(c.recv_x, c.handle, topk_weights=c.recv_w.astype(np.int32)),
                                  "topk_weights:"),
-    "combine/config-channels": (lambda c: c.buf.combine(c.recv_x, c.handle, config=Config(num_sms=4)), "config:"),
     "combine/config-str": (lambda c: c.buf.combine(c.recv_x, c.handle, config="fast"), "config:"),
     # construction and class-level knobs
     "Buffer/backend": (lambda c: Buffer(c.comm, backend="gpu"), "backend:"),

@@ -104,13 +104,14 @@ def test_size_hint_literal_deepseek_v3_shape(no_tuned_file):
     # R=8, H=7168 bf16, num_sms=20 (10 channels), 256 slots, 56 scales, top-k 32:
     # dispatch carve = 4*384 + 80*256*14336 + 80*256*4 + 2*80*256*32*4 + 80*256*56*4 = 303,515,136
     # combine carve  = 2*384 + 80*256*14336 + 80*256*32*4                          = 296,223,488
-    # NOTIFY_BYTES = (8*8 rank matrix + 8*1024 expert counts + 8*8 call words) * 4 = 33,280
-    # hint = align128(NOTIFY_BYTES 33,280 + 303,515,136)                            = 303,548,416
-    assert cfg.NOTIFY_BYTES == 33280
+    # NOTIFY_BYTES = (8*8 rank matrix + 8*1024 expert counts + 8*8 call words) * 4
+    #                + align128(8 token counts * 4)                                = 33,408
+    # hint = align128(NOTIFY_BYTES 33,408 + 303,515,136)                            = 303,548,544
+    assert cfg.NOTIFY_BYTES == 33408
     assert cfg.dispatch_channel_bytes(10, 8, 256, 14336, 32, 56) == 303_515_136
     assert cfg.combine_channel_bytes(10, 8, 256, 14336, 32) == 296_223_488
-    assert Config().get_nvl_buffer_size_hint(14336, 8) == 303_548_416
-    assert Buffer.get_nvl_buffer_size_hint(14336, 8) == 303_548_416
+    assert Config().get_nvl_buffer_size_hint(14336, 8) == 303_548_544
+    assert Buffer.get_nvl_buffer_size_hint(14336, 8) == 303_548_544
 
 
 @pytest.mark.parametrize("num_sms, recv_tokens", [(2, 7), (20, 256), (24, 512), (32, 100)])

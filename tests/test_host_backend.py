@@ -42,7 +42,7 @@ CASES = {
     "num-worst-tokens": dict(tokens=70, hidden=64, topk=4, experts=16, worst=True, bias=2),
     "num-worst-fp8-int32": dict(tokens=40, hidden=256, topk=2, experts=8, worst=True, dtype="fp8",
                                 idx_dtype=np.int32),
-    "one-channel": dict(tokens=33, hidden=64, topk=3, experts=8, num_sms=2),
+    "one-channel": dict(tokens=33, hidden=64, topk=3, experts=8, num_sms=4),
     "three-channels": dict(tokens=31, hidden=64, topk=3, experts=8, num_sms=6, bias=1),
 }
 
@@ -63,7 +63,7 @@ def _run_case(comm, buf, seed, tokens, hidden, topk, experts, dtype="bf16", idx_
         x = (x[0], np.asfortranarray(x[1]))
     topk_idx = inp.topk_idx.astype(idx_dtype)
     config = Config(num_sms=num_sms) if num_sms else None
-    num_channels = (config or buf.get_dispatch_config(num_ranks)).num_channels
+    num_channels = (config or buf.get_dispatch_config(num_ranks)).intranode_dispatch_channels(num_ranks)
     bad = []
 
     def check(name, got, want):
@@ -164,7 +164,7 @@ def test_random_shapes_and_options(comm, host_buffer, seed):
         skew=None if rng.random() < 0.7 else int(rng.integers(0, 8)), mask_prob=float(rng.choice([0, 0.1, 0.5])),
         duplicates=bool(rng.random() < 0.3), zero_tokens_rank=None if rng.random() < 0.7 else 0,
         per_rank_extra=int(rng.integers(0, 20)), alignment=int(rng.choice([1, 2, 16, 128])),
-        worst=bool(rng.random() < 0.3), bias=int(rng.integers(0, 3)), num_sms=int(rng.choice([2, 4, 6, 20, 24])),
+        worst=bool(rng.random() < 0.3), bias=int(rng.integers(0, 3)), num_sms=int(rng.choice([4, 6, 12, 20, 24])),
         colmajor_scales=dtype == "fp8" and rng.random() < 0.5)
     bad = _run_case(comm, host_buffer, seed, **options)
     assert all_ok(comm, not bad), f"rank {comm.Get_rank()}: {bad} with {options}"
@@ -182,10 +182,11 @@ def test_tuned_config_sets_the_channel_count(comm, host_buffer, monkeypatch):
     layout = host_buffer.get_dispatch_layout(inp.topk_idx, 2 * num_ranks)
     recv_x, _, _, _, handle, _ = host_buffer.dispatch(
         inp.x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
-    want = reference_dispatch(comm, inp.x, inp.topk_idx, None, 2 * num_ranks, num_channels=3)
+    channels = Config(num_sms=6).intranode_dispatch_channels(num_ranks)   # 2 at every rank count
+    want = reference_dispatch(comm, inp.x, inp.topk_idx, None, 2 * num_ranks, num_channels=channels)
     combined_x, _, _ = host_buffer.combine(recv_x, handle)
     want_x, _ = reference_combine(comm, recv_x, want.is_token_in_rank)
-    ok = (handle[1].shape == (num_ranks, 3) and same_bytes(handle[1], want.channel_prefix_matrix)
+    ok = (channels == 2 and handle[1].shape == (num_ranks, 2) and same_bytes(handle[1], want.channel_prefix_matrix)
           and same_bytes(handle[5], want.send_head) and same_bytes(combined_x, want_x))
     assert all_ok(comm, ok)
 

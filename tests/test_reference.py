@@ -142,9 +142,10 @@ def test_dispatch_handle_fields_three_channels():
     # [0, 1, 1] from rank 1; rank 1 gets [1, 1, 0] and [1, 0, 1]
     assert r0.recv_channel_prefix_matrix.tolist() == [[0, 2, 2], [0, 0, 1]]
     assert r1.recv_channel_prefix_matrix.tolist() == [[0, 1, 2], [0, 1, 1]]
-    # send_head: counter of the token inside its (channel, destination) queue, -1 if not sent
-    assert r0.send_head.tolist() == [[0, 0], [1, -1], [-1, -1], [-1, 0]]
-    assert r1.send_head.tolist() == [[-1, 0], [0, -1], [0, 0]]
+    # send_head: the token's row inside the destination's block of rows from this rank, -1 if not sent
+    # (channels do not matter: t3 is rank 0's second token to rank 1 although it is alone in its channel)
+    assert r0.send_head.tolist() == [[0, 0], [1, -1], [-1, -1], [-1, 1]]
+    assert r1.send_head.tolist() == [[-1, 0], [0, -1], [1, 1]]
     assert r0.send_head.dtype == np.int32 and r0.channel_prefix_matrix.dtype == np.int32
     assert r0.is_token_in_rank.tolist() == [[True, True], [True, False], [False, False], [False, True]]
 
@@ -157,10 +158,17 @@ def test_dispatch_handle_fields_two_channels():
     assert r1.channel_prefix_matrix.tolist() == [[1, 2], [1, 2]]
     assert r0.recv_channel_prefix_matrix.tolist() == [[0, 2], [0, 1]]
     assert r1.recv_channel_prefix_matrix.tolist() == [[0, 1], [0, 1]]
-    assert r1.send_head.tolist() == [[-1, 0], [0, -1], [0, 0]]
-    # the counter restarts in every channel: with one channel u2 is the 2nd token to rank 1
+    assert r1.send_head.tolist() == [[-1, 0], [0, -1], [1, 1]]
+    # the same with one channel: send_head does not depend on the channels
     assert reference.dispatch(X, TOPK, WEIGHTS, NUM_EXPERTS, 1, num_channels=1).send_head.tolist() == \
         [[-1, 0], [0, -1], [1, 1]]
+
+
+def test_channel_send_head_restarts_in_every_channel():
+    # the internode rule: rank 1's u2 opens channel 1 of 2, so its counters are 0
+    itr = reference.token_rank_matrix(TOPK[1], NUM_EXPERTS, 2)
+    assert reference.local_channel_send_head(itr, 2).tolist() == [[-1, 0], [0, -1], [0, 0]]
+    assert reference.local_channel_send_head(itr, 1).tolist() == reference.local_send_head(itr).tolist()
 
 
 def test_dispatch_without_channels_leaves_channel_fields_empty():

@@ -76,6 +76,8 @@ CASES = {
     "dispatch/num_worst_tokens-negative": (lambda c: c.buf.dispatch(c.x, **c.layout, **c.topk, num_worst_tokens=-1),
                                            "num_worst_tokens:"),
     "dispatch/config-dict": (lambda c: c.buf.dispatch(c.x, **c.layout, **c.topk, config={"num_sms": 20}), "config:"),
+    "dispatch/config-2-sms": (lambda c: c.buf.dispatch(c.x, **c.layout, **c.topk, config=Config(num_sms=2)),
+                              "config:"),
     "dispatch/config-too-many-sms": (lambda c: c.buf.dispatch(c.x, **c.layout, **c.topk, config=Config(num_sms=264)),
                                      "config:"),
     "dispatch/config-ring-below-sender-batch": (lambda c: c.buf.dispatch(

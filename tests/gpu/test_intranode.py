@@ -179,7 +179,8 @@ def run_case(comm, buf, case: Case, seed: int = 0):
         recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=idx, topk_weights=w, expert_alignment=case.expert_alignment, config=dcfg)
-        ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, case.expert_alignment, dcfg.num_channels)
+        ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, case.expert_alignment,
+                                 dcfg.intranode_dispatch_channels(R))
         check_dispatch_outputs(errors, case, recv_x, recv_idx, recv_w, counts, ref)
         for i, name in enumerate(("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
                                   "recv_src_idx")):
@@ -198,6 +199,12 @@ def run_case(comm, buf, case: Case, seed: int = 0):
         _check(errors, "combined_x", combined, ref_c)
         _check(errors, "combined_topk_weights", combined_w, ref_cw)
         _check(errors, "handle.send_head after combine (must not be modified)", handle[5], send_head_before)
+        # a combine cuts the tokens into its own channels, whatever the dispatch's were
+        other = dataclasses.replace(ccfg, num_sms=6)
+        combined, combined_w, _ = buf.combine(_to_gpu(y_np), handle, topk_weights=recv_w,
+                                              bias=tuple(_to_gpu(b) for b in bias_np), config=other)
+        _check(errors, "combined_x (combine on 6 SMs)", combined, ref_c)
+        _check(errors, "combined_topk_weights (combine on 6 SMs)", combined_w, ref_cw)
         cupy.cuda.get_current_stream().synchronize()
     buf.check_health()
     report(comm, f"{case.name}", errors)
@@ -230,7 +237,7 @@ def test_num_worst_tokens(comm, gpu_buffer):
         recv_x, recv_idx, recv_w, counts, handle, _ = gpu_buffer.dispatch(
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=idx, topk_weights=w, num_worst_tokens=worst, config=cfg)
-        ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, 1, cfg.num_channels)
+        ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, 1, cfg.intranode_dispatch_channels(R))
         n = check_worst_outputs(errors, recv_x, recv_idx, recv_w, counts, ref, worst)
         # combine through the worst-sized handle gives the reference answer
         rng = np.random.default_rng(5 + rank)
@@ -346,7 +353,7 @@ def test_cuda_graph_capture_num_worst_tokens(comm, gpu_buffer):
             comm.Barrier()
             graph.launch(stream)
             stream.synchronize()
-            ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, 1, cfg_d.num_channels)
+            ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, 1, cfg_d.intranode_dispatch_channels(R))
             n = ref.recv_x.shape[0]
             _check(errors, f"graph replay {seed} recv_x", outs["recv_x"][:n], ref.recv_x)
             _check(errors, f"graph replay {seed} recv_topk_idx", outs["recv_idx"][:n], ref.recv_topk_idx)
