@@ -108,15 +108,16 @@ class Config:
 
         A channel is a sender SM (NVLink writes into the peers' rings) and a receiver SM (drains the rings
         of the R - 1 peers into the outputs); the own-row SMs copy this rank's own tokens into the outputs
-        (no ring). Their shares follow the bytes each moves per SM at the measured rates (a sender's P2P
-        writes and a receiver's local copy cost about the same per byte): senders and receivers R - 1 parts
-        each, own rows 1, so ``channels = round(num_sms * (R - 1) / (2R - 1))``, at least one own-row SM.
-        At R = 2 that is thirds: 24 SMs -> 8 channels + 8 own-row SMs."""
+        (no ring). Shares measured at R = 2 (benchmarks/experiments/exp_split.py): senders, receivers and
+        own rows 3 : 3 : 2 (8 SMs -> 3 + 3 + 2, 16 -> 6 + 6 + 4, 24 -> 9 + 9 + 6, 32 -> 12 + 12 + 8); with
+        more ranks the own rows are 1 / R of the rows and the rings R - 1 of R, so their weights scale by
+        R - 1: ``channels = floor(num_sms * 3(R-1) / (6(R-1) + 2) + 1/4)``, at least one own-row SM."""
         if self.num_sms < 4:
             raise ValueError(f"config: an intranode dispatch needs num_sms >= 4 (a sender, a receiver and an "
                              f"own-row SM), got num_sms={self.num_sms}")
-        share = self.num_sms * max(num_ranks - 1, 0) / max(2 * num_ranks - 1, 1)
-        channels = min(max(int(share + 0.5), 1), (self.num_sms - 1) // 2)
+        remote = max(num_ranks - 1, 0)
+        share = self.num_sms * 3 * remote / (6 * remote + 2)
+        channels = min(max(int(share + 0.25), 1), (self.num_sms - 1) // 2)
         return channels, self.num_sms - 2 * channels
 
     def intranode_dispatch_channels(self, num_ranks: int) -> int:
