@@ -5,6 +5,7 @@ cached dispatches back to back per graph, as the benchmark), BF16, the benchmark
   git apply benchmarks/experiments/exp_split.patch        # for the EP_EXP bits; revert afterwards
   mpirun -n 2 python benchmarks/experiments/exp_split.py 0,1,2,4 8:8,9:6,10:4,7:10 [slots,...] [chunk,...]
 A split C:O runs 2C + O SMs (O >= 1); ring slots default 256, send chunk 24.
+Bit 8: senders skip the metadata stores (source index, top-k).
 Results are NOT checked (the variants drop work on purpose); never commit the patch."""
 import sys
 import numpy as np
