@@ -26,20 +26,16 @@
 // rank at recv [my rank][t] (~1 copy per rank instead of one per expert: ~4x fewer bytes at top-8 of 256 on
 // 2 ranks). After a block barrier warp 0's lane k adds 1 (release) to the local counter of expert e_k: its
 // index entry and the message it names are written. A signaller sends expert e's count once its counter
-// reaches kClearedTag + min(hist_all[e], M), i.e. once the next buffer's signals are zeroed and every index
-// entry and message the count covers is written.
-// Dispatch receive: per local expert it acquires the counts of all sources, then gathers the expert's rows of
-// every source in one pass (row r of source s is the message of token index[r - begin[s]]): each thread's
-// kInFlight index loads go out together, then their payload/scale loads, so a call costs two dependent load
-// latencies per expert instead of a chain of them per source.
+// reaches min(hist_all[e], M), i.e. once every index entry and message the count covers is written.
+// Dispatch receive: per (local expert, source) it acquires the count, then gathers row i from the message of
+// token index[i] (local loads, index loads first, then kInFlight int4 payload loads per thread).
 //
 // Peers reachable by loads/stores (peer_bases[r] != 0, from nvshmem_ptr on the host) get direct NVLink
 // stores; the others get nvshmemx_putmem_nbi_warp (messages) / nvshmem_int_p (index entries), each followed
 // by nvshmem_quiet from the issuing lane before the block barrier that precedes the counter adds. Signals: the dispatch count arrives
 // as -count-1 and the combine flag as 1, so 0 means "not arrived"; each call zeroes the *other* buffer's
-// signals (two buffers alternate), then marks every signaller's finish counter (kClearedTag, release) and a
-// signaller only signals past that mark, so no signal of this call can overtake the clearing and the next call
-// finds clean signals (also under graph replay). Each signaller resets its counter to 0 for the next launch.
+// signals (two buffers alternate), then lets its signallers go through a countdown flag, so no signal of
+// this call can overtake the clearing and the next call finds clean signals (also under graph replay).
 #include "common.cuh"
 #include "buffer.cuh"
 #include "nvshmem.cuh"
@@ -53,12 +49,10 @@ constexpr int kLLMaxTopk = 11;       // mirrors reference.LOW_LATENCY_MAX_TOPK
 constexpr int kLLMaxRanks = 64;      // mirrors config.LL_MAX_RANKS
 constexpr int kLLMaxGroups = 8;      // warp groups per block (named barriers 1..8)
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
-// workspace (int32, zeroed once by the host): kWsLastSend: 1 + the buffer index of this rank's previous send
-// phase (0 = none yet); from kWsFinish one finish counter per signaller (dispatch: expert e, combine: pair
-// e * R + s; the kernels run one after the other on one stream and each leaves its counters at 0): block 0's
-// kClearedTag plus, in the dispatch, 1 per kept (token, k) entry written with its token's message.
-constexpr int kWsLastSend = 2, kWsFinish = 32;
-constexpr int kClearedTag = 1 << 30;  // > any count (a count is <= M per expert)
+// workspace (int32, zeroed once by the host): countdown flags, then the dispatch's per-expert counters (kept
+// (token, k) entries written, each with its token's message; reset to 0 by the expert's signaller)
+// kWsLastSend: 1 + the buffer index of this rank's previous send phase (0 = none yet)
+constexpr int kWsDispatchClear = 0, kWsCombineClear = 1, kWsLastSend = 2, kWsFinish = 32;
 
 // Optional phase stamps (profiling; stamps == nullptr in normal use): per block kLLStamps int64 %globaltimer
 // values, written by thread 0 right after a block-wide barrier, so each marks when the whole block got there.
@@ -198,45 +192,32 @@ __device__ __forceinline__ void token_dests(const TopkT* topk_idx, int t, int nu
     if (lane == 0) *s_num_dest = __popc(firsts);
 }
 
-__device__ __forceinline__ void red_add_relaxed_sys(int* p, int v) {
-    asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// Block 0 zeroes the next buffer's signals, then adds kClearedTag to the finish counter of each of this call's
-// signallers. One fence per thread, then relaxed adds: a release pattern, and the block barrier before it makes
-// it cover every thread's zeroing. (Per-signaller marks instead of one shared countdown: a signaller waits for
-// one word, its own, and no two signallers contend for one address.)
-__device__ __forceinline__ void clear_next_signals(int* next_signals, int num_signals, int* finish, int num_signallers) {
+// Block 0 zeroes the next buffer's signals, then opens the countdown flag for this call's signallers.
+__device__ __forceinline__ void clear_next_signals(int* next_signals, int num_signals, int* countdown, int num_signallers) {
     if (blockIdx.x != 0) return;
     for (int i = threadIdx.x; i < num_signals; i += blockDim.x) next_signals[i] = 0;
     __syncthreads();
-    if ((int)threadIdx.x >= num_signallers) return;
-    fence_acq_rel_sys();
-    for (int i = threadIdx.x; i < num_signallers; i += blockDim.x) red_add_relaxed_sys(finish + i, kClearedTag);
+    if (threadIdx.x == 0) st_release_sys(countdown, num_signallers);
 }
 
-// A signaller's one wait: its finish counter reached kClearedTag + count (the next buffer's signals are zeroed
-// and the `count` entries it covers are written). Then the counter goes back to 0 for the next launch (the kernel
-// boundary orders that store before the next launch's tag).
-__device__ __forceinline__ bool wait_finished(int* counter, int count, const DeviceCtx* ctx, WaitSite site) {
-    const int target = kClearedTag + count;
-    const bool ok = wait_until(ctx, site, [&] { return ld_acquire_sys(counter) >= target; },
+// A signaller passes the countdown once (the clearing is then ordered before its signal).
+__device__ __forceinline__ bool pass_countdown(int* countdown, const DeviceCtx* ctx, WaitSite site) {
+    const bool ok = wait_until(ctx, site, [&] { return ld_acquire_sys(countdown) != 0; },
                                [&](long long& head, long long& tail, long long& expected) {
-                                   head = ld_volatile(counter);
-                                   tail = count;
-                                   expected = target;
+                                   head = ld_volatile(countdown);
+                                   tail = 0;
+                                   expected = 1;
                                });
-    if (ok) *counter = 0;
+    if (ok) atomicSub(countdown, 1);
     return ok;
 }
 
-// The last block's thread 0, at the start of a send phase (not block 0: its load would delay block 0's clearing,
-// which every signaller waits for): the buffers must alternate between send phases. The host
+// Block 0, thread 0, at the start of a send phase: the buffers must alternate between send phases. The host
 // alternates them per call, but a CUDA graph bakes the index in at capture, so a graph holding an odd number of
 // low-latency calls replays two sends on one buffer in a row; stop the buffer loudly instead of letting the
 // receivers read stale signals. (The peers make the same calls, so they stop as well.)
 __device__ __forceinline__ void check_buffer_alternates(int* workspace, int buffer_idx, const DeviceCtx* ctx, int kernel) {
-    if (blockIdx.x != gridDim.x - 1 || threadIdx.x != 0) return;
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const int previous = workspace[kWsLastSend];  // written only here, by one thread per launch (stream order)
     if (previous == 1 + buffer_idx)
         report_failure(ctx, WaitSite{kernel, kRoleBufferReuse, -1, -1}, buffer_idx, buffer_idx ^ 1, -1, 0);
@@ -311,14 +292,15 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
     const int rank = ctx->rank, E = L.num_experts;
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
-    int* finish = workspace + kWsFinish;
-    clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), E, finish, E);
+    clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), E,
+                       workspace + kWsDispatchClear, E);
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
     stamp(stamps, kStampSendPrepared);  // build_histograms ends with a block barrier
 
     const int msg_int4 = dispatch_msg_int4(kUseFP8, L.hidden);
     char* send = base + L.send_offset(buffer_idx);
     const long long recv = L.recv_offset(buffer_idx);
+    int* finish = workspace + kWsFinish;
     const int lane = lane_id();
     for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
         char* msg = send + (long long)t * L.msg_bytes;
@@ -365,13 +347,20 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
     }
     stamp(stamps, kStampSendWritten);  // thread 0 is past the last token's barrier (and its own adds)
 
-    // Signallers: expert e's count goes out once the next buffer's signals are zeroed and all its index entries
-    // and messages (from every block) are written.
+    // Signallers: expert e's count goes out once all its index entries and messages (from every block) are written.
     if (lane_id() == 0) {
         for (int e = blockIdx.x + gridDim.x * warp_id(); e < E; e += gridDim.x * kLLWarps) {
             const int count = min(hist_all[e], L.num_max_tokens);
             const WaitSite site{kKernelLowLatencyDispatch, kRoleSignaller, e, e / L.num_local};
-            if (!wait_finished(finish + e, count, ctx, site)) break;
+            if (!pass_countdown(workspace + kWsDispatchClear, ctx, site)) break;
+            const bool ok = wait_until(ctx, site, [&] { return ld_acquire_sys(finish + e) >= count; },
+                                       [&](long long& head, long long& tail, long long& expected) {
+                                           head = ld_volatile(finish + e);
+                                           tail = count;
+                                           expected = count;
+                                       });
+            if (!ok) break;
+            finish[e] = 0;  // for the next call (kernel boundary orders it)
             const long long offset = L.signal_offset(buffer_idx) +
                                      4LL * ((e % L.num_local) * L.num_ranks + rank);
             send_signal(base, peer_bases, e / L.num_local, offset, -count - 1);
@@ -394,160 +383,95 @@ __device__ __forceinline__ void group_copy(const Group& g, int units, Src src, D
     }
 }
 
-// Source rank of row r of an expert: the s with begin[s] <= r < begin[s + 1] (begin[0] = 0 <= r < begin[R]; an
-// empty source has begin[s] == begin[s + 1] and is skipped, as the largest s with begin[s] <= r is taken).
-__device__ __forceinline__ int source_of_row(const int* begin, int num_ranks, int r) {
-    int lo = 0, hi = num_ranks;
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (begin[mid] <= r) lo = mid;
-        else hi = mid;
-    }
-    return lo;
-}
-
-// n / d for 0 <= n < 2^31 and a fixed d >= 1 as a multiply-high and a shift (CUTLASS's FastDivmod): the
-// receive's unit loop divides by the row length several times per unit.
-struct FastDiv {
-    int d;
-    unsigned mul, shr;
-    __device__ explicit FastDiv(int d_) : d(d_), mul(0), shr(0) {
-        if (d == 1) return;
-        const unsigned p = 31 + (32 - __clz(d - 1));  // 31 + ceil(log2 d)
-        mul = (unsigned)(((1ull << p) + (unsigned)d - 1) / (unsigned)d);
-        shr = p - 32;
-    }
-    __device__ __forceinline__ int div(int n) const { return d == 1 ? n : (int)(__umulhi((unsigned)n, mul) >> shr); }
-};
-
-// One warp: the counts of local expert e from every source (lane s waits for sources s and s + 32), written as
-// their exclusive prefix sums begin[0..R] (begin[R]: the expert's rows). A source that timed out counts 0.
-__device__ __forceinline__ void receive_counts(const int* signals, int e, int num_ranks, int max_tokens, int* begin,
-                                               int* failed, const DeviceCtx* ctx) {
-    const int lane = lane_id();
-    int carry = 0;
-#pragma unroll
-    for (int h = 0; h < kLLMaxRanks / kWarpSize; ++h) {
-        const int s = h * kWarpSize + lane;
-        int count = 0;
-        if (s < num_ranks) {
-            const int* sig = signals + e * num_ranks + s;
-            const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
-                                       [&] { return ld_acquire_sys(sig) != 0; },
-                                       [&](long long& head, long long& tail, long long& expected) {
-                                           head = ld_volatile(sig);
-                                           tail = 0;
-                                           expected = -1;
-                                       });
-            count = ok ? min(-ld_volatile(sig) - 1, max_tokens) : 0;
-            if (!ok) *failed = 1;
-        }
-        int inclusive = count;  // warp inclusive scan
-#pragma unroll
-        for (int o = 1; o < kWarpSize; o <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
-            if (lane >= o) inclusive += v;
-        }
-        if (s < num_ranks) begin[s] = carry + inclusive - count;
-        carry += __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
-    }
-    if (lane == 0) begin[num_ranks] = carry;
-}
-
-// Unit c of row r of local expert e to the outputs: c < data_int4 the payload, else (FP8) scales 4q .. 4q + 3,
-// q = c - data_int4 (outputs column-major: [L][S][R*M] float, or [L][S/4][R*M] int32 with UE8M0).
-template <bool kUseFP8>
-__device__ __forceinline__ void store_unit(int4 v, int r, int c, int e, int data_int4, int num_scales,
-                                           int rows_per_expert, bool use_ue8m0, void* packed_recv_x,
-                                           void* packed_recv_scales) {
-    if (c < data_int4) {
-        reinterpret_cast<int4*>(packed_recv_x)[((long long)e * rows_per_expert + r) * data_int4 + c] = v;
-        return;
-    }
-    if constexpr (kUseFP8) {
-        const int q = c - data_int4;
-        const unsigned w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
-        if (use_ue8m0) {
-            unsigned packed = 0;
-#pragma unroll
-            for (int b = 0; b < 4; ++b) packed |= ((w[b] >> 23) & 0xffu) << (8 * b);
-            reinterpret_cast<int*>(packed_recv_scales)[((long long)e * (num_scales / 4) + q) * rows_per_expert + r] =
-                (int)packed;
-        } else {
-#pragma unroll
-            for (int b = 0; b < 4; ++b)
-                reinterpret_cast<unsigned*>(packed_recv_scales)[((long long)e * num_scales + 4 * q + b) *
-                                                                rows_per_expert + r] = w[b];
-        }
-    }
-}
-
-// Receive: output row r of local expert e (r in [begin[s], begin[s + 1]) for source s) is the message of token
-// index[e][s][r - begin[s]] of s. A row's int4 units after the message header are its payload (data_int4) and,
-// with FP8, its scales (4 floats per unit), so one unit loop moves both: for a call, two dependent load latencies
-// per expert (index, then message), whatever the number of sources.
 template <bool kUseFP8>
 __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count,
                               int* packed_recv_src_info, long long* packed_recv_layout_range, int* cumulative_stats,
                               bool use_ue8m0, char* base, const LowLatencyLayout& L, int buffer_idx,
-                              int groups_per_block, const DeviceCtx* ctx, int (*s_begin)[kLLMaxRanks + 1],
+                              int groups_per_block, const DeviceCtx* ctx, int (*s_counts)[kLLMaxRanks],
                               int* s_failed, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
     const Group g(groups_per_block);
     const int R = L.num_ranks, M = L.num_max_tokens, rows_per_expert = R * M;
     const int num_scales = L.hidden / 128;
     const int data_int4 = kUseFP8 ? L.hidden / 16 : L.hidden / 8;
-    const int row_int4 = data_int4 + (kUseFP8 ? num_scales / 4 : 0);  // hidden % 512 == 0 with FP8
     const int* signals = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
-    const FastDiv by_row(row_int4);
-    int* begin = s_begin[g.index];
     if (g.thread == 0) s_failed[g.index] = 0;  // once: after a timeout the group gives up for good
     for (int e = g.global; e < L.num_local; e += g.count) {
-        g.sync();  // the previous expert's readers of begin are done
-        if (g.thread < kWarpSize) receive_counts(signals, e, R, M, begin, &s_failed[g.index], ctx);
+        g.sync();  // the previous expert's readers of s_counts are done
+        if (g.thread < kWarpSize) {
+            for (int s = g.thread; s < R; s += kWarpSize) {
+                const int* sig = signals + e * R + s;
+                const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
+                                           [&] { return ld_acquire_sys(sig) != 0; },
+                                           [&](long long& head, long long& tail, long long& expected) {
+                                               head = ld_volatile(sig);
+                                               tail = 0;
+                                               expected = -1;
+                                           });
+                s_counts[g.index][s] = ok ? min(-ld_volatile(sig) - 1, M) : 0;
+                if (!ok) s_failed[g.index] = 1;
+            }
+        }
         g.sync();
         if (e == g.global) stamp(stamps, kStampRecvFirstData);  // group 0's thread 0: its first counts are in
         if (s_failed[g.index]) continue;
-        for (int s = g.thread; s < R; s += g.threads)
-            packed_recv_layout_range[(long long)e * R + s] = ((long long)begin[s] << 32) | (begin[s + 1] - begin[s]);
-        const int* index = reinterpret_cast<const int*>(recv + L.dispatch_recv_index(e, 0, 0));  // [source][M]
-        const long long row0 = (long long)e * rows_per_expert;
-        const int total = begin[R], units = total * row_int4;
-        // unit w is int4 w % row_int4 of row w / row_int4; the index loads of a thread's kInFlight units go out
-        // together, then their message loads
-        constexpr int kInFlight = 4;
-        for (int u = g.thread; u < units; u += kInFlight * g.threads) {
-            int msg[kInFlight];  // source * M + token: the message's slot in the recv region
+        int begin = 0;
+        for (int s = 0; s < R; ++s) {
+            const int count = s_counts[g.index][s];
+            if (g.thread == 0) packed_recv_layout_range[(long long)e * R + s] = ((long long)begin << 32) | count;
+            const int* index = reinterpret_cast<const int*>(recv + L.dispatch_recv_index(e, s, 0));
+            const char* msgs = recv + L.dispatch_recv_msg(s, 0);  // message of (s, t) at msgs + t * msg_bytes
+            const long long row0 = (long long)e * rows_per_expert + begin;
+            // payload rows: row i is the message of token index[i]; the index loads of a thread's kInFlight
+            // units go out together, then their payload loads
+            {
+                constexpr int kInFlight = 4;
+                const int units = count * data_int4;
+                int4* out = reinterpret_cast<int4*>(packed_recv_x) + row0 * data_int4;
+                for (int u = g.thread; u < units; u += kInFlight * g.threads) {
+                    int token[kInFlight];
 #pragma unroll
-            for (int j = 0; j < kInFlight; ++j) {
-                const int w = u + j * g.threads;
-                if (w < units) {
-                    const int r = by_row.div(w), s = source_of_row(begin, R, r);
-                    msg[j] = s * M + ld_volatile(index + s * M + (r - begin[s]));
+                    for (int j = 0; j < kInFlight; ++j)
+                        if (u + j * g.threads < units) token[j] = ld_volatile(index + (u + j * g.threads) / data_int4);
+                    int4 v[kInFlight];
+#pragma unroll
+                    for (int j = 0; j < kInFlight; ++j) {
+                        const int w = u + j * g.threads;
+                        if (w < units)
+                            v[j] = ld_ring_v4(reinterpret_cast<const int4*>(msgs + token[j] * L.msg_bytes + 16) +
+                                              w % data_int4);
+                    }
+#pragma unroll
+                    for (int j = 0; j < kInFlight; ++j)
+                        if (u + j * g.threads < units) out[u + j * g.threads] = v[j];
                 }
             }
-            int4 v[kInFlight];
+            // source token indices and scales (column-major: [L][S][R*M])
+            for (int i = g.thread; i < count; i += g.threads) packed_recv_src_info[row0 + i] = ld_volatile(index + i);
+            if constexpr (kUseFP8) {
+                const int words = use_ue8m0 ? num_scales / 4 : num_scales;
+                for (int u = g.thread; u < count * words; u += g.threads) {
+                    const int i = u / words, j = u - i * words;
+                    const float* scales =
+                        reinterpret_cast<const float*>(msgs + ld_volatile(index + i) * L.msg_bytes + 16 + L.hidden);
+                    const long long at = ((long long)e * words + j) * rows_per_expert + begin + i;
+                    if (use_ue8m0) {
+                        unsigned packed = 0;
 #pragma unroll
-            for (int j = 0; j < kInFlight; ++j) {
-                const int w = u + j * g.threads;
-                if (w < units)
-                    v[j] = ld_ring_v4(reinterpret_cast<const int4*>(recv + msg[j] * L.msg_bytes + 16) +
-                                      (w - by_row.div(w) * row_int4));
+                        for (int b = 0; b < 4; ++b)
+                            packed |= ((__float_as_uint(ld_volatile(scales + 4 * j + b)) >> 23) & 0xffu) << (8 * b);
+                        reinterpret_cast<int*>(packed_recv_scales)[at] = (int)packed;
+                    } else {
+                        reinterpret_cast<float*>(packed_recv_scales)[at] = ld_volatile(scales + j);
+                    }
+                }
             }
-#pragma unroll
-            for (int j = 0; j < kInFlight; ++j) {
-                const int w = u + j * g.threads;
-                if (w >= units) continue;
-                const int r = by_row.div(w), c = w - r * row_int4;
-                if (c == 0) packed_recv_src_info[row0 + r] = msg[j] % M;  // the token
-                store_unit<kUseFP8>(v[j], r, c, e, data_int4, num_scales, rows_per_expert, use_ue8m0, packed_recv_x,
-                                    packed_recv_scales);
-            }
+            begin += count;
         }
         if (g.thread == 0) {
-            packed_recv_count[e] = total;
-            if (cumulative_stats != nullptr) cumulative_stats[e] += total;
+            packed_recv_count[e] = begin;
+            if (cumulative_stats != nullptr) cumulative_stats[e] += begin;
         }
     }
     stamp_after_barrier(stamps, kStampRecvEnd);
@@ -565,7 +489,7 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
          int groups_per_block, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hist[kLLMaxExperts], hist_all[kLLMaxExperts];
     __shared__ int s_expert[kLLMaxTopk], s_slot[kLLMaxTopk], s_dest[kLLMaxTopk], s_num_dest;
-    __shared__ int s_begin[kLLMaxGroups][kLLMaxRanks + 1];
+    __shared__ int s_counts[kLLMaxGroups][kLLMaxRanks];
     __shared__ int s_failed[kLLMaxGroups];
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
@@ -576,7 +500,7 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
     if (phases & kPhaseRecv)
         dispatch_recv<kUseFP8>(packed_recv_x, packed_recv_scales, packed_recv_count, packed_recv_src_info,
                                packed_recv_layout_range, cumulative_stats, use_ue8m0 != 0, b, L, buffer_idx,
-                               groups_per_block, ctx, s_begin, s_failed, stamps);
+                               groups_per_block, ctx, s_counts, s_failed, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -592,8 +516,8 @@ __device__ __forceinline__ void combine_send(const int4* x, bool zero_copy, cons
     const int row_int4 = L.hidden / 8;
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
-    clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), E, workspace + kWsFinish,
-                       L.num_local * R);
+    clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), E,
+                       workspace + kWsCombineClear, L.num_local * R);
     char* send = base + L.send_offset(buffer_idx);
     for (int p = g.global; p < L.num_local * R; p += g.count) {
         const int e = p / R, s = p - e * R;
@@ -622,7 +546,7 @@ __device__ __forceinline__ void combine_send(const int4* x, bool zero_copy, cons
         g.sync();  // every row of this pair is written (bar.sync orders the group's stores)
         if (g.thread == 0) {
             const WaitSite site{kKernelLowLatencyCombine, kRoleSignaller, e, s};
-            if (wait_finished(workspace + kWsFinish + p, 0, ctx, site))
+            if (pass_countdown(workspace + kWsCombineClear, ctx, site))
                 send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * global_expert, 1);
         }
     }
