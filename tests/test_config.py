@@ -194,3 +194,29 @@ def test_tuned_config_path_default_location(monkeypatch, tmp_path):
     monkeypatch.delenv("CUPY_EP_TUNED_CONFIG", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cfg.tuned_config_path() == tmp_path / "cupy_ep" / "tuned_configs.json"
+
+
+# ---- intranode dispatch split --------------------------------------------------------------------------
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("num_sms", [4, 6, 8, 12, 16, 20, 24, 32, 48, 132])
+def test_dispatch_split_uses_every_sm(num_sms, num_ranks):
+    channels, own = Config(num_sms=num_sms).intranode_dispatch_split(num_ranks)
+    assert 2 * channels + own == num_sms and channels >= 1 and own >= 1
+    assert Config(num_sms=num_sms).intranode_dispatch_channels(num_ranks) == channels
+
+
+def test_dispatch_split_at_ep2_is_3_3_2():
+    # senders : ring receivers : own-row SMs as measured best (benchmarks/experiments/exp_split.py)
+    got = {n: Config(num_sms=n).intranode_dispatch_split(2) for n in (8, 16, 24, 32)}
+    assert got == {8: (3, 2), 16: (6, 4), 24: (9, 6), 32: (12, 8)}
+
+
+def test_dispatch_split_gives_own_rows_less_with_more_ranks():
+    # the own rows are 1/R of what a rank receives: fewer own-row SMs at 8 ranks than at 2
+    assert Config(num_sms=24).intranode_dispatch_split(8)[1] < Config(num_sms=24).intranode_dispatch_split(2)[1]
+
+
+def test_dispatch_split_needs_four_sms():
+    with pytest.raises(ValueError, match="config: an intranode dispatch needs num_sms >= 4"):
+        Config(num_sms=2).intranode_dispatch_split(2)
+    assert Config(num_sms=2).num_channels == 1  # a combine (or internode) on 2 SMs is fine
