@@ -67,7 +67,7 @@ class Buffer:
         check_values: check ``topk_idx`` values on the host (costs a device sync; off for benchmarks).
     """
 
-    #: SMs used by dispatch/combine unless a Config says otherwise (even: one channel per SM pair).
+    #: SMs used by dispatch/combine unless a Config says otherwise (even; Config explains how they are used).
     num_sms: int = 20
 
     def __new__(cls, *args, backend: str | None = None, **kwargs):
