@@ -23,15 +23,17 @@ MAX_HIDDEN_BYTES = 65536          # 32768 bf16 elements; the kernels loop, so th
 ALIGN = 128
 SIGNAL_BYTES = 128
 CALL_WORDS = 8  # mirrors kCallWords in buffer.cuh (the call-agreement check of the notify kernels)
-# rank matrix, per-expert counts, call words, and every rank's token count (the combine's channel split)
-# (each array rounded up to 128 bytes, as buffer.cuh's Carver does)
-NOTIFY_BYTES = sum(-(-n * 4 // 128) * 128 for n in (MAX_NVL_RANKS * MAX_NVL_RANKS, MAX_NVL_RANKS * MAX_LOCAL_EXPERTS,
-                                                    MAX_NVL_RANKS * CALL_WORDS, MAX_NVL_RANKS))
 WORKSPACE_BYTES = 1 << 20     # get_dispatch_layout: ticket + one accumulator int per expert, rank and node column
 
 
 def align_up(value: int, alignment: int = ALIGN) -> int:
     return -(-value // alignment) * alignment
+
+
+# rank matrix, per-expert counts, call words, and every rank's token count (the combine's channel split),
+# each int array rounded up to ALIGN bytes as buffer.cuh's Carver does
+NOTIFY_BYTES = sum(align_up(4 * n) for n in (MAX_NVL_RANKS * MAX_NVL_RANKS, MAX_NVL_RANKS * MAX_LOCAL_EXPERTS,
+                                             MAX_NVL_RANKS * CALL_WORDS, MAX_NVL_RANKS))
 
 
 def _asym(num_channels: int, num_ranks: int, bytes_per_slice: int) -> int:
