@@ -12,11 +12,17 @@ API runs on numpy + MPI (the host backend).
         is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
     combined_x, combined_weights, event = buf.combine(expert_out, handle, topk_weights=recv_topk_weights)
 """
-from .buffer import Buffer, gpu_available
-from .config import Config
-from .errors import (BackendUnavailableError, BufferUnusableError, CallMismatchError, CommError,
+# First, before numpy/CuPy are imported: the CUDA context is created in a background thread meanwhile
+# (cupy_ep/preinit.py; CUPY_EP_PREINIT=0 turns it off).
+from . import preinit as _preinit
+
+_preinit.start()
+
+from .buffer import Buffer, gpu_available  # noqa: E402
+from .config import Config  # noqa: E402
+from .errors import (BackendUnavailableError, BufferUnusableError, CallMismatchError, CommError,  # noqa: E402
                      CommTimeoutError, CompileError, CupyEpError)
-from .event import EventOverlap
+from .event import EventOverlap  # noqa: E402
 
 __all__ = ["Buffer", "Config", "EventOverlap", "CupyEpError", "CompileError", "CommError", "CommTimeoutError",
            "CallMismatchError",
