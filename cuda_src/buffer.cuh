@@ -155,32 +155,43 @@ struct CombineLayout {
 
 
 // ---------------------------------------------------------------------------------------------------
-// Low-latency (NVSHMEM symmetric heap) layout: two buffers used alternately, signals first so that
-// their offsets depend only on the expert count (as DeepEP): [sig0][sig1][send0][send1][recv0][recv1].
-//   signals  int[E]: dispatch: count from (local expert e, src rank s) at e*R + s, encoded -count-1
-//                    (0 = not arrived); combine: flag 1 from the owner of global expert e at e.
+// Low-latency (NVSHMEM symmetric heap) layout: two buffers used alternately, signals first:
+// [sig0][sig1][send0][send1][recv0][recv1].
+//   signals  int[max(E, R*M + R)]: dispatch: count from (local expert e, src rank s) at e*R + s, encoded
+//                    -count-1 (0 = not arrived); combine: flag 1 from expert rank r for token t at r*M + t
+//                    (its partial row is written), and from owner s at R*M + s its meta's (K << 24 | T + 1).
 //   send     dispatch: the cast message of token t at t * msg (the source of NVSHMEM puts);
-//            combine:  bf16 rows [L][R*M][H] (the zero-copy buffer, and the source of puts).
+//            combine:  bf16 rows [L][R*M][H] (the zero-copy buffer).
 //   recv     dispatch: messages [R][M] (src rank, src token: each token arrives once per destination rank),
 //                      then the index table int32 [L][R][M] (local expert, src rank, slot) -> src token;
-//            combine:  bf16 rows [E][M] (global expert, slot at the token owner).
+//            combine:  partial_in fp32 [R][M][H] (expert rank r's weighted sum of its rows of token t),
+//                      partial_out fp32 [R][M][H] (the rows this rank computed for owner s: source of puts),
+//                      meta_in [R] (owner s's top-k: int32 experts [M][kLLMaxTopk], then float weights),
+//                      meta_out [R] (this rank's meta for rank r: source of puts).
 // A dispatch message is a 16-byte header (int source token index, 3 reserved ints), then the row
 // (bf16, or e4m3 followed by H/128 float scales). Its size is fixed at 16 + 2H (>= 16 + H + H/32), so
 // the layout does not depend on use_fp8. cupy_ep/config.py mirrors this (low_latency_layout).
 // ---------------------------------------------------------------------------------------------------
+constexpr int kLLMaxTopk = 11;  // mirrors reference.LOW_LATENCY_MAX_TOPK
+
 struct LowLatencyLayout {
-    long long msg_bytes, row_bytes, signal_bytes, send_bytes, recv_bytes, total_bytes, index_offset;
+    long long msg_bytes, row_bytes, part_bytes, meta_bytes, signal_ints, signal_bytes, send_bytes, recv_bytes,
+        total_bytes, index_offset, meta_offset;
     int num_max_tokens, hidden, num_ranks, num_experts, num_local;
     __host__ __device__ LowLatencyLayout(int max_tokens, int hidden_, int ranks, int experts)
         : num_max_tokens(max_tokens), hidden(hidden_), num_ranks(ranks), num_experts(experts),
           num_local(experts / ranks) {
         msg_bytes = 16 + 2LL * hidden;
         row_bytes = 2LL * hidden;
+        part_bytes = 4LL * hidden;
         const long long m = max_tokens, e = experts, r = ranks;
-        signal_bytes = align_up(e * 4, kAlign);
+        meta_bytes = align_up(m * kLLMaxTopk * 8, 16LL);
+        signal_ints = e > r * m + r ? e : r * m + r;
+        signal_bytes = align_up(signal_ints * 4, kAlign);
         send_bytes = align_up(m * msg_bytes > e * m * row_bytes ? m * msg_bytes : e * m * row_bytes, kAlign);
         index_offset = r * m * msg_bytes;  // a multiple of 16
-        const long long recv_dispatch = index_offset + e * m * 4, recv_combine = e * m * row_bytes;
+        meta_offset = 2 * r * m * part_bytes;
+        const long long recv_dispatch = index_offset + e * m * 4, recv_combine = meta_offset + 2 * r * meta_bytes;
         recv_bytes = align_up(recv_dispatch > recv_combine ? recv_dispatch : recv_combine, kAlign);
         total_bytes = 2 * (signal_bytes + send_bytes + recv_bytes);
     }
@@ -198,9 +209,21 @@ struct LowLatencyLayout {
     __device__ long long combine_send_row(int local_expert, int row) const {
         return ((long long)local_expert * num_ranks * num_max_tokens + row) * row_bytes;
     }
-    __device__ long long combine_recv_row(int global_expert, int slot) const {
-        return ((long long)global_expert * num_max_tokens + slot) * row_bytes;
+    __device__ long long combine_partial_in(int expert_rank, int token) const {
+        return ((long long)expert_rank * num_max_tokens + token) * part_bytes;
     }
+    __device__ long long combine_partial_out(int owner, int token) const {
+        return (long long)num_ranks * num_max_tokens * part_bytes + combine_partial_in(owner, token);
+    }
+    __device__ long long combine_meta_in(int owner) const { return meta_offset + owner * meta_bytes; }
+    __device__ long long combine_meta_out(int dst_rank) const {
+        return meta_offset + (num_ranks + dst_rank) * meta_bytes;
+    }
+    // inside a meta block: int32 experts [M][kLLMaxTopk] at 0, float weights at meta_weights()
+    __device__ long long meta_weights() const { return (long long)num_max_tokens * kLLMaxTopk * 4; }
+    // signal ints inside a signal region
+    __device__ int combine_token_flag(int expert_rank, int token) const { return expert_rank * num_max_tokens + token; }
+    __device__ int combine_meta_flag(int owner) const { return num_ranks * num_max_tokens + owner; }
 };
 
 // ---------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 //                              that rank's recv area), plus per (token, top-k slot) a 4-byte index entry
 //                              (expert, my rank, slot) -> token; then per expert a count signal;
 //                              receive: per expert, the rows gathered through the index into packed outputs
-//   combine<TopkT>             every expert row -> its token owner, flag per expert; receive: weighted sum
+//   combine<TopkT>             owner's top-k + weights -> every rank; per (token, rank) one fp32 partial sum of
+//                              that rank's weighted expert rows -> the owner, flag per token; receive: sum of partials
 //   clean_low_latency_buffer   zero both signal regions between two NVSHMEM barriers (the library cleans on the
 //                              host with timed barriers instead; tests/gpu/test_nvshmem.py uses this one as its
 //                              probe of the NVSHMEM device link and barriers)
@@ -45,7 +46,6 @@ namespace ep {
 constexpr int kLLThreads = 1024;
 constexpr int kLLWarps = kLLThreads / kWarpSize;
 constexpr int kLLMaxExperts = 4096;  // mirrors config.LL_MAX_EXPERTS (two shared-memory histograms)
-constexpr int kLLMaxTopk = 11;       // mirrors reference.LOW_LATENCY_MAX_TOPK
 constexpr int kLLMaxRanks = 64;      // mirrors config.LL_MAX_RANKS
 constexpr int kLLMaxGroups = 8;      // warp groups per block (named barriers 1..8)
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
@@ -292,7 +292,7 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
     const int rank = ctx->rank, E = L.num_experts;
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
-    clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), E,
+    clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), (int)L.signal_ints,
                        workspace + kWsDispatchClear, E);
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
     stamp(stamps, kStampSendPrepared);  // build_histograms ends with a block barrier
@@ -504,116 +504,229 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 }
 
 // ---------------------------------------------------------------------------------------------------
-// combine
+// combine: each expert rank sends its token owner ONE fp32 partial sum per token (the weighted sum of its
+// experts' rows of that token) instead of one bf16 row per (token, k): at top-8 of 256 on 2 ranks ~4 rows
+// per (token, rank) become one row of twice the width, half the bytes across NVLink. The weights live on the
+// owner, so the owner first sends its top-k (experts and weights, a few KB: "meta") to every rank.
+//   send phase  (A) owner -> every rank r: meta (int32 expert or -1, float weight, [M][kLLMaxTopk] each), then
+//                   the meta flag (K << 24 | T + 1) at r's signal combine_meta_flag(me);
+//               (B) expert rank, per owner s (remote ones first) and token t of s (blocks stride over t):
+//                   the slots of t's entries from a histogram of s's meta (exactly the dispatch's slots), then
+//                   P = 0 + sum over the kept k whose expert is here, k ascending, of w_k * row(e_k, s, slot_k)
+//                   (fp32 products and sums, no FMA) into s's partial_in [me][t], then flag 1 at s's signal
+//                   combine_token_flag(me, t). Tokens with no kept entry here send nothing.
+//   recv phase  (C) owner, token t: out = bf16(0 + sum over ranks r ascending that hold a kept entry of t of
+//                   P_r[t]), one rounding (reference.low_latency_combine: the same order, bit for bit).
+// Every block's thread 0 passes the clear countdown (set to gridDim.x by block 0 after zeroing the other
+// buffer's signals) once, before its first signal of the call, so no signal of this call overtakes the clearing.
 // ---------------------------------------------------------------------------------------------------
-// Expert side: the rows of (local expert e, token owner s) go to s's recv rows [my global expert][slot],
-// slot = row - begin (the dispatch slot), then flag 1 at s's signal [my global expert].
-__device__ __forceinline__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, char* base,
-                             const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
-                             int groups_per_block, int* workspace, const DeviceCtx* ctx, long long* stamps) {
-    const Group g(groups_per_block);
-    const int rank = ctx->rank, R = L.num_ranks, E = L.num_experts;
-    const int row_int4 = L.hidden / 8;
-    stamp(stamps, kStampSendStart);
-    check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
-    clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), E,
-                       workspace + kWsCombineClear, L.num_local * R);
-    char* send = base + L.send_offset(buffer_idx);
-    for (int p = g.global; p < L.num_local * R; p += g.count) {
-        const int e = p / R, s = p - e * R;
-        const long long range = layout_range[p];
-        const int begin = (int)(range >> 32), count = min((int)(range & 0xffffffffLL), L.num_max_tokens);
-        const int global_expert = rank * L.num_local + e;
-        const long long dst0 = L.recv_offset(buffer_idx) + L.combine_recv_row(global_expert, 0);
-        const int4* rows = zero_copy ? reinterpret_cast<const int4*>(send + L.combine_send_row(e, begin))
-                                     : x + ((long long)e * R * L.num_max_tokens + begin) * row_int4;
-        char* direct = reinterpret_cast<char*>(peer_bases[s]);
-        if (direct != nullptr) {
-            int4* dst = reinterpret_cast<int4*>(direct + dst0);
-            group_copy<2>(g, count * row_int4, [&](int u) { return rows[u]; }, [&](int u, int4 v) { dst[u] = v; });
-        } else {
-            int4* staged = reinterpret_cast<int4*>(send + L.combine_send_row(e, begin));
-            if (!zero_copy) {  // puts need a symmetric source: stage the rows in the send buffer
-                group_copy<2>(g, count * row_int4, [&](int u) { return rows[u]; },
-                              [&](int u, int4 v) { staged[u] = v; });
-                g.sync();
-            }
-            for (int i = warp_id() - g.index * g.warps; i < count; i += g.warps)
-                warp_send(staged + (long long)i * row_int4, dst0 + i * L.row_bytes, row_int4, base, peer_bases, s);
+struct CombineShared {
+    int expert[kLLMaxTopk];      // (B): global expert of entry k; (C) too
+    int slot[kLLMaxTopk];        // (B): slot, -1 = not kept here; (C): slot, -1 = not kept
+    long long row[kLLMaxTopk];   // (B): row of entry k in the expert input x (local expert, R*M rows each)
+    float weight[kLLMaxTopk];    // (B)
+    int has[kLLMaxRanks];        // (C): rank r holds a kept entry of the token
+    int value;                   // (B): the owner's meta flag
+    int failed;
+    int passed;                  // thread 0 passed the clear countdown in this launch
+};
+
+// Thread 0: pass the countdown once per launch (before the block's first signal; blocks without one pass at
+// the end of the send phase). Returns false after a timeout (the record is written; signals are skipped).
+__device__ __forceinline__ bool combine_gate(CombineShared& sh, int* countdown, const DeviceCtx* ctx) {
+    if (sh.passed) return sh.passed > 0;
+    const bool ok = pass_countdown(countdown, ctx, WaitSite{kKernelLowLatencyCombine, kRoleSignaller, -1, -1});
+    sh.passed = ok ? 1 : -1;
+    return ok;
+}
+
+// (A) blocks b < R: the meta for rank b.
+template <typename TopkT>
+__device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
+                                  char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
+                                  int buffer_idx, int* countdown, const DeviceCtx* ctx, CombineShared& sh) {
+    const int rank = ctx->rank;
+    for (int r = blockIdx.x; r < L.num_ranks; r += gridDim.x) {
+        const long long dst = L.recv_offset(buffer_idx) + L.combine_meta_in(rank);
+        char* direct = reinterpret_cast<char*>(peer_bases[r]);
+        char* meta = direct != nullptr ? direct + dst : base + L.recv_offset(buffer_idx) + L.combine_meta_out(r);
+        int* experts = reinterpret_cast<int*>(meta);
+        float* weights = reinterpret_cast<float*>(meta + L.meta_weights());
+        for (int i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
+            const long long e = (long long)topk_idx[i];
+            experts[i] = e >= 0 && e < L.num_experts ? (int)e : -1;
+            weights[i] = topk_weights[i];
+        }
+        __syncthreads();
+        if (direct == nullptr && warp_id() == 0) {
+            nvshmemx_putmem_nbi_warp(base + dst, meta, (size_t)L.meta_bytes, r);
             __syncwarp();
             if (lane_id() == 0) nvshmem_quiet();
         }
-        g.sync();  // every row of this pair is written (bar.sync orders the group's stores)
-        if (g.thread == 0) {
-            const WaitSite site{kKernelLowLatencyCombine, kRoleSignaller, e, s};
-            if (pass_countdown(workspace + kWsCombineClear, ctx, site))
-                send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * global_expert, 1);
-        }
+        if (threadIdx.x == 0 && combine_gate(sh, countdown, ctx))
+            send_signal(base, peer_bases, r, L.signal_offset(buffer_idx) + 4LL * L.combine_meta_flag(rank),
+                        (num_topk << 24) | (num_tokens + 1));
+        __syncthreads();
     }
+}
+
+// (B) the partial sums of every owner's tokens.
+__device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range, char* base,
+                               const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
+                               int* countdown, const DeviceCtx* ctx, int* hist, CombineShared& sh) {
+    const int rank = ctx->rank, R = L.num_ranks, M = L.num_max_tokens, E = L.num_experts;
+    const int row_int4 = L.hidden / 8;  // bf16 input row; the fp32 partial is 2 * row_int4 int4
+    const int* signals = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
+    char* recv = base + L.recv_offset(buffer_idx);
+    const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
+    for (int i = 0; i < R; ++i) {
+        const int s = (rank + 1 + i) % R;  // remote owners first: their bytes cross NVLink
+        if (threadIdx.x == 0) {
+            const int* flag = signals + L.combine_meta_flag(s);
+            int v = 0;
+            const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, -1, s},
+                                       [&] { return (v = ld_acquire_sys(flag)) != 0; },
+                                       [&](long long& head, long long& tail, long long& expected) {
+                                           head = ld_volatile(flag);
+                                           tail = 0;
+                                           expected = 1;
+                                       });
+            sh.value = ok ? v : 0;
+            if (!ok) sh.failed = 1;
+        }
+        __syncthreads();
+        if (sh.failed) return;  // uniform
+        const int K = sh.value >> 24, T = (sh.value & 0xffffff) - 1;
+        const char* meta = recv + L.combine_meta_in(s);
+        const volatile int* experts = reinterpret_cast<const volatile int*>(meta);
+        const volatile float* weights = reinterpret_cast<const volatile float*>(meta + L.meta_weights());
+        if ((int)blockIdx.x < T) build_histograms(experts, T, K, E, blockIdx.x, hist, static_cast<int*>(nullptr));
+        for (int t = blockIdx.x; t < T; t += gridDim.x) {
+            token_slots(experts, t, K, E, M, hist, sh.expert, sh.slot);
+            if ((int)threadIdx.x < K) {
+                const int k = threadIdx.x, e = sh.expert[k], local = e - rank * L.num_local;
+                if (sh.slot[k] >= 0 && local >= 0 && local < L.num_local) {
+                    sh.row[k] = (long long)local * R * M + (layout_range[(long long)local * R + s] >> 32) + sh.slot[k];
+                    sh.weight[k] = weights[(long long)t * K + k];
+                } else {
+                    sh.slot[k] = -1;
+                }
+            }
+            __syncthreads();
+            advance_histogram(experts, t, min(t + (int)gridDim.x, T), K, E, hist);
+            bool any = false;
+            for (int k = 0; k < K; ++k) any |= sh.slot[k] >= 0;
+            if (any) {  // uniform
+                char* direct = reinterpret_cast<char*>(peer_bases[s]);
+                const long long dst = L.recv_offset(buffer_idx) + L.combine_partial_in(rank, t);
+                int4* out = reinterpret_cast<int4*>(direct != nullptr ? direct + dst
+                                                                      : recv + L.combine_partial_out(s, t));
+                for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
+                    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                    for (int k = 0; k < K; ++k) {
+                        if (sh.slot[k] < 0) continue;
+                        const int4 v = ld_nc_v4(rows + sh.row[k] * row_int4 + c);
+                        const unsigned w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
+                        const float weight = sh.weight[k];
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(weight, bf16_lo(w[j])));
+                            acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(weight, bf16_hi(w[j])));
+                        }
+                    }
+                    out[2 * c] = make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
+                                           __float_as_int(acc[3]));
+                    out[2 * c + 1] = make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
+                                               __float_as_int(acc[6]), __float_as_int(acc[7]));
+                }
+                __syncthreads();  // the row is written (bar.sync orders the block's stores before the flag)
+                if (direct == nullptr && warp_id() == 0) {
+                    nvshmemx_putmem_nbi_warp(base + dst, out, (size_t)L.part_bytes, s);
+                    __syncwarp();
+                    if (lane_id() == 0) nvshmem_quiet();
+                }
+                if (threadIdx.x == 0 && combine_gate(sh, countdown, ctx))
+                    send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * L.combine_token_flag(rank, t), 1);
+            }
+            __syncthreads();  // the entries are reused by the next token
+        }
+        __syncthreads();  // sh.value is read by every thread before thread 0 waits for the next owner
+    }
+}
+
+template <typename TopkT>
+__device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, const TopkT* topk_idx,
+                             const float* topk_weights, int num_tokens, int num_topk, char* base,
+                             const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
+                             int* workspace, const DeviceCtx* ctx, int* hist, CombineShared& sh, long long* stamps) {
+    stamp(stamps, kStampSendStart);
+    check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
+    int* countdown = workspace + kWsCombineClear;
+    clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), (int)L.signal_ints,
+                       countdown, gridDim.x);
+    combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L, buffer_idx, countdown, ctx, sh);
+    stamp(stamps, kStampSendPrepared);
+    combine_reduce(x, zero_copy, layout_range, base, peer_bases, L, buffer_idx, countdown, ctx, hist, sh);
+    if (threadIdx.x == 0 && !sh.failed) combine_gate(sh, countdown, ctx);  // every block passes exactly once
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
-// Token side: out[t] = bf16(sum over k ascending of w[t,k] * row(e_k, slot_k)), fp32, no FMA (as the
-// reference: an fp32 product, then an fp32 sum).
+// (C) the owner's sum of the partials.
 template <typename TopkT>
-__device__ void combine_recv(int4* combined_x, const TopkT* topk_idx, const float* topk_weights, int num_tokens,
-                             int num_topk, char* base, const LowLatencyLayout& L, int buffer_idx,
-                             const DeviceCtx* ctx, int* hist, int* s_expert, int* s_slot, float* s_weight,
-                             int* s_failed, long long* stamps) {
+__device__ void combine_recv(int4* combined_x, const TopkT* topk_idx, int num_tokens, int num_topk, char* base,
+                             const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx, int* hist,
+                             CombineShared& sh, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
-    const int E = L.num_experts, row_int4 = L.hidden / 8;
-    const int* flags = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
+    const int R = L.num_ranks, E = L.num_experts, row_int4 = L.hidden / 8;
+    const int* signals = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, static_cast<int*>(nullptr));
-    if (threadIdx.x == 0) *s_failed = 0;
-    __syncthreads();
     for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
-        token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, s_expert, s_slot);
-        if ((int)threadIdx.x < num_topk) {
-            const int k = threadIdx.x;
-            s_weight[k] = topk_weights[(long long)t * num_topk + k];
-            if (s_slot[k] >= 0) {
-                const int* flag = flags + s_expert[k];
-                const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, s_expert[k],
-                                                         s_expert[k] / L.num_local},
+        token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot);
+        __syncthreads();
+        if ((int)threadIdx.x < R) {
+            const int r = threadIdx.x;
+            bool has = false;
+            for (int k = 0; k < num_topk; ++k) has |= sh.slot[k] >= 0 && sh.expert[k] / L.num_local == r;
+            sh.has[r] = has;
+            if (has) {
+                const int* flag = signals + L.combine_token_flag(r, t);
+                const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, t, r},
                                            [&] { return ld_acquire_sys(flag) != 0; },
                                            [&](long long& head, long long& tail, long long& expected) {
                                                head = ld_volatile(flag);
                                                tail = t;
                                                expected = 1;
                                            });
-                if (!ok) *s_failed = 1;
+                if (!ok) sh.failed = 1;
             }
         }
         __syncthreads();
-        if (t == (int)blockIdx.x) stamp(stamps, kStampRecvFirstData);  // the first token's flags are in
-        if (*s_failed) return;  // uniform: every thread read it after the barrier
+        if (t == (int)blockIdx.x) stamp(stamps, kStampRecvFirstData);  // the first token's partials are in
+        if (sh.failed) return;  // uniform: every thread read it after the barrier
         advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
         for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int k = 0; k < num_topk; ++k) {
-                if (s_slot[k] < 0) continue;
-                const int4 v = ld_ring_v4(
-                    reinterpret_cast<const int4*>(recv + L.combine_recv_row(s_expert[k], s_slot[k])) + c);
-                const unsigned w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
-                const float weight = s_weight[k];
+            for (int r = 0; r < R; ++r) {
+                if (!sh.has[r]) continue;
+                const int4* p = reinterpret_cast<const int4*>(recv + L.combine_partial_in(r, t)) + 2 * c;
+                const int4 a = ld_ring_v4(p), b = ld_ring_v4(p + 1);
+                const int v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(weight, bf16_lo(w[j])));
-                    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(weight, bf16_hi(w[j])));
-                }
+                for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __int_as_float(v[j]));
             }
             combined_x[(long long)t * row_int4 + c] =
                 make_int4((int)pack_bf16x2(acc[0], acc[1]), (int)pack_bf16x2(acc[2], acc[3]),
                           (int)pack_bf16x2(acc[4], acc[5]), (int)pack_bf16x2(acc[6], acc[7]));
         }
-        __syncthreads();  // slots, weights and histogram are reused by the next token
+        __syncthreads();  // slots, flags and histogram are reused by the next token
     }
     stamp(stamps, kStampRecvEnd);  // the loop ends with a block barrier
 }
 
 // combined_x [T][H] bf16; x [L][R*M][H] bf16 (unused with zero_copy: the rows are in the send buffer);
 // layout_range [L][R] from the dispatch handle; topk_idx [T][K], topk_weights [T][K] float32.
+// groups_per_block: unused (the dispatch's; one signature for both kernels' common arguments).
 template <typename TopkT>
 __global__ void __launch_bounds__(kLLThreads, 1)
 combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx,
@@ -621,17 +734,20 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
         const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
         int groups_per_block, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hist[kLLMaxExperts];
-    __shared__ int s_expert[kLLMaxTopk], s_slot[kLLMaxTopk];
-    __shared__ float s_weight[kLLMaxTopk];
-    __shared__ int s_failed;
+    __shared__ CombineShared sh;
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
+    if (threadIdx.x == 0) {
+        sh.failed = 0;
+        sh.passed = 0;
+    }
+    __syncthreads();
     if (phases & kPhaseSend)
-        combine_send(x, zero_copy != 0, layout_range, b, peer_bases, L, buffer_idx, groups_per_block, workspace,
-                     ctx, stamps);
-    if (phases & kPhaseRecv)
-        combine_recv(combined_x, topk_idx, topk_weights, num_tokens, num_topk, b, L, buffer_idx, ctx, hist,
-                     s_expert, s_slot, s_weight, &s_failed, stamps);
+        combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, b, peer_bases, L,
+                     buffer_idx, workspace, ctx, hist, sh, stamps);
+    __syncthreads();
+    if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
+        combine_recv(combined_x, topk_idx, num_tokens, num_topk, b, L, buffer_idx, ctx, hist, sh, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -644,8 +760,8 @@ __global__ void clean_low_latency_buffer(int* signals0, int num_signals0, int* s
     nvshmemx_barrier_all_block();
 }
 
-// out: signal, send, recv, total bytes, the offsets of sig1, send0, recv0 and the dispatch's index table inside
-// a recv region (config.low_latency_layout).
+// out: signal, send, recv, total bytes, the offsets of sig1, send0, recv0, the dispatch's index table and the
+// combine's meta inside a recv region, the signal ints (config.low_latency_layout).
 __global__ void ll_carve_probe(int max_tokens, int hidden, int num_ranks, int num_experts, long long* out) {
     const LowLatencyLayout L(max_tokens, hidden, num_ranks, num_experts);
     out[0] = L.signal_bytes;
@@ -656,6 +772,8 @@ __global__ void ll_carve_probe(int max_tokens, int hidden, int num_ranks, int nu
     out[5] = L.send_offset(0);
     out[6] = L.recv_offset(0);
     out[7] = L.index_offset;
+    out[8] = L.meta_offset;
+    out[9] = L.signal_ints;
 }
 
 }  // namespace ep

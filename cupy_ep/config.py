@@ -254,40 +254,53 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
     recv = max(num_experts * tokens * msg_dispatch, num_experts * tokens * msg_combine)
     signal = align_up(num_experts * 4)
     total = 2 * signal + 2 * send + 2 * recv
-    return ((total + ALIGN) // ALIGN) * ALIGN
+    # our layout differs from DeepEP's (its combine keeps per-token partial sums, its signals per-token flags): with
+    # few tokens and few experts per rank it can need more than DeepEP's total
+    ours = low_latency_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)["total_bytes"]
+    return max(((total + ALIGN) // ALIGN) * ALIGN, ours)
 
 
-#: Low-latency kernel limits (mirrors kLLMaxExperts / kLLMaxRanks in cuda_src/low_latency.cu).
+#: Low-latency kernel limits (mirrors kLLMaxExperts / kLLMaxRanks in cuda_src/low_latency.cu, kLLMaxTopk in
+#: cuda_src/buffer.cuh).
 LL_MAX_EXPERTS = 4096
 LL_MAX_RANKS = 64
+LL_MAX_TOPK = 11
 
 
 def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                        num_experts: int) -> dict:
     """Byte sizes and offsets of the GPU's ``LowLatencyLayout`` (cuda_src/buffer.cuh), which it mirrors.
 
-    Two buffers alternate, laid out ``[sig0][sig1][send0][send1][recv0][recv1]``; M tokens, E experts, R ranks::
+    Two buffers alternate, laid out ``[sig0][sig1][send0][send1][recv0][recv1]``; M tokens, E experts, R ranks,
+    K = 11 (``LOW_LATENCY_MAX_TOPK``)::
 
         msg    = 16 + 2H                         # dispatch message: header + bf16 row (>= e4m3 row + scales)
-        row    = 2H                              # combine row (no LogFMT metadata)
-        signal = align_up(4E)
+        row    = 2H                              # zero-copy combine input row (bf16)
+        part   = 4H                              # combine partial sum (fp32), one per (expert rank, token)
+        meta   = align_up(8 * M * K, 16)         # combine meta of one owner: int32 experts, float weights [M][K]
+        signal = align_up(4 * max(E, R*M + R))   # dispatch counts [L][R]; combine token flags [R][M] + meta flags [R]
         send   = align_up(max(M * msg, E * M * row))
         index  = R * M * msg                     # dispatch recv: messages [R][M], then int32 index [E/R][R][M]
-        recv   = align_up(max(index + 4 * E * M, E * M * row))
+        meta0  = 2 * R * M * part                # combine recv: partial_in [R][M], partial_out [R][M], then
+        recv   = align_up(max(index + 4 * E * M, meta0 + 2 * R * meta))   # meta_in [R], meta_out [R]
         total  = 2 * (signal + send + recv)
 
-    ``dispatch_index_offset`` is ``index``: where the dispatch's index table starts inside a recv region.
-    Never more than :func:`low_latency_rdma_size_hint` for the shapes DeepEP supports (hidden >= 512).
+    ``dispatch_index_offset`` is ``index``; ``combine_meta_offset`` is ``meta0``. :func:`low_latency_rdma_size_hint`
+    (DeepEP's formula) is never less than ``total``.
     """
     m, e, r = num_max_dispatch_tokens_per_rank, num_experts, num_ranks
-    msg, row = 16 + 2 * hidden, 2 * hidden
-    signal = align_up(4 * e)
+    msg, row, part = 16 + 2 * hidden, 2 * hidden, 4 * hidden
+    meta = align_up(8 * m * LL_MAX_TOPK, 16)
+    signal_ints = max(e, r * m + r)
+    signal = align_up(4 * signal_ints)
     send = align_up(max(m * msg, e * m * row))
     index = r * m * msg
-    recv = align_up(max(index + 4 * e * m, e * m * row))
-    return {"msg_bytes": msg, "row_bytes": row, "signal_bytes": signal, "send_bytes": send, "recv_bytes": recv,
+    meta0 = 2 * r * m * part
+    recv = align_up(max(index + 4 * e * m, meta0 + 2 * r * meta))
+    return {"msg_bytes": msg, "row_bytes": row, "part_bytes": part, "meta_bytes": meta, "signal_ints": signal_ints,
+            "signal_bytes": signal, "send_bytes": send, "recv_bytes": recv,
             "total_bytes": 2 * (signal + send + recv), "signal_offset_1": signal, "send_offset_0": 2 * signal,
-            "recv_offset_0": 2 * (signal + send), "dispatch_index_offset": index}
+            "recv_offset_0": 2 * (signal + send), "dispatch_index_offset": index, "combine_meta_offset": meta0}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,6 +10,11 @@ Decisions (research/deepep.md §1.8, §4 is the model):
 * dispatch sends each token once per destination rank (to ``[source rank][token]`` of its recv region) plus one
   4-byte index entry per (token, k) at ``[local expert][source rank][slot]``; the receiver gathers the expert's
   rows through the index (``LowLatencyLayout`` in cuda_src/buffer.cuh, :func:`cupy_ep.config.low_latency_layout`);
+* combine pre-reduces on the expert side: the owner first sends every rank its top-k experts and weights
+  (a few KB), each expert rank returns ONE fp32 partial sum per (token, rank) (its experts' weighted rows,
+  k ascending) instead of one bf16 row per (token, k), and the owner adds the partials in rank order: half the
+  bytes across NVLink at top-8 of 256 on 2 ranks, deterministic (:func:`cupy_ep.reference.low_latency_combine`
+  defines the order);
 * one launch per call (send and receive phases in one kernel, no grid barrier: every block is resident, grid
   = SM count); ``return_recv_hook=True`` launches the send phase only and the hook launches the receive phase;
 * two buffers alternate per call (dispatch and combine alike); each call zeroes the other buffer's signals, so
@@ -342,7 +347,6 @@ class LowLatencyState:
             wait_stats, check_values)
         _, zero_copy, async_finish, return_recv_hook = flags
         self.prepare(max_tokens, hidden, num_experts)
-        R = self.buf.num_ranks
         kind = interop.kind_of(topk_idx)
         raw_x = interop.unwrap(x) if (x is not None and not zero_copy) else None
         raw_idx, raw_w = interop.unwrap(topk_idx), interop.unwrap(topk_weights)
@@ -355,8 +359,7 @@ class LowLatencyState:
         index = self.next_index()
         ctype = "long long" if raw_idx.dtype == np.int64 else "int"
         name = f"ep::combine<{ctype}>"
-        common = self.common_args(index, max_tokens, hidden, num_experts,
-                                  groups_per_block((num_experts // R) * R, self.num_blocks))
+        common = self.common_args(index, max_tokens, hidden, num_experts, 1)  # the combine has no warp groups
 
         def args(phases):
             return (raw_out, raw_x, layout_range, raw_idx, raw_w, np.int32(num_tokens), np.int32(num_topk),

@@ -455,25 +455,35 @@ def low_latency_combine(y_list, topk_idx_list, topk_weights_list, num_max_dispat
         rank: the token owner we compute for.
 
     Returns:
-        ``[T, H] bf16``: per token, fp32 ``acc = 0``, then for k ascending with ``topk_idx[t, k] != -1``:
-        ``acc += w[t, k] * y_owner[e][row of (rank, t, k)]`` (an fp32 product, then an fp32 sum), one bf16
-        rounding at the end. A token with no expert gives zeros.
+        ``[T, H] bf16``. The reduction order (deterministic; the GPU kernel follows it bit for bit): per expert
+        rank r, ascending, that holds a kept entry of token t, a partial sum ``P_r = 0 + sum over k ascending
+        with expert e_k on r of fp32(w[t, k] * y_r[e_k][row of (rank, t, k)])`` (an fp32 product, then an fp32
+        sum); then ``acc = 0 + P_r`` over those r ascending, and one bf16 rounding at the end. A token with no
+        kept expert gives zeros. Kept: the first M rows of (expert, source rank), as the dispatch keeps them.
     """
     num_ranks = len(y_list)
     num_local = num_experts // num_ranks
+    max_tokens = num_max_dispatch_tokens_per_rank
     topk_idx = np.asarray(topk_idx_list[rank]).astype(np.int64)
     weights = np.asarray(topk_weights_list[rank], dtype=np.float32)
     num_tokens, num_topk = topk_idx.shape
     hidden = np.asarray(y_list[0]).shape[2]
-    slot = np.full((num_tokens, num_topk), -1, dtype=np.int64)
+    row = np.full((num_tokens, num_topk), -1, dtype=np.int64)  # row of (t, k) in its expert's [R*M] rows
     for expert in np.unique(topk_idx[topk_idx >= 0]):
-        for i, (src, t, k) in enumerate(low_latency_rows(topk_idx_list, int(expert))):
-            if src == rank:
-                slot[t, k] = i
-    acc = np.zeros((num_tokens, hidden), dtype=np.float32)
+        rows = low_latency_rows(topk_idx_list, int(expert))
+        begin = sum(min(sum(1 for s, _, _ in rows if s == src), max_tokens) for src in range(rank))
+        mine = [(t, k) for s, t, k in rows if s == rank][:max_tokens]
+        for j, (t, k) in enumerate(mine):
+            row[t, k] = begin + j
+    partial = np.zeros((num_ranks, num_tokens, hidden), dtype=np.float32)
+    has = np.zeros((num_ranks, num_tokens), dtype=bool)
     for k in range(num_topk):
-        for t in np.nonzero(topk_idx[:, k] >= 0)[0]:
+        for t in np.nonzero(row[:, k] >= 0)[0]:
             owner, e = divmod(int(topk_idx[t, k]), num_local)
-            value = np.asarray(y_list[owner])[e, slot[t, k]].astype(np.float32)
-            acc[t] = acc[t] + (weights[t, k] * value).astype(np.float32)
+            value = np.asarray(y_list[owner])[e, row[t, k]].astype(np.float32)
+            partial[owner, t] = partial[owner, t] + (weights[t, k] * value).astype(np.float32)
+            has[owner, t] = True
+    acc = np.zeros((num_tokens, hidden), dtype=np.float32)
+    for r in range(num_ranks):
+        acc[has[r]] = acc[has[r]] + partial[r, has[r]]
     return acc.astype(bfloat16)

@@ -26,10 +26,13 @@ def test_layout_fits_in_the_size_hint(hidden, max_tokens, ranks, experts):
     assert lay["total_bytes"] == 2 * (lay["signal_bytes"] + lay["send_bytes"] + lay["recv_bytes"])
 
 
-def test_signal_offsets_do_not_depend_on_hidden_or_tokens():
+def test_signal_region_holds_dispatch_counts_and_combine_flags():
+    # dispatch: counts [L][R] = E ints; combine: token flags [R][M] + meta flags [R]; not dependent on hidden
     a = config.low_latency_layout(128, 7168, 2, 256)
-    b = config.low_latency_layout(16, 512, 2, 256)
-    assert a["signal_offset_1"] == b["signal_offset_1"] == 1024
+    b = config.low_latency_layout(128, 512, 2, 256)
+    c = config.low_latency_layout(16, 512, 2, 256)
+    assert a["signal_ints"] == b["signal_ints"] == 2 * 128 + 2 and a["signal_offset_1"] == b["signal_offset_1"] == 1152
+    assert c["signal_ints"] == 256 and c["signal_offset_1"] == 1024
 
 
 @pytest.mark.parametrize("items,blocks,want", [(1, 132, 1), (128, 132, 1), (133, 132, 2), (256, 132, 2),
@@ -122,14 +125,17 @@ def test_dispatch_index_table_lies_after_the_messages_inside_the_recv_region(ran
     assert lay["dispatch_index_offset"] == ranks * M * lay["msg_bytes"]  # messages [R][M]
     assert lay["dispatch_index_offset"] % 16 == 0
     assert lay["dispatch_index_offset"] + 4 * experts * M <= lay["recv_bytes"]  # index [L][R][M] int32
-    assert experts * M * lay["row_bytes"] <= lay["recv_bytes"]  # the combine's rows [E][M] still fit
+    # the combine's partials [2][R][M] fp32 rows and its meta [2][R] fit too
+    assert lay["combine_meta_offset"] == 2 * ranks * M * lay["part_bytes"]
+    assert lay["combine_meta_offset"] + 2 * ranks * lay["meta_bytes"] <= lay["recv_bytes"]
 
 
 def test_dispatch_recv_region_is_smaller_than_one_message_per_expert_slot():
     lay = config.low_latency_layout(128, 7168, 2, 256)
-    # dispatch needs R*M messages + E*M ints (3.8 MB), no longer E*M messages: recv_bytes is the combine's rows
+    # dispatch needs R*M messages + E*M ints (3.8 MB), no longer E*M messages; the combine R*M fp32 partial rows
+    # in and out (14.7 MB), no longer E*M bf16 rows (470 MB)
     assert lay["dispatch_index_offset"] + 4 * 256 * 128 < 4 << 20
-    assert lay["recv_bytes"] == config.align_up(256 * 128 * 2 * 7168)
+    assert lay["recv_bytes"] == config.align_up(2 * 2 * 128 * 4 * 7168 + 2 * 2 * config.align_up(128 * 11 * 8, 16))
 
 
 def _send_model(rank, x_cast, scales, topk_idx, M, E, R, recv, lay, log):

@@ -72,3 +72,13 @@ def test_dispatch_sender_groups_mirror_remote_groups():
         assert cuda_backend._remote_warps(r) == w, r
         assert cuda_backend._dispatch_batch(r) == -(-w * 4 // 32) * 32
     assert [cuda_backend._dispatch_batch(r) for r in (2, 3, 4, 8)] == [96, 64, 32, 32]
+
+
+def test_low_latency_limits_mirror_the_cuda_constants():
+    from cupy_ep import config, reference
+
+    def constant(path: Path, name: str) -> int:
+        return int(re.search(r"constexpr int " + name + r"\s*=\s*(\d+);", path.read_text()).group(1))
+    assert constant(SRC / "buffer.cuh", "kLLMaxTopk") == config.LL_MAX_TOPK == reference.LOW_LATENCY_MAX_TOPK
+    assert constant(SRC / "low_latency.cu", "kLLMaxExperts") == config.LL_MAX_EXPERTS
+    assert constant(SRC / "low_latency.cu", "kLLMaxRanks") == config.LL_MAX_RANKS

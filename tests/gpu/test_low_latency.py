@@ -1,8 +1,9 @@
 """Low-latency dispatch / combine on the GPU (NVSHMEM), bit for bit against cupy_ep.reference.
 
 The kernels order rows deterministically (source rank, token, k) and mirror the reference's arithmetic (FP8
-cast: the same fp32 operations and an RNE satfinite e4m3 conversion; combine: fp32 product then fp32 sum per
-k ascending, no FMA, one bf16 rounding), so every valid row, scale, count, src_info, layout_range and the
+cast: the same fp32 operations and an RNE satfinite e4m3 conversion; combine: per expert rank an fp32
+partial sum over its k ascending (fp32 products, no FMA), the partials summed over ranks ascending, one bf16
+rounding), so every valid row, scale, count, src_info, layout_range and the
 combined output are compared exactly. One Buffer per module (one NVSHMEM init per process); the forced-put
 path is switched on the same buffer (``buf._ll.force_put``).
 
@@ -378,11 +379,12 @@ def test_layout_matches_config(comm, ll_buf):
     def probe():
         k = jit.get_kernel("low_latency.cu", "ep::ll_carve_probe")
         for M, H, E in ((128, 7168, 256), (16, 512, 8 * comm.Get_size()), (256, 4096, 64)):
-            out = cupy.zeros(8, dtype=cupy.int64)
+            out = cupy.zeros(10, dtype=cupy.int64)
             k((1,), (1,), (np.int32(M), np.int32(H), np.int32(comm.Get_size()), np.int32(E), out))
             lay = cfgmod.low_latency_layout(M, H, comm.Get_size(), E)
             want = [lay[n] for n in ("signal_bytes", "send_bytes", "recv_bytes", "total_bytes", "signal_offset_1",
-                                     "send_offset_0", "recv_offset_0", "dispatch_index_offset")]
+                                     "send_offset_0", "recv_offset_0", "dispatch_index_offset",
+                                     "combine_meta_offset", "signal_ints")]
             if out.get().tolist() != want:
                 errors.append(f"(M, H, E) = {(M, H, E)}: device {out.get().tolist()} != config {want}")
 
