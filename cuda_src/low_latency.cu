@@ -45,6 +45,9 @@ namespace ep {
 
 constexpr int kLLThreads = 1024;
 constexpr int kLLWarps = kLLThreads / kWarpSize;
+// The combine runs 512 threads per block: 128 registers each (its owner loop spills at 64), and its token rows
+// (H/8 columns) take two passes of the block.
+constexpr int kLLCombineThreads = 512;
 constexpr int kLLMaxExperts = 4096;  // mirrors config.LL_MAX_EXPERTS (two shared-memory histograms)
 constexpr int kLLMaxRanks = 64;      // mirrors config.LL_MAX_RANKS
 constexpr int kLLMaxGroups = 8;      // warp groups per block (named barriers 1..8)
@@ -508,7 +511,7 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 // experts' rows of that token) instead of one bf16 row per (token, k): at top-8 of 256 on 2 ranks ~4 rows
 // per (token, rank) become one row of twice the width, half the bytes across NVLink. The weights live on the
 // owner, so the owner first sends its top-k (experts and weights, a few KB: "meta") to every rank.
-//   send phase  (A) owner -> every rank r: meta (int32 expert or -1, float weight, [M][kLLMaxTopk] each), then
+//   send phase  (A) owner -> every other rank r: meta (int32 expert or -1, float weight, [M][kLLMaxTopk] each), then
 //                   the meta flag (K << 24 | T + 1) at r's signal combine_meta_flag(me);
 //               (B) expert rank, per owner s (remote ones first) and token t of s (blocks stride over t):
 //                   the slots of t's entries from a histogram of s's meta (exactly the dispatch's slots), then
@@ -520,33 +523,38 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 // Every block's thread 0 passes the clear countdown (set to gridDim.x by block 0 after zeroing the other
 // buffer's signals) once, before its first signal of the call, so no signal of this call overtakes the clearing.
 // ---------------------------------------------------------------------------------------------------
+constexpr int kCombineInFlight = 4;  // expert rows loaded at once per thread
+
 struct CombineShared {
     int expert[kLLMaxTopk];      // (B): global expert of entry k; (C) too
     int slot[kLLMaxTopk];        // (B): slot, -1 = not kept here; (C): slot, -1 = not kept
     long long row[kLLMaxTopk];   // (B): row of entry k in the expert input x (local expert, R*M rows each)
     float weight[kLLMaxTopk];    // (B)
     int has[kLLMaxRanks];        // (C): rank r holds a kept entry of the token
+    int ids[kLLMaxTopk];         // (B): the token's meta entries (experts), staged once
+    int num_kept;                // (B): kept entries, compacted to row[0, num_kept) / weight[...] in k order
     int value;                   // (B): the owner's meta flag
     int failed;
-    int passed;                  // thread 0 passed the clear countdown in this launch
 };
 
 // Thread 0: pass the countdown once per launch (before the block's first signal; blocks without one pass at
-// the end of the send phase). Returns false after a timeout (the record is written; signals are skipped).
-__device__ __forceinline__ bool combine_gate(CombineShared& sh, int* countdown, const DeviceCtx* ctx) {
-    if (sh.passed) return sh.passed > 0;
+// the end of the send phase); `passed` is thread 0's own flag (a register: 0 not yet, 1 passed, -1 timed out).
+// Returns false after a timeout (the record is written; signals are skipped).
+__device__ __forceinline__ bool combine_gate(int& passed, int* countdown, const DeviceCtx* ctx) {
+    if (passed) return passed > 0;
     const bool ok = pass_countdown(countdown, ctx, WaitSite{kKernelLowLatencyCombine, kRoleSignaller, -1, -1});
-    sh.passed = ok ? 1 : -1;
+    passed = ok ? 1 : -1;
     return ok;
 }
 
-// (A) blocks b < R: the meta for rank b.
+// (A) blocks b < R: the meta for rank b (not for this rank itself).
 template <typename TopkT>
 __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                                   char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
-                                  int buffer_idx, int* countdown, const DeviceCtx* ctx, CombineShared& sh) {
+                                  int buffer_idx, int* countdown, const DeviceCtx* ctx, int& passed) {
     const int rank = ctx->rank;
     for (int r = blockIdx.x; r < L.num_ranks; r += gridDim.x) {
+        if (r == rank) continue;  // (B) reads this rank's own top-k from the arguments
         const long long dst = L.recv_offset(buffer_idx) + L.combine_meta_in(rank);
         char* direct = reinterpret_cast<char*>(peer_bases[r]);
         char* meta = direct != nullptr ? direct + dst : base + L.recv_offset(buffer_idx) + L.combine_meta_out(r);
@@ -563,24 +571,108 @@ __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weigh
             __syncwarp();
             if (lane_id() == 0) nvshmem_quiet();
         }
-        if (threadIdx.x == 0 && combine_gate(sh, countdown, ctx))
+        if (threadIdx.x == 0 && combine_gate(passed, countdown, ctx))
             send_signal(base, peer_bases, r, L.signal_offset(buffer_idx) + 4LL * L.combine_meta_flag(rank),
                         (num_topk << 24) | (num_tokens + 1));
         __syncthreads();
     }
 }
 
-// (B) the partial sums of every owner's tokens.
-__device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range, char* base,
-                               const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
-                               int* countdown, const DeviceCtx* ctx, int* hist, CombineShared& sh) {
+// (B), one owner s: the partial sums of its tokens t = blockIdx.x + j * gridDim.x (T tokens, K entries each:
+// `experts` / `weights` are the owner's meta, or this rank's own arguments when s is this rank).
+template <typename IdT, typename WeightT>
+__device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, const WeightT* weights, int T, int K,
+                                                     const int4* rows, const long long* layout_range, char* base,
+                                                     const unsigned long long* peer_bases, const LowLatencyLayout& L,
+                                                     int buffer_idx, int* countdown, const DeviceCtx* ctx, int* hist,
+                                                     CombineShared& sh, int& passed) {
     const int rank = ctx->rank, R = L.num_ranks, M = L.num_max_tokens, E = L.num_experts;
     const int row_int4 = L.hidden / 8;  // bf16 input row; the fp32 partial is 2 * row_int4 int4
-    const int* signals = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
     char* recv = base + L.recv_offset(buffer_idx);
+    if ((int)blockIdx.x < T) build_histograms(experts, T, K, E, blockIdx.x, hist, static_cast<int*>(nullptr));
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        // warp 0: the token's K entries (one load each, staged), their slots, then the kept ones (expert on
+        // this rank, slot < M) compacted in k order into row/weight
+        if (warp_id() == 0) {
+            const int k = lane_id();
+            if (k < K) sh.ids[k] = experts[(long long)t * K + k];
+            __syncwarp();
+            token_slots(static_cast<const int*>(sh.ids), 0, K, E, M, hist, sh.expert, sh.slot);
+            __syncwarp();
+            const int e = k < K ? sh.expert[k] : -1, local = e - rank * L.num_local;
+            const bool kept = k < K && sh.slot[k] >= 0 && local >= 0 && local < L.num_local;
+            const unsigned mask = __ballot_sync(0xffffffffu, kept);
+            if (kept) {
+                const int j = __popc(mask & ((1u << k) - 1u));
+                sh.row[j] = (long long)local * R * M + (layout_range[(long long)local * R + s] >> 32) + sh.slot[k];
+                sh.weight[j] = weights[(long long)t * K + k];
+            }
+            if (k == 0) sh.num_kept = __popc(mask);
+        }
+        __syncthreads();
+        advance_histogram(experts, t, min(t + (int)gridDim.x, T), K, E, hist);
+        const int n = sh.num_kept;
+        if (n > 0) {  // uniform
+            char* direct = reinterpret_cast<char*>(peer_bases[s]);
+            const long long dst = L.recv_offset(buffer_idx) + L.combine_partial_in(rank, t);
+            int4* out = reinterpret_cast<int4*>(direct != nullptr ? direct + dst
+                                                                  : recv + L.combine_partial_out(s, t));
+            for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
+                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (int j0 = 0; j0 < n; j0 += kCombineInFlight) {  // loads in flight, then the sums in order
+                    int4 v[kCombineInFlight];
+#pragma unroll
+                    for (int u = 0; u < kCombineInFlight; ++u)
+                        if (j0 + u < n) v[u] = ld_nc_v4(rows + sh.row[j0 + u] * row_int4 + c);
+#pragma unroll
+                    for (int u = 0; u < kCombineInFlight; ++u) {
+                        if (j0 + u >= n) break;
+                        const unsigned w[4] = {(unsigned)v[u].x, (unsigned)v[u].y, (unsigned)v[u].z,
+                                               (unsigned)v[u].w};
+                        const float weight = sh.weight[j0 + u];
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) {
+                            acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(weight, bf16_lo(w[q])));
+                            acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(weight, bf16_hi(w[q])));
+                        }
+                    }
+                }
+                out[2 * c] = make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
+                                       __float_as_int(acc[3]));
+                out[2 * c + 1] = make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
+                                           __float_as_int(acc[6]), __float_as_int(acc[7]));
+            }
+            __syncthreads();  // the row is written (bar.sync orders the block's stores before the flag)
+            if (direct == nullptr && warp_id() == 0) {
+                nvshmemx_putmem_nbi_warp(base + dst, out, (size_t)L.part_bytes, s);
+                __syncwarp();
+                if (lane_id() == 0) nvshmem_quiet();
+            }
+            if (threadIdx.x == 0 && combine_gate(passed, countdown, ctx))
+                send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * L.combine_token_flag(rank, t), 1);
+        }
+        __syncthreads();  // the entries are reused by the next token
+    }
+}
+
+// (B) the partial sums of every owner's tokens: this rank's own first (its top-k are the kernel's arguments: no
+// wait), meanwhile the remote owners' meta arrives.
+template <typename TopkT>
+__device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range,
+                                               const TopkT* topk_idx, const float* topk_weights, int num_tokens,
+                                               int num_topk, char* base, const unsigned long long* peer_bases,
+                                               const LowLatencyLayout& L, int buffer_idx, int* countdown,
+                                               const DeviceCtx* ctx, int* hist, CombineShared& sh, int& passed,
+                                               long long* stamps) {
+    const int rank = ctx->rank, R = L.num_ranks;
+    const int* signals = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
+    const char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
-    for (int i = 0; i < R; ++i) {
-        const int s = (rank + 1 + i) % R;  // remote owners first: their bytes cross NVLink
+    combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, rows, layout_range, base, peer_bases, L,
+                         buffer_idx, countdown, ctx, hist, sh, passed);
+    stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged
+    for (int i = 1; i < R; ++i) {
+        const int s = (rank + i) % R;
         if (threadIdx.x == 0) {
             const int* flag = signals + L.combine_meta_flag(s);
             int v = 0;
@@ -595,62 +687,14 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
             if (!ok) sh.failed = 1;
         }
         __syncthreads();
+        if (i == 1) stamp(stamps, kStampSendWritten);  // the first remote owner's meta is in
         if (sh.failed) return;  // uniform
         const int K = sh.value >> 24, T = (sh.value & 0xffffff) - 1;
-        const char* meta = recv + L.combine_meta_in(s);
-        const volatile int* experts = reinterpret_cast<const volatile int*>(meta);
-        const volatile float* weights = reinterpret_cast<const volatile float*>(meta + L.meta_weights());
-        if ((int)blockIdx.x < T) build_histograms(experts, T, K, E, blockIdx.x, hist, static_cast<int*>(nullptr));
-        for (int t = blockIdx.x; t < T; t += gridDim.x) {
-            token_slots(experts, t, K, E, M, hist, sh.expert, sh.slot);
-            if ((int)threadIdx.x < K) {
-                const int k = threadIdx.x, e = sh.expert[k], local = e - rank * L.num_local;
-                if (sh.slot[k] >= 0 && local >= 0 && local < L.num_local) {
-                    sh.row[k] = (long long)local * R * M + (layout_range[(long long)local * R + s] >> 32) + sh.slot[k];
-                    sh.weight[k] = weights[(long long)t * K + k];
-                } else {
-                    sh.slot[k] = -1;
-                }
-            }
-            __syncthreads();
-            advance_histogram(experts, t, min(t + (int)gridDim.x, T), K, E, hist);
-            bool any = false;
-            for (int k = 0; k < K; ++k) any |= sh.slot[k] >= 0;
-            if (any) {  // uniform
-                char* direct = reinterpret_cast<char*>(peer_bases[s]);
-                const long long dst = L.recv_offset(buffer_idx) + L.combine_partial_in(rank, t);
-                int4* out = reinterpret_cast<int4*>(direct != nullptr ? direct + dst
-                                                                      : recv + L.combine_partial_out(s, t));
-                for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
-                    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                    for (int k = 0; k < K; ++k) {
-                        if (sh.slot[k] < 0) continue;
-                        const int4 v = ld_nc_v4(rows + sh.row[k] * row_int4 + c);
-                        const unsigned w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
-                        const float weight = sh.weight[k];
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(weight, bf16_lo(w[j])));
-                            acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(weight, bf16_hi(w[j])));
-                        }
-                    }
-                    out[2 * c] = make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
-                                           __float_as_int(acc[3]));
-                    out[2 * c + 1] = make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
-                                               __float_as_int(acc[6]), __float_as_int(acc[7]));
-                }
-                __syncthreads();  // the row is written (bar.sync orders the block's stores before the flag)
-                if (direct == nullptr && warp_id() == 0) {
-                    nvshmemx_putmem_nbi_warp(base + dst, out, (size_t)L.part_bytes, s);
-                    __syncwarp();
-                    if (lane_id() == 0) nvshmem_quiet();
-                }
-                if (threadIdx.x == 0 && combine_gate(sh, countdown, ctx))
-                    send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * L.combine_token_flag(rank, t), 1);
-            }
-            __syncthreads();  // the entries are reused by the next token
-        }
         __syncthreads();  // sh.value is read by every thread before thread 0 waits for the next owner
+        const char* meta = recv + L.combine_meta_in(s);
+        combine_reduce_owner(s, reinterpret_cast<const volatile int*>(meta),
+                             reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, rows,
+                             layout_range, base, peer_bases, L, buffer_idx, countdown, ctx, hist, sh, passed);
     }
 }
 
@@ -664,10 +708,12 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
     int* countdown = workspace + kWsCombineClear;
     clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), (int)L.signal_ints,
                        countdown, gridDim.x);
-    combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L, buffer_idx, countdown, ctx, sh);
-    stamp(stamps, kStampSendPrepared);
-    combine_reduce(x, zero_copy, layout_range, base, peer_bases, L, buffer_idx, countdown, ctx, hist, sh);
-    if (threadIdx.x == 0 && !sh.failed) combine_gate(sh, countdown, ctx);  // every block passes exactly once
+    int passed = 0;  // thread 0's
+    combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L, buffer_idx, countdown, ctx,
+                      passed);
+    combine_reduce(x, zero_copy, layout_range, topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L,
+                   buffer_idx, countdown, ctx, hist, sh, passed, stamps);
+    if (threadIdx.x == 0 && !sh.failed) combine_gate(passed, countdown, ctx);  // every block passes exactly once
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
@@ -728,7 +774,7 @@ __device__ void combine_recv(int4* combined_x, const TopkT* topk_idx, int num_to
 // layout_range [L][R] from the dispatch handle; topk_idx [T][K], topk_weights [T][K] float32.
 // groups_per_block: unused (the dispatch's; one signature for both kernels' common arguments).
 template <typename TopkT>
-__global__ void __launch_bounds__(kLLThreads, 1)
+__global__ void __launch_bounds__(kLLCombineThreads, 1)
 combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx,
         const float* topk_weights, int num_tokens, int num_topk, int zero_copy, void* base,
         const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
@@ -737,10 +783,7 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     __shared__ CombineShared sh;
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
-    if (threadIdx.x == 0) {
-        sh.failed = 0;
-        sh.passed = 0;
-    }
+    if (threadIdx.x == 0) sh.failed = 0;
     __syncthreads();
     if (phases & kPhaseSend)
         combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, b, peer_bases, L,

@@ -42,7 +42,8 @@ from .event import EventOverlap
 from .reference import LOW_LATENCY_MAX_TOPK
 
 _FILE = "low_latency.cu"
-_THREADS = 1024                 # kLLThreads
+_THREADS = 1024                 # kLLThreads (dispatch)
+_COMBINE_THREADS = 512          # kLLCombineThreads
 _WORKSPACE_INTS = 32 + _config.LL_MAX_EXPERTS   # kWsFinish + counters
 _SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv
 
@@ -169,7 +170,8 @@ class LowLatencyState:
         return k
 
     def launch(self, name: str, args) -> None:
-        self.kernel(name)((self.num_blocks,), (_THREADS,), args, stream=self.buf.comm_stream)
+        threads = _COMBINE_THREADS if name.startswith("ep::combine") else _THREADS
+        self.kernel(name)((self.num_blocks,), (threads,), args, stream=self.buf.comm_stream)
 
     def prepare(self, max_tokens: int, hidden: int, num_experts: int) -> dict:
         """The layout of a call; cleans the signal regions first when the shape changed (or on first use).
