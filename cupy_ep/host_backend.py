@@ -648,11 +648,19 @@ class HostBuffer(Buffer):
         row_of = np.full(idx.size, -1, dtype=np.int64)
         row_of[flat[np.argsort(idx.flat[flat], kind="stable")]] = np.arange(flat.size)
         row_of = row_of.reshape(idx.shape)
-        acc = np.zeros((idx.shape[0], args.hidden), dtype=np.float32)
+        # The GPU's order (reference.low_latency_combine): per expert rank an fp32 partial sum over its k
+        # ascending, then the partials over ranks ascending (only ranks holding an entry of the token).
+        owner_of = np.where(idx >= 0, idx // num_local, -1)
+        partial = np.zeros((num_ranks, idx.shape[0], args.hidden), dtype=np.float32)
         for k in range(idx.shape[1]):
-            sel = np.nonzero(row_of[:, k] >= 0)[0]
-            values = got[row_of[sel, k]].astype(np.float32)
-            acc[sel] = acc[sel] + (args.weights[sel, k][:, None] * values).astype(np.float32)
+            for r in range(num_ranks):
+                sel = np.nonzero((row_of[:, k] >= 0) & (owner_of[:, k] == r))[0]
+                values = got[row_of[sel, k]].astype(np.float32)
+                partial[r, sel] = partial[r, sel] + (args.weights[sel, k][:, None] * values).astype(np.float32)
+        acc = np.zeros((idx.shape[0], args.hidden), dtype=np.float32)
+        for r in range(num_ranks):
+            has = ((row_of >= 0) & (owner_of == r)).any(axis=1)
+            acc[has] = acc[has] + partial[r, has]
         combined = acc.astype(interop.BF16).view(np.uint16)
         hook = _ready_hook if args.return_recv_hook else None
         if out is not None:

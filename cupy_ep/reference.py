@@ -456,25 +456,22 @@ def low_latency_combine(y_list, topk_idx_list, topk_weights_list, num_max_dispat
 
     Returns:
         ``[T, H] bf16``. The reduction order (deterministic; the GPU kernel follows it bit for bit): per expert
-        rank r, ascending, that holds a kept entry of token t, a partial sum ``P_r = 0 + sum over k ascending
+        rank r, ascending, that holds an entry of token t, a partial sum ``P_r = 0 + sum over k ascending
         with expert e_k on r of fp32(w[t, k] * y_r[e_k][row of (rank, t, k)])`` (an fp32 product, then an fp32
         sum); then ``acc = 0 + P_r`` over those r ascending, and one bf16 rounding at the end. A token with no
-        kept expert gives zeros. Kept: the first M rows of (expert, source rank), as the dispatch keeps them.
+        expert gives zeros.
     """
     num_ranks = len(y_list)
     num_local = num_experts // num_ranks
-    max_tokens = num_max_dispatch_tokens_per_rank
     topk_idx = np.asarray(topk_idx_list[rank]).astype(np.int64)
     weights = np.asarray(topk_weights_list[rank], dtype=np.float32)
     num_tokens, num_topk = topk_idx.shape
     hidden = np.asarray(y_list[0]).shape[2]
     row = np.full((num_tokens, num_topk), -1, dtype=np.int64)  # row of (t, k) in its expert's [R*M] rows
     for expert in np.unique(topk_idx[topk_idx >= 0]):
-        rows = low_latency_rows(topk_idx_list, int(expert))
-        begin = sum(min(sum(1 for s, _, _ in rows if s == src), max_tokens) for src in range(rank))
-        mine = [(t, k) for s, t, k in rows if s == rank][:max_tokens]
-        for j, (t, k) in enumerate(mine):
-            row[t, k] = begin + j
+        for i, (src, t, k) in enumerate(low_latency_rows(topk_idx_list, int(expert))):
+            if src == rank:
+                row[t, k] = i
     partial = np.zeros((num_ranks, num_tokens, hidden), dtype=np.float32)
     has = np.zeros((num_ranks, num_tokens), dtype=bool)
     for k in range(num_topk):
