@@ -513,8 +513,9 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 // owner, so the owner first sends its top-k (experts and weights, a few KB: "meta") to every rank.
 //   send phase  (A) owner -> every other rank r: meta (int32 expert or -1, float weight, [M][kLLMaxTopk] each), then
 //                   the meta flag (K << 24 | T + 1) at r's signal combine_meta_flag(me);
-//               (B) expert rank, per owner s (remote ones first) and token t of s (blocks stride over t):
-//                   the slots of t's entries from a histogram of s's meta (exactly the dispatch's slots), then
+//               (B) expert rank, per owner s (itself first, from the call's own top-k: no wait; then the
+//                   others from their meta) and token t of s (blocks stride over t): the slots of t's entries
+//                   from a histogram of s's top-k (exactly the dispatch's slots), then
 //                   P = 0 + sum over the kept k whose expert is here, k ascending, of w_k * row(e_k, s, slot_k)
 //                   (fp32 products and sums, no FMA) into s's partial_in [me][t], then flag 1 at s's signal
 //                   combine_token_flag(me, t). Tokens with no kept entry here send nothing.
@@ -522,6 +523,7 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 //                   P_r[t]), one rounding (reference.low_latency_combine: the same order, bit for bit).
 // Every block's thread 0 passes the clear countdown (set to gridDim.x by block 0 after zeroing the other
 // buffer's signals) once, before its first signal of the call, so no signal of this call overtakes the clearing.
+// The combine runs kLLCombineThreads (512) threads per block.
 // ---------------------------------------------------------------------------------------------------
 constexpr int kCombineInFlight = 4;  // expert rows loaded at once per thread
 
