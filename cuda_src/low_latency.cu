@@ -549,6 +549,52 @@ __device__ __forceinline__ bool combine_gate(int& passed, int* countdown, const 
     return ok;
 }
 
+// Warp 0, lanes k < K, after token_slots filled sh.expert / sh.slot: the token's entries whose expert lives on
+// this rank (`rank`), kept (slot < M), compacted in k order: sh.row[j] = the entry's row in the expert input
+// ([local expert][R*M] rows; owner s's rows of that expert start at layout_range's begin), sh.weight[j].
+template <typename WeightT>
+__device__ __forceinline__ void compact_local_entries(CombineShared& sh, int K, int rank, int s,
+                                                      const LowLatencyLayout& L, const long long* layout_range,
+                                                      const WeightT* token_weights) {
+    const int k = lane_id();
+    const int e = k < K ? sh.expert[k] : -1, local = e - rank * L.num_local;
+    const bool kept = k < K && sh.slot[k] >= 0 && local >= 0 && local < L.num_local;
+    const unsigned mask = __ballot_sync(0xffffffffu, kept);
+    if (kept) {
+        const int j = __popc(mask & ((1u << k) - 1u));
+        sh.row[j] = (long long)local * L.num_ranks * L.num_max_tokens +
+                    (layout_range[(long long)local * L.num_ranks + s] >> 32) + sh.slot[k];
+        sh.weight[j] = token_weights[k];
+    }
+    if (k == 0) sh.num_kept = __popc(mask);
+}
+
+// acc = 0 + sum over the compacted entries j (k order) of fp32(w_j * row_j[c]) (fp32 products, then fp32 sums,
+// no FMA: reference.low_latency_combine); kCombineInFlight row loads in flight.
+__device__ __forceinline__ void partial_sum(float (&acc)[8], const int4* rows, const CombineShared& sh, int c,
+                                            int row_int4) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
+    const int n = sh.num_kept;
+    for (int j0 = 0; j0 < n; j0 += kCombineInFlight) {
+        int4 v[kCombineInFlight];
+#pragma unroll
+        for (int u = 0; u < kCombineInFlight; ++u)
+            if (j0 + u < n) v[u] = ld_nc_v4(rows + sh.row[j0 + u] * row_int4 + c);
+#pragma unroll
+        for (int u = 0; u < kCombineInFlight; ++u) {
+            if (j0 + u >= n) break;
+            const unsigned w[4] = {(unsigned)v[u].x, (unsigned)v[u].y, (unsigned)v[u].z, (unsigned)v[u].w};
+            const float weight = sh.weight[j0 + u];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(weight, bf16_lo(w[q])));
+                acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(weight, bf16_hi(w[q])));
+            }
+        }
+    }
+}
+
 // (A) blocks b < R: the meta for rank b (not for this rank itself).
 template <typename TopkT>
 __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
@@ -601,44 +647,18 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
             __syncwarp();
             token_slots(static_cast<const int*>(sh.ids), 0, K, E, M, hist, sh.expert, sh.slot);
             __syncwarp();
-            const int e = k < K ? sh.expert[k] : -1, local = e - rank * L.num_local;
-            const bool kept = k < K && sh.slot[k] >= 0 && local >= 0 && local < L.num_local;
-            const unsigned mask = __ballot_sync(0xffffffffu, kept);
-            if (kept) {
-                const int j = __popc(mask & ((1u << k) - 1u));
-                sh.row[j] = (long long)local * R * M + (layout_range[(long long)local * R + s] >> 32) + sh.slot[k];
-                sh.weight[j] = weights[(long long)t * K + k];
-            }
-            if (k == 0) sh.num_kept = __popc(mask);
+            compact_local_entries(sh, K, rank, s, L, layout_range, weights + (long long)t * K);
         }
         __syncthreads();
         advance_histogram(experts, t, min(t + (int)gridDim.x, T), K, E, hist);
-        const int n = sh.num_kept;
-        if (n > 0) {  // uniform
+        if (sh.num_kept > 0) {  // uniform
             char* direct = reinterpret_cast<char*>(peer_bases[s]);
             const long long dst = L.recv_offset(buffer_idx) + L.combine_partial_in(rank, t);
             int4* out = reinterpret_cast<int4*>(direct != nullptr ? direct + dst
                                                                   : recv + L.combine_partial_out(s, t));
             for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
-                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                for (int j0 = 0; j0 < n; j0 += kCombineInFlight) {  // loads in flight, then the sums in order
-                    int4 v[kCombineInFlight];
-#pragma unroll
-                    for (int u = 0; u < kCombineInFlight; ++u)
-                        if (j0 + u < n) v[u] = ld_nc_v4(rows + sh.row[j0 + u] * row_int4 + c);
-#pragma unroll
-                    for (int u = 0; u < kCombineInFlight; ++u) {
-                        if (j0 + u >= n) break;
-                        const unsigned w[4] = {(unsigned)v[u].x, (unsigned)v[u].y, (unsigned)v[u].z,
-                                               (unsigned)v[u].w};
-                        const float weight = sh.weight[j0 + u];
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) {
-                            acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(weight, bf16_lo(w[q])));
-                            acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(weight, bf16_hi(w[q])));
-                        }
-                    }
-                }
+                float acc[8];
+                partial_sum(acc, rows, sh, c, row_int4);
                 out[2 * c] = make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
                                        __float_as_int(acc[3]));
                 out[2 * c + 1] = make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
@@ -658,21 +678,24 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
 }
 
 // (B) the partial sums of every owner's tokens: this rank's own first (its top-k are the kernel's arguments: no
-// wait), meanwhile the remote owners' meta arrives.
+// wait), meanwhile the remote owners' meta arrives. own_in_recv (both phases in one launch): the own tokens'
+// partials are left to (C), which computes them in registers (no write, flag or read back); a hook's receive
+// phase runs later, when the caller may already reuse x, so there they are sent here like the others.
 template <typename TopkT>
 __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range,
                                                const TopkT* topk_idx, const float* topk_weights, int num_tokens,
                                                int num_topk, char* base, const unsigned long long* peer_bases,
                                                const LowLatencyLayout& L, int buffer_idx, int* countdown,
                                                const DeviceCtx* ctx, int* hist, CombineShared& sh, int& passed,
-                                               long long* stamps) {
+                                               bool own_in_recv, long long* stamps) {
     const int rank = ctx->rank, R = L.num_ranks;
     const int* signals = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
-    combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, rows, layout_range, base, peer_bases, L,
-                         buffer_idx, countdown, ctx, hist, sh, passed);
-    stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged
+    if (!own_in_recv)
+        combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, rows, layout_range, base, peer_bases,
+                             L, buffer_idx, countdown, ctx, hist, sh, passed);
+    stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
     for (int i = 1; i < R; ++i) {
         const int s = (rank + i) % R;
         if (threadIdx.x == 0) {
@@ -704,7 +727,8 @@ template <typename TopkT>
 __device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, const TopkT* topk_idx,
                              const float* topk_weights, int num_tokens, int num_topk, char* base,
                              const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
-                             int* workspace, const DeviceCtx* ctx, int* hist, CombineShared& sh, long long* stamps) {
+                             int* workspace, const DeviceCtx* ctx, int* hist, CombineShared& sh, bool own_in_recv,
+                             long long* stamps) {
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
     int* countdown = workspace + kWsCombineClear;
@@ -714,30 +738,36 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
     combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L, buffer_idx, countdown, ctx,
                       passed);
     combine_reduce(x, zero_copy, layout_range, topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L,
-                   buffer_idx, countdown, ctx, hist, sh, passed, stamps);
+                   buffer_idx, countdown, ctx, hist, sh, passed, own_in_recv, stamps);
     if (threadIdx.x == 0 && !sh.failed) combine_gate(passed, countdown, ctx);  // every block passes exactly once
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
-// (C) the owner's sum of the partials.
+// (C) the owner's sum of the partials; own_in_recv: this rank's own partial is computed here from x.
 template <typename TopkT>
-__device__ void combine_recv(int4* combined_x, const TopkT* topk_idx, int num_tokens, int num_topk, char* base,
-                             const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx, int* hist,
-                             CombineShared& sh, long long* stamps) {
+__device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
+                             const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
+                             char* base, const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx, int* hist,
+                             CombineShared& sh, bool own_in_recv, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
-    const int R = L.num_ranks, E = L.num_experts, row_int4 = L.hidden / 8;
+    const int rank = ctx->rank, R = L.num_ranks, E = L.num_experts, row_int4 = L.hidden / 8;
     const int* signals = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
+    const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, static_cast<int*>(nullptr));
     for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
         token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot);
+        if (own_in_recv && warp_id() == 0) {
+            __syncwarp();
+            compact_local_entries(sh, num_topk, rank, rank, L, layout_range, topk_weights + (long long)t * num_topk);
+        }
         __syncthreads();
         if ((int)threadIdx.x < R) {
             const int r = threadIdx.x;
             bool has = false;
             for (int k = 0; k < num_topk; ++k) has |= sh.slot[k] >= 0 && sh.expert[k] / L.num_local == r;
             sh.has[r] = has;
-            if (has) {
+            if (has && !(own_in_recv && r == rank)) {
                 const int* flag = signals + L.combine_token_flag(r, t);
                 const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, t, r},
                                            [&] { return ld_acquire_sys(flag) != 0; },
@@ -757,11 +787,18 @@ __device__ void combine_recv(int4* combined_x, const TopkT* topk_idx, int num_to
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             for (int r = 0; r < R; ++r) {
                 if (!sh.has[r]) continue;
-                const int4* p = reinterpret_cast<const int4*>(recv + L.combine_partial_in(r, t)) + 2 * c;
-                const int4 a = ld_ring_v4(p), b = ld_ring_v4(p + 1);
-                const int v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                float p[8];
+                if (own_in_recv && r == rank) {
+                    partial_sum(p, rows, sh, c, row_int4);
+                } else {
+                    const int4* q = reinterpret_cast<const int4*>(recv + L.combine_partial_in(r, t)) + 2 * c;
+                    const int4 a = ld_ring_v4(q), b = ld_ring_v4(q + 1);
+                    const int v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-                for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __int_as_float(v[j]));
+                    for (int j = 0; j < 8; ++j) p[j] = __int_as_float(v[j]);
+                }
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], p[j]);
             }
             combined_x[(long long)t * row_int4 + c] =
                 make_int4((int)pack_bf16x2(acc[0], acc[1]), (int)pack_bf16x2(acc[2], acc[3]),
@@ -787,12 +824,14 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     char* b = static_cast<char*>(base);
     if (threadIdx.x == 0) sh.failed = 0;
     __syncthreads();
+    const bool own_in_recv = (phases & kPhaseSend) && (phases & kPhaseRecv);
     if (phases & kPhaseSend)
         combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, b, peer_bases, L,
-                     buffer_idx, workspace, ctx, hist, sh, stamps);
+                     buffer_idx, workspace, ctx, hist, sh, own_in_recv, stamps);
     __syncthreads();
     if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
-        combine_recv(combined_x, topk_idx, num_tokens, num_topk, b, L, buffer_idx, ctx, hist, sh, stamps);
+        combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, b, L,
+                     buffer_idx, ctx, hist, sh, own_in_recv, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------
