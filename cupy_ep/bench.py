@@ -709,15 +709,20 @@ def write_report(out_dir, stem: str, records: list, doc: dict, make_lines, mode:
     print(f"cupy_ep.bench --mode {mode}: wrote {out}/{stem}.json/.md")
 
 
-def _git_commit() -> str:
-    """The checkout's commit (``CUPY_EP_COMMIT`` wins: the GPU machine gets a copy without .git)."""
+def _git_commit(repo: Path | None = None) -> str:
+    """The checkout's commit, ``+dirty`` when tracked files differ from it (``CUPY_EP_COMMIT`` wins: a copy of
+    the tree on another machine may carry a stale ``.git``, whose HEAD alone would name the wrong code)."""
     if os.environ.get("CUPY_EP_COMMIT"):
         return os.environ["CUPY_EP_COMMIT"]
+    here = str(repo or Path(__file__).resolve().parent.parent)
     try:
-        here = Path(__file__).resolve().parent.parent
-        out = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10).stdout.strip()
-        return out or "unknown"
+        if not out:
+            return "unknown"
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        return out + ("+dirty" if dirty else "")
     except Exception:
         return "unknown"
 

@@ -366,3 +366,27 @@ def test_ll_markdown():
     assert "| ll_dispatch | fp8 | 0 | 12.0 | 13.0 | - | - |" in md
     assert "| ll_combine | bf16 | 128 | 150.0 | 160.0 |" in md
     assert "*steady* = 10 ops back to back" in md
+
+
+def test_git_commit_flags_a_tree_that_differs_from_head(tmp_path, monkeypatch):
+    """A copy of the checkout with a stale .git (as on the GPU machine) must not pass for HEAD's code."""
+    import shutil
+    import subprocess
+    from cupy_ep.bench import _git_commit
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    monkeypatch.delenv("CUPY_EP_COMMIT", raising=False)
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    run = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True)
+    run("init", "-q")
+    (tmp_path / "f.txt").write_text("one\n")
+    run("add", "f.txt")
+    run("commit", "-q", "-m", "one")
+    head = run("rev-parse", "--short", "HEAD").stdout.strip()
+    assert _git_commit(tmp_path) == head
+    (tmp_path / "f.txt").write_text("two\n")
+    assert _git_commit(tmp_path) == head + "+dirty"
+    monkeypatch.setenv("CUPY_EP_COMMIT", "abc1234")
+    assert _git_commit(tmp_path) == "abc1234"
