@@ -188,15 +188,24 @@ def _compare_dispatch(errors, got, want, case: Case):
             errors.append(f"scales of expert {e} differ")
 
 
-def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_out=False):
-    """One dispatch + combine of ``case``; returns this rank's list of mismatches."""
+def _order_sensitive_rows(rng, shape):
+    """bf16 expert outputs whose fp32 sums depend on their order: +-2^24, +-1, +-3 ((2^24 + 3) - 2^24 = 4, but
+    (-2^24 + 3) + 2^24 = 3), so only the reference's summation order gives the reference's bytes."""
+    values = rng.choice(np.array([2.0 ** 24, 1.0, 3.0], np.float32), shape)
+    return (values * rng.choice(np.array([-1.0, 1.0], np.float32), shape)).astype(reference.bfloat16)
+
+
+def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_out=False, order_sensitive=False):
+    """One dispatch + combine of ``case``; returns this rank's list of mismatches. The expert outputs sum
+    exactly in fp32 (small integers, power-of-two weights), or with ``order_sensitive`` do not."""
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()
 
     def prepare():  # this rank's inputs; every rank's, and the reference's answers, before any collective call
         x, idx, w, E = _inputs(case, comm, seed)
         rng = np.random.default_rng([seed, rank, 99])
-        y = _small_int_rows(rng, (E // R, R * MAX_TOKENS, case.hidden))
+        shape = (E // R, R * MAX_TOKENS, case.hidden)
+        y = _order_sensitive_rows(rng, shape) if order_sensitive else _small_int_rows(rng, shape)
         weights = (np.float32(2.0) ** rng.integers(-2, 3, size=w.shape)).astype(np.float32)
         return x, idx, E, y, weights
 
@@ -272,6 +281,15 @@ def test_low_latency_matches_reference(comm, ll_buf, case, force_put):
         errors = _round(ll_buf, comm, case, seed=1)
     finally:
         ll_buf._ll.force_put = False
+    assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["one-launch", "hook"])
+def test_combine_sums_in_the_reference_order(comm, ll_buf, hook):
+    """Expert outputs whose fp32 sums depend on the order: the combine's bytes match the reference's only if the
+    kernels add per expert rank k ascending, then the ranks ascending (the own rank's partial in the receive
+    phase in one launch, through the buffer with a hook), as reference.low_latency_combine defines."""
+    errors = _round(ll_buf, comm, CASES[0], seed=21, hook=hook, order_sensitive=True)
     assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
 
 
