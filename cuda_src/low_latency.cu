@@ -528,13 +528,13 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 constexpr int kCombineInFlight = 4;  // expert rows loaded at once per thread
 
 struct CombineShared {
-    int expert[kLLMaxTopk];      // (B): global expert of entry k; (C) too
-    int slot[kLLMaxTopk];        // (B): slot, -1 = not kept here; (C): slot, -1 = not kept
-    long long row[kLLMaxTopk];   // (B): row of entry k in the expert input x (local expert, R*M rows each)
-    float weight[kLLMaxTopk];    // (B)
+    int expert[kLLMaxTopk];      // token_slots: global expert of entry k
+    int slot[kLLMaxTopk];        // token_slots: its slot, -1 = not kept
+    long long row[kLLMaxTopk];   // compact_local_entries: rows in the expert input (local expert, R*M rows each)
+    float weight[kLLMaxTopk];    //   and weights of the kept entries on this rank, k order, num_kept of them
     int has[kLLMaxRanks];        // (C): rank r holds a kept entry of the token
-    int ids[kLLMaxTopk];         // (B): the token's meta entries (experts), staged once
-    int num_kept;                // (B): kept entries, compacted to row[0, num_kept) / weight[...] in k order
+    int ids[kLLMaxTopk];         // (B): the token's entries (experts), staged once
+    int num_kept;                // compact_local_entries: kept entries on this rank
     int value;                   // (B): the owner's meta flag
     int failed;
 };

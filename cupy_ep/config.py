@@ -15,6 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from .reference import LOW_LATENCY_MAX_TOPK
+
 # Mirrors of the constants in cuda_src/buffer.cuh and cuda_src/common.cuh.
 MAX_NVL_RANKS = 8
 MAX_LOCAL_EXPERTS = 1024
@@ -254,17 +256,17 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
     recv = max(num_experts * tokens * msg_dispatch, num_experts * tokens * msg_combine)
     signal = align_up(num_experts * 4)
     total = 2 * signal + 2 * send + 2 * recv
-    # our layout differs from DeepEP's (its combine keeps per-token partial sums, its signals per-token flags): with
+    # our layout is not DeepEP's (our combine keeps fp32 partial sums per (rank, token) and flags per token): with
     # few tokens and few experts per rank it can need more than DeepEP's total
     ours = low_latency_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)["total_bytes"]
     return max(((total + ALIGN) // ALIGN) * ALIGN, ours)
 
 
 #: Low-latency kernel limits (mirrors kLLMaxExperts / kLLMaxRanks in cuda_src/low_latency.cu, kLLMaxTopk in
-#: cuda_src/buffer.cuh).
+#: cuda_src/buffer.cuh; the top-k limit is the reference's).
 LL_MAX_EXPERTS = 4096
 LL_MAX_RANKS = 64
-LL_MAX_TOPK = 11
+LL_MAX_TOPK = LOW_LATENCY_MAX_TOPK
 
 
 def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

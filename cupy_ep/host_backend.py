@@ -650,17 +650,17 @@ class HostBuffer(Buffer):
         row_of = row_of.reshape(idx.shape)
         # The GPU's order (reference.low_latency_combine): per expert rank an fp32 partial sum over its k
         # ascending, then the partials over ranks ascending (only ranks holding an entry of the token).
-        owner_of = np.where(idx >= 0, idx // num_local, -1)
         partial = np.zeros((num_ranks, idx.shape[0], args.hidden), dtype=np.float32)
+        has = np.zeros((num_ranks, idx.shape[0]), dtype=bool)
         for k in range(idx.shape[1]):
-            for r in range(num_ranks):
-                sel = np.nonzero((row_of[:, k] >= 0) & (owner_of[:, k] == r))[0]
-                values = got[row_of[sel, k]].astype(np.float32)
-                partial[r, sel] = partial[r, sel] + (args.weights[sel, k][:, None] * values).astype(np.float32)
+            sel = np.nonzero(row_of[:, k] >= 0)[0]
+            owner = idx[sel, k] // num_local  # each (owner, token) pair once per k
+            values = got[row_of[sel, k]].astype(np.float32)
+            partial[owner, sel] = partial[owner, sel] + (args.weights[sel, k][:, None] * values).astype(np.float32)
+            has[owner, sel] = True
         acc = np.zeros((idx.shape[0], args.hidden), dtype=np.float32)
         for r in range(num_ranks):
-            has = ((row_of >= 0) & (owner_of == r)).any(axis=1)
-            acc[has] = acc[has] + partial[r, has]
+            acc[has[r]] = acc[has[r]] + partial[r, has[r]]
         combined = acc.astype(interop.BF16).view(np.uint16)
         hook = _ready_hook if args.return_recv_hook else None
         if out is not None:
