@@ -21,22 +21,30 @@
 // it token by token). Rows of a local expert are therefore ordered (source rank, token, k) exactly as
 // cupy_ep/reference.py says, and the combine side finds its rows by recomputing the same slots.
 //
-// Dispatch send: a block casts token t into the send area (the symmetric source of puts), warp 0 finds the
-// slots and the distinct destination ranks of t, writes the index entries index[e % L][my rank][slot] = t on
-// the experts' ranks, and the block's warps split over the destination ranks to store the message once per
-// rank at recv [my rank][t] (~1 copy per rank instead of one per expert: ~4x fewer bytes at top-8 of 256 on
-// 2 ranks). After a block barrier warp 0's lane k adds 1 (release) to the local counter of expert e_k: its
-// index entry and the message it names are written. A signaller sends expert e's count once its counter
-// reaches min(hist_all[e], M), i.e. once every index entry and message the count covers is written.
-// Dispatch receive: per (local expert, source) it acquires the count, then gathers row i from the message of
-// token index[i] (local loads, index loads first, then kInFlight int4 payload loads per thread).
+// Dispatch send: per token t, warp 0 finds the slots and the distinct destination ranks of t and writes the
+// index entries index[e % L][my rank][slot] = t on the experts' ranks while the other warps' loads of x are in
+// flight; then every thread casts its part of the row and stores the bytes straight from registers into
+// recv [my rank][t] of each destination reachable by stores (~1 copy per rank instead of one per expert: ~4x
+// fewer bytes at top-8 of 256 on 2 ranks); destinations that need NVSHMEM puts get the message from this rank's
+// send slot after a block barrier. Then warp 0's lane k adds 1 (gpu-scope release) to the local counter of
+// expert e_k: its index entry and the message it names are written. A signaller sends expert e's count once its
+// counter reaches min(hist_all[e], M), i.e. once every index entry and message the count covers is written.
+// Dispatch receive: per local expert, the counts of every source, then one pass over all the expert's units
+// (payload int4s, scale words, source indices): each thread's kInFlight index loads together, then their payload
+// loads together (gather_expert_rows).
 //
 // Peers reachable by loads/stores (peer_bases[r] != 0, from nvshmem_ptr on the host) get direct NVLink
 // stores; the others get nvshmemx_putmem_nbi_warp (messages) / nvshmem_int_p (index entries), each followed
-// by nvshmem_quiet from the issuing lane before the block barrier that precedes the counter adds. Signals: the dispatch count arrives
-// as -count-1 and the combine flag as 1, so 0 means "not arrived"; each call zeroes the *other* buffer's
-// signals (two buffers alternate), then lets its signallers go through a countdown flag, so no signal of
-// this call can overtake the clearing and the next call finds clean signals (also under graph replay).
+// by nvshmem_quiet from the issuing lane before the block barrier that precedes the counter adds.
+//
+// Signals: the dispatch count arrives as -count-1, the combine's meta flag as K << 24 | T + 1 and its token flags
+// as 1, so 0 means "not arrived". Every signal a call writes is read in that call and zeroed right after by its
+// waiter (consumed on read; a combine meta flag, which every block reads, by the last of them): the buffer is
+// clean again when the call's receive phase is done, with no clearing pass and nothing for the senders to wait
+// for (also under graph replay). The next write to that signal is by the call after next on the same buffer,
+// and a peer gets there only after this rank signalled it in the next call, i.e. after this call's receive
+// phase finished (the kernels are stream-ordered; a hook must run before the next low-latency call, which
+// event.RecvHooks enforces).
 #include "common.cuh"
 #include "buffer.cuh"
 #include "nvshmem.cuh"
@@ -52,10 +60,11 @@ constexpr int kLLMaxExperts = 4096;  // mirrors config.LL_MAX_EXPERTS (two share
 constexpr int kLLMaxRanks = 64;      // mirrors config.LL_MAX_RANKS
 constexpr int kLLMaxGroups = 8;      // warp groups per block (named barriers 1..8)
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
-// workspace (int32, zeroed once by the host): countdown flags, then the dispatch's per-expert counters (kept
-// (token, k) entries written, each with its token's message; reset to 0 by the expert's signaller)
-// kWsLastSend: 1 + the buffer index of this rank's previous send phase (0 = none yet)
-constexpr int kWsDispatchClear = 0, kWsCombineClear = 1, kWsLastSend = 2, kWsFinish = 32;
+// workspace (int32, zeroed once by the host): kWsLastSend = 1 + the buffer index of this rank's previous send
+// phase (0 = none yet); from kWsFinish the dispatch's per-expert counters (kept (token, k) entries written, each
+// with its token's message; reset to 0 by the expert's signaller); from kWsMetaReaders per owner rank the blocks
+// that have read its combine meta flag (the last one zeroes the flag and the count)
+constexpr int kWsLastSend = 2, kWsFinish = 32, kWsMetaReaders = kWsFinish + kLLMaxExperts;
 
 // Optional phase stamps (profiling; stamps == nullptr in normal use): per block kLLStamps int64 %globaltimer
 // values, written by thread 0 right after a block-wide barrier, so each marks when the whole block got there.
@@ -74,8 +83,8 @@ __device__ __forceinline__ void stamp_after_barrier(long long* stamps, int which
     stamp(stamps, which);
 }
 
-__device__ __forceinline__ void red_add_release_sys(int* p, int v) {
-    asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void red_add_release_gpu(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // Two floats -> two e4m3 bytes (lo at the lower address), round to nearest even, saturating to +-448.
@@ -176,43 +185,44 @@ __device__ void token_slots(const TopkT* topk_idx, int t, int num_topk, int num_
     s_slot[k] = slot;
 }
 
-// Dispatch, warp 0: token_slots by lanes k < K, then the token's destination ranks: s_dest[0, *s_num_dest) are
-// the distinct ranks owning the expert of a kept (t, k) (slot >= 0), in the order of their first k.
+// What one block knows about its current token (dispatch send; written by warp 0, read after a block barrier).
+struct DispatchShared {
+    int expert[kLLMaxTopk];      // token_slots: global expert of entry k
+    int slot[kLLMaxTopk];        // token_slots: its slot, -1 = not kept
+    int put_dest[kLLMaxTopk];    // destination ranks reached by NVSHMEM puts (no NVLink mapping), num_put of them
+    char* target[kLLMaxTopk + 1];  // where the message bytes are stored: each mapped destination's recv slot,
+                                   // then this rank's send slot when num_put > 0 (the puts' symmetric source)
+    int num_target, num_put;
+};
+
+// Dispatch, warp 0: token_slots by lanes k < K, then the token's distinct destination ranks (owners of the expert
+// of a kept (t, k), slot >= 0, in the order of their first k) sorted into store targets and put destinations.
+// `recv_msg`: the message's offset in a recv region; `send_msg`: this rank's send slot of the token.
 template <typename TopkT>
 __device__ __forceinline__ void token_dests(const TopkT* topk_idx, int t, int num_topk, int num_experts,
-                                            int num_local, int max_tokens, const int* hist, int* s_expert,
-                                            int* s_slot, int* s_dest, int* s_num_dest) {
+                                            int num_local, int max_tokens, const int* hist,
+                                            const unsigned long long* peer_bases, long long recv_msg,
+                                            char* send_msg, DispatchShared& sh) {
     if (warp_id() != 0) return;
-    token_slots(topk_idx, t, num_topk, num_experts, max_tokens, hist, s_expert, s_slot);
+    token_slots(topk_idx, t, num_topk, num_experts, max_tokens, hist, sh.expert, sh.slot);
     __syncwarp();
     const int lane = lane_id();
-    const bool kept = lane < num_topk && s_slot[lane] >= 0;
-    const int dst = kept ? s_expert[lane] / num_local : -1 - lane;  // lanes not kept: a key of their own
+    const bool kept = lane < num_topk && sh.slot[lane] >= 0;
+    const int dst = kept ? sh.expert[lane] / num_local : -1 - lane;  // lanes not kept: a key of their own
     const unsigned same = __match_any_sync(0xffffffffu, dst);
     const bool first = kept && __ffs(same) - 1 == lane;
-    const unsigned firsts = __ballot_sync(0xffffffffu, first);
-    if (first) s_dest[__popc(firsts & ((1u << lane) - 1u))] = dst;
-    if (lane == 0) *s_num_dest = __popc(firsts);
-}
-
-// Block 0 zeroes the next buffer's signals, then opens the countdown flag for this call's signallers.
-__device__ __forceinline__ void clear_next_signals(int* next_signals, int num_signals, int* countdown, int num_signallers) {
-    if (blockIdx.x != 0) return;
-    for (int i = threadIdx.x; i < num_signals; i += blockDim.x) next_signals[i] = 0;
-    __syncthreads();
-    if (threadIdx.x == 0) st_release_sys(countdown, num_signallers);
-}
-
-// A signaller passes the countdown once (the clearing is then ordered before its signal).
-__device__ __forceinline__ bool pass_countdown(int* countdown, const DeviceCtx* ctx, WaitSite site) {
-    const bool ok = wait_until(ctx, site, [&] { return ld_acquire_sys(countdown) != 0; },
-                               [&](long long& head, long long& tail, long long& expected) {
-                                   head = ld_volatile(countdown);
-                                   tail = 0;
-                                   expected = 1;
-                               });
-    if (ok) atomicSub(countdown, 1);
-    return ok;
+    char* direct = first ? reinterpret_cast<char*>(peer_bases[dst]) : nullptr;
+    const unsigned stores = __ballot_sync(0xffffffffu, first && direct != nullptr);
+    const unsigned puts = __ballot_sync(0xffffffffu, first && direct == nullptr);
+    const unsigned below = (1u << lane) - 1u;
+    if (first && direct != nullptr) sh.target[__popc(stores & below)] = direct + recv_msg;
+    if (first && direct == nullptr) sh.put_dest[__popc(puts & below)] = dst;
+    if (lane == 0) {
+        const int num_stores = __popc(stores), num_put = __popc(puts);
+        if (num_put > 0) sh.target[num_stores] = send_msg;
+        sh.num_target = num_stores + (num_put > 0);
+        sh.num_put = num_put;
+    }
 }
 
 // Block 0, thread 0, at the start of a send phase: the buffers must alternate between send phases. The host
@@ -247,16 +257,22 @@ struct Group {
 // ---------------------------------------------------------------------------------------------------
 // dispatch
 // ---------------------------------------------------------------------------------------------------
-template <bool kUseFP8>
-__device__ void cast_token(const int4* x_row, int t, int hidden, bool round_scale, char* msg) {
+__device__ __forceinline__ int dispatch_msg_int4(bool use_fp8, int hidden) {
+    return use_fp8 ? (16 + hidden + hidden / 32) / 16 : (16 + 2 * hidden) / 16;
+}
+
+// Token t's message ([t, 0, 0, 0] int4, then the FP8 bytes and float scales, or the BF16 row), element by
+// element to emit(byte offset in the message, value) for value int4, uint2 or float. `first` is x_row[threadIdx.x]
+// (loaded early by the caller, ahead of a barrier). hidden % 512 == 0 for FP8: whole warps iterate together,
+// 16 lanes per 128-channel group.
+template <bool kUseFP8, typename Emit>
+__device__ __forceinline__ void encode_token(int4 first, const int4* x_row, int t, int hidden, bool round_scale,
+                                             Emit emit) {
     const int hidden_int4 = hidden / 8;
-    if (threadIdx.x == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
-    if constexpr (kUseFP8) {
-        uint2* data = reinterpret_cast<uint2*>(msg + 16);
-        float* scales = reinterpret_cast<float*>(msg + 16 + hidden);
-        // hidden % 512 == 0: whole warps iterate together, 16 lanes per 128-channel group
-        for (int i = threadIdx.x; i < hidden_int4; i += blockDim.x) {
-            const int4 v = ld_nc_v4(x_row + i);
+    if (threadIdx.x == 0) emit(0LL, make_int4(t, 0, 0, 0));
+    for (int i = threadIdx.x; i < hidden_int4; i += blockDim.x) {
+        const int4 v = i == (int)threadIdx.x ? first : ld_nc_v4(x_row + i);
+        if constexpr (kUseFP8) {
             const unsigned w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
             float f[8];
             float amax = 0.0f;
@@ -274,47 +290,42 @@ __device__ void cast_token(const int4* x_row, int t, int hidden, bool round_scal
             uint2 out;
             out.x = cvt_e4m3x2(f[0] * scale, f[1] * scale) | (cvt_e4m3x2(f[2] * scale, f[3] * scale) << 16);
             out.y = cvt_e4m3x2(f[4] * scale, f[5] * scale) | (cvt_e4m3x2(f[6] * scale, f[7] * scale) << 16);
-            data[i] = out;
-            if ((i & 15) == 0) scales[i >> 4] = scale_inv;
+            emit(16 + 8LL * i, out);
+            if ((i & 15) == 0) emit(16LL + hidden + 4LL * (i >> 4), scale_inv);
+        } else {
+            emit(16 + 16LL * i, v);
         }
-    } else {
-        int4* data = reinterpret_cast<int4*>(msg + 16);
-        for (int i = threadIdx.x; i < hidden_int4; i += blockDim.x) data[i] = ld_nc_v4(x_row + i);
     }
-}
-
-__device__ __forceinline__ int dispatch_msg_int4(bool use_fp8, int hidden) {
-    return use_fp8 ? (16 + hidden + hidden / 32) / 16 : (16 + 2 * hidden) / 16;
 }
 
 template <bool kUseFP8, typename TopkT>
 __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_tokens, int num_topk, bool round_scale,
                               char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
                               int buffer_idx, int* workspace, const DeviceCtx* ctx, int* hist, int* hist_all,
-                              int* s_expert, int* s_slot, int* s_dest, int* s_num_dest, long long* stamps) {
+                              DispatchShared& sh, long long* stamps) {
     const int rank = ctx->rank, E = L.num_experts;
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
-    clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), (int)L.signal_ints,
-                       workspace + kWsDispatchClear, E);
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
     stamp(stamps, kStampSendPrepared);  // build_histograms ends with a block barrier
 
-    const int msg_int4 = dispatch_msg_int4(kUseFP8, L.hidden);
+    const int msg_int4 = dispatch_msg_int4(kUseFP8, L.hidden), hidden_int4 = L.hidden / 8;
     char* send = base + L.send_offset(buffer_idx);
     const long long recv = L.recv_offset(buffer_idx);
     int* finish = workspace + kWsFinish;
     const int lane = lane_id();
     for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
-        char* msg = send + (long long)t * L.msg_bytes;
-        cast_token<kUseFP8>(x + (long long)t * (L.hidden / 8), t, L.hidden, round_scale, msg);
-        token_dests(topk_idx, t, num_topk, E, L.num_local, L.num_max_tokens, hist, s_expert, s_slot, s_dest,
-                    s_num_dest);
+        const int4* x_row = x + (long long)t * hidden_int4;
+        // this thread's first x chunk is in flight while warp 0 works out where the token goes
+        const int4 first = (int)threadIdx.x < hidden_int4 ? ld_nc_v4(x_row + threadIdx.x) : make_int4(0, 0, 0, 0);
+        char* send_msg = send + (long long)t * L.msg_bytes;
+        token_dests(topk_idx, t, num_topk, E, L.num_local, L.num_max_tokens, hist, peer_bases,
+                    recv + L.dispatch_recv_msg(rank, t), send_msg, sh);
         // Warp 0, lane k: the index entry of (t, k) on the expert's rank (the message itself goes once per rank).
         bool index_put = false;
-        if (warp_id() == 0 && lane < num_topk && s_slot[lane] >= 0) {
-            const int e = s_expert[lane], pe = e / L.num_local;
-            const long long offset = recv + L.dispatch_recv_index(e % L.num_local, rank, s_slot[lane]);
+        if (warp_id() == 0 && lane < num_topk && sh.slot[lane] >= 0) {
+            const int e = sh.expert[lane], pe = e / L.num_local;
+            const long long offset = recv + L.dispatch_recv_index(e % L.num_local, rank, sh.slot[lane]);
             char* direct = reinterpret_cast<char*>(peer_bases[pe]);
             if (direct != nullptr) {
                 *reinterpret_cast<int*>(direct + offset) = t;
@@ -323,30 +334,37 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
                 index_put = true;
             }
         }
-        __syncthreads();  // the message, the slots and the destinations are visible to the block
-        advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
-        // The message to each destination rank, at [my rank][t] of its recv region: the warps split evenly
-        // over the destinations, each warp one part of the message.
-        const int num_dest = *s_num_dest;
-        if (num_dest > 0) {
-            const int warps_per_dest = kLLWarps / num_dest;
+        __syncthreads();  // the slots and the targets are visible to the block
+        // Cast and store straight from registers into every mapped destination (and the send slot for puts).
+        const int num_target = sh.num_target;
+        encode_token<kUseFP8>(first, x_row, t, L.hidden, round_scale, [&](long long offset, auto value) {
+            for (int j = 0; j < num_target; ++j) *reinterpret_cast<decltype(value)*>(sh.target[j] + offset) = value;
+        });
+        __syncthreads();  // every store of the message is issued (bar.sync orders them before warp 0's releases)
+        if (sh.num_put > 0) {  // uniform
+            // the warps split evenly over the put destinations, each warp one part of the message
+            const int num_put = sh.num_put, warps_per_dest = kLLWarps / num_put;
             const int d = warp_id() / warps_per_dest, part = warp_id() - d * warps_per_dest;
-            if (d < num_dest) {
+            if (d < num_put) {
                 const int part_int4 = (msg_int4 + warps_per_dest - 1) / warps_per_dest;
-                const int begin = part * part_int4;
-                const int pe = s_dest[d];
-                warp_send(reinterpret_cast<const int4*>(msg) + begin, recv + L.dispatch_recv_msg(rank, t) + begin * 16LL,
-                          min(part_int4, msg_int4 - begin), base, peer_bases, pe);
+                const int begin = part * part_int4, n = min(part_int4, msg_int4 - begin);
+                if (n > 0)
+                    nvshmemx_putmem_nbi_warp(base + recv + L.dispatch_recv_msg(rank, t) + begin * 16LL,
+                                             send_msg + begin * 16LL, (size_t)n * 16, sh.put_dest[d]);
                 __syncwarp();
-                if (lane == 0 && peer_bases[pe] == 0) nvshmem_quiet();
+                if (lane == 0) nvshmem_quiet();
             }
+            if (index_put) nvshmem_quiet();
+            __syncthreads();  // every put of this token is complete
         }
-        if (index_put) nvshmem_quiet();
-        __syncthreads();  // every part and index entry of this token is written (puts: completed)
-        // One count per kept (t, k): its index entry and the message it points at are written (the barrier
-        // orders the other warps' stores before this thread's release). Warp 0 wrote s_expert/s_slot itself and
-        // only rewrites them after these adds (program order), so the next token needs no extra barrier.
-        if (warp_id() == 0 && lane < num_topk && s_slot[lane] >= 0) red_add_release_sys(finish + s_expert[lane], 1);
+        // One count per kept (t, k): its index entry and the message it points at are written. A gpu-scope
+        // release suffices: the signaller acquires it on this GPU and its system-scope release of the count is
+        // cumulative over everything it has observed (the PTX model's causality order), as in DeepEP.
+        if (warp_id() == 0 && lane < num_topk && sh.slot[lane] >= 0) red_add_release_gpu(finish + sh.expert[lane], 1);
+        if (t + (int)gridDim.x < num_tokens) {  // the next token's slots count the rows before it
+            advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
+            __syncthreads();
+        }
     }
     stamp(stamps, kStampSendWritten);  // thread 0 is past the last token's barrier (and its own adds)
 
@@ -355,8 +373,7 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
         for (int e = blockIdx.x + gridDim.x * warp_id(); e < E; e += gridDim.x * kLLWarps) {
             const int count = min(hist_all[e], L.num_max_tokens);
             const WaitSite site{kKernelLowLatencyDispatch, kRoleSignaller, e, e / L.num_local};
-            if (!pass_countdown(workspace + kWsDispatchClear, ctx, site)) break;
-            const bool ok = wait_until(ctx, site, [&] { return ld_acquire_sys(finish + e) >= count; },
+            const bool ok = wait_until(ctx, site, [&] { return ld_acquire_gpu(finish + e) >= count; },
                                        [&](long long& head, long long& tail, long long& expected) {
                                            head = ld_volatile(finish + e);
                                            tail = count;
@@ -372,17 +389,76 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
-// Copy `units` 16-byte units with the group's threads, kInFlight loads in flight per thread.
-template <int kInFlight = 4, typename Src, typename Dst>
-__device__ __forceinline__ void group_copy(const Group& g, int units, Src src, Dst dst) {
+// Largest s with begin[s] <= row: the source rank whose rows [begin[s], begin[s+1]) hold `row` (row < begin[R]).
+__device__ __forceinline__ int source_of_row(const int* begin, int num_ranks, int row) {
+    int lo = 0, hi = num_ranks - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (begin[mid] <= row) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+// Dispatch receive, one local expert e whose counts (s_begin: prefix over the source ranks, R + 1 entries) are
+// in: its N rows packed in (source, slot) order. One pass over every unit of the expert: the payload int4s, the
+// scale words (FP8) and the source index of each row, so a thread's kInFlight units load their index entries
+// together, then their payloads together (two dependent L2 round trips per pass, not per source and per kind).
+template <bool kUseFP8>
+__device__ __forceinline__ void gather_expert_rows(const Group& g, int e, const int* begin, void* packed_recv_x,
+                                                   void* packed_recv_scales, int* packed_recv_src_info,
+                                                   bool use_ue8m0, const char* recv, const LowLatencyLayout& L) {
+    constexpr int kInFlight = 4;
+    const int R = L.num_ranks, rows_per_expert = R * L.num_max_tokens, N = begin[R];
+    const int data_int4 = kUseFP8 ? L.hidden / 16 : L.hidden / 8;
+    const int words = kUseFP8 ? (use_ue8m0 ? L.hidden / 512 : L.hidden / 128) : 0;  // scale words per row
+    const int payload = N * data_int4, scale_end = payload + N * words, units = scale_end + N;
+    const long long row0 = (long long)e * rows_per_expert;
     for (int u = g.thread; u < units; u += kInFlight * g.threads) {
+        int row[kInFlight], token[kInFlight];
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) {
+            const int w = u + j * g.threads;
+            if (w >= units) continue;
+            row[j] = w < payload ? w / data_int4 : w < scale_end ? (w - payload) / words : w - scale_end;
+            const int s = source_of_row(begin, R, row[j]);
+            token[j] = ld_volatile(reinterpret_cast<const int*>(recv + L.dispatch_recv_index(e, s, row[j] - begin[s])));
+        }
         int4 v[kInFlight];
 #pragma unroll
-        for (int j = 0; j < kInFlight; ++j)
-            if (u + j * g.threads < units) v[j] = src(u + j * g.threads);
+        for (int j = 0; j < kInFlight; ++j) {
+            const int w = u + j * g.threads;
+            if (w >= scale_end) continue;  // source index units carry the token itself
+            const char* msg = recv + L.dispatch_recv_msg(source_of_row(begin, R, row[j]), token[j]);
+            if (w < payload) {
+                v[j] = ld_ring_v4(reinterpret_cast<const int4*>(msg + 16) + (w - row[j] * data_int4));
+            } else if (use_ue8m0) {  // four float scales -> one word of their exponents
+                v[j] = ld_ring_v4(reinterpret_cast<const int4*>(msg + 16 + L.hidden) + (w - payload - row[j] * words));
+            } else {
+                v[j].x = ld_volatile(reinterpret_cast<const int*>(msg + 16 + L.hidden) + (w - payload - row[j] * words));
+            }
+        }
 #pragma unroll
-        for (int j = 0; j < kInFlight; ++j)
-            if (u + j * g.threads < units) dst(u + j * g.threads, v[j]);
+        for (int j = 0; j < kInFlight; ++j) {
+            const int w = u + j * g.threads;
+            if (w >= units) continue;
+            if (w < payload) {
+                reinterpret_cast<int4*>(packed_recv_x)[(row0 + row[j]) * data_int4 + (w - row[j] * data_int4)] = v[j];
+            } else if (w < scale_end) {  // column-major scales: [L][words][R*M]
+                const int word = w - payload - row[j] * words;
+                int value = v[j].x;
+                if (use_ue8m0) {
+                    const unsigned f[4] = {(unsigned)v[j].x, (unsigned)v[j].y, (unsigned)v[j].z, (unsigned)v[j].w};
+                    unsigned packed = 0;
+#pragma unroll
+                    for (int b = 0; b < 4; ++b) packed |= ((f[b] >> 23) & 0xffu) << (8 * b);
+                    value = (int)packed;
+                }
+                reinterpret_cast<int*>(packed_recv_scales)[((long long)e * words + word) * rows_per_expert + row[j]] = value;
+            } else {
+                packed_recv_src_info[row0 + row[j]] = token[j];
+            }
+        }
     }
 }
 
@@ -390,21 +466,20 @@ template <bool kUseFP8>
 __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count,
                               int* packed_recv_src_info, long long* packed_recv_layout_range, int* cumulative_stats,
                               bool use_ue8m0, char* base, const LowLatencyLayout& L, int buffer_idx,
-                              int groups_per_block, const DeviceCtx* ctx, int (*s_counts)[kLLMaxRanks],
+                              int groups_per_block, const DeviceCtx* ctx, int (*s_begin)[kLLMaxRanks + 1],
                               int* s_failed, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
     const Group g(groups_per_block);
-    const int R = L.num_ranks, M = L.num_max_tokens, rows_per_expert = R * M;
-    const int num_scales = L.hidden / 128;
-    const int data_int4 = kUseFP8 ? L.hidden / 16 : L.hidden / 8;
-    const int* signals = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
+    const int R = L.num_ranks, M = L.num_max_tokens;
+    int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
+    int* begin = s_begin[g.index];
     if (g.thread == 0) s_failed[g.index] = 0;  // once: after a timeout the group gives up for good
     for (int e = g.global; e < L.num_local; e += g.count) {
-        g.sync();  // the previous expert's readers of s_counts are done
-        if (g.thread < kWarpSize) {
+        g.sync();  // the previous expert's readers of begin are done
+        if (g.thread < kWarpSize) {  // counts into begin[s + 1]
             for (int s = g.thread; s < R; s += kWarpSize) {
-                const int* sig = signals + e * R + s;
+                int* sig = signals + e * R + s;
                 const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
                                            [&] { return ld_acquire_sys(sig) != 0; },
                                            [&](long long& head, long long& tail, long long& expected) {
@@ -412,70 +487,31 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
                                                tail = 0;
                                                expected = -1;
                                            });
-                s_counts[g.index][s] = ok ? min(-ld_volatile(sig) - 1, M) : 0;
-                if (!ok) s_failed[g.index] = 1;
+                begin[s + 1] = ok ? min(-ld_volatile(sig) - 1, M) : 0;
+                if (ok) *sig = 0;  // consumed
+                else s_failed[g.index] = 1;
+            }
+            __syncwarp();
+            if (g.thread == 0) {  // counts -> prefix; layout_range (begin << 32 | count), count, stats
+                int sum = 0;
+                begin[0] = 0;
+                for (int s = 0; s < R; ++s) {
+                    const int count = begin[s + 1];
+                    packed_recv_layout_range[(long long)e * R + s] = ((long long)sum << 32) | count;
+                    sum += count;
+                    begin[s + 1] = sum;
+                }
+                if (!s_failed[g.index]) {
+                    packed_recv_count[e] = sum;
+                    if (cumulative_stats != nullptr) cumulative_stats[e] += sum;
+                }
             }
         }
         g.sync();
         if (e == g.global) stamp(stamps, kStampRecvFirstData);  // group 0's thread 0: its first counts are in
         if (s_failed[g.index]) continue;
-        int begin = 0;
-        for (int s = 0; s < R; ++s) {
-            const int count = s_counts[g.index][s];
-            if (g.thread == 0) packed_recv_layout_range[(long long)e * R + s] = ((long long)begin << 32) | count;
-            const int* index = reinterpret_cast<const int*>(recv + L.dispatch_recv_index(e, s, 0));
-            const char* msgs = recv + L.dispatch_recv_msg(s, 0);  // message of (s, t) at msgs + t * msg_bytes
-            const long long row0 = (long long)e * rows_per_expert + begin;
-            // payload rows: row i is the message of token index[i]; the index loads of a thread's kInFlight
-            // units go out together, then their payload loads
-            {
-                constexpr int kInFlight = 4;
-                const int units = count * data_int4;
-                int4* out = reinterpret_cast<int4*>(packed_recv_x) + row0 * data_int4;
-                for (int u = g.thread; u < units; u += kInFlight * g.threads) {
-                    int token[kInFlight];
-#pragma unroll
-                    for (int j = 0; j < kInFlight; ++j)
-                        if (u + j * g.threads < units) token[j] = ld_volatile(index + (u + j * g.threads) / data_int4);
-                    int4 v[kInFlight];
-#pragma unroll
-                    for (int j = 0; j < kInFlight; ++j) {
-                        const int w = u + j * g.threads;
-                        if (w < units)
-                            v[j] = ld_ring_v4(reinterpret_cast<const int4*>(msgs + token[j] * L.msg_bytes + 16) +
-                                              w % data_int4);
-                    }
-#pragma unroll
-                    for (int j = 0; j < kInFlight; ++j)
-                        if (u + j * g.threads < units) out[u + j * g.threads] = v[j];
-                }
-            }
-            // source token indices and scales (column-major: [L][S][R*M])
-            for (int i = g.thread; i < count; i += g.threads) packed_recv_src_info[row0 + i] = ld_volatile(index + i);
-            if constexpr (kUseFP8) {
-                const int words = use_ue8m0 ? num_scales / 4 : num_scales;
-                for (int u = g.thread; u < count * words; u += g.threads) {
-                    const int i = u / words, j = u - i * words;
-                    const float* scales =
-                        reinterpret_cast<const float*>(msgs + ld_volatile(index + i) * L.msg_bytes + 16 + L.hidden);
-                    const long long at = ((long long)e * words + j) * rows_per_expert + begin + i;
-                    if (use_ue8m0) {
-                        unsigned packed = 0;
-#pragma unroll
-                        for (int b = 0; b < 4; ++b)
-                            packed |= ((__float_as_uint(ld_volatile(scales + 4 * j + b)) >> 23) & 0xffu) << (8 * b);
-                        reinterpret_cast<int*>(packed_recv_scales)[at] = (int)packed;
-                    } else {
-                        reinterpret_cast<float*>(packed_recv_scales)[at] = ld_volatile(scales + j);
-                    }
-                }
-            }
-            begin += count;
-        }
-        if (g.thread == 0) {
-            packed_recv_count[e] = begin;
-            if (cumulative_stats != nullptr) cumulative_stats[e] += begin;
-        }
+        gather_expert_rows<kUseFP8>(g, e, begin, packed_recv_x, packed_recv_scales, packed_recv_src_info, use_ue8m0,
+                                    recv, L);
     }
     stamp_after_barrier(stamps, kStampRecvEnd);
 }
@@ -491,19 +527,18 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
          const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
          int groups_per_block, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hist[kLLMaxExperts], hist_all[kLLMaxExperts];
-    __shared__ int s_expert[kLLMaxTopk], s_slot[kLLMaxTopk], s_dest[kLLMaxTopk], s_num_dest;
-    __shared__ int s_counts[kLLMaxGroups][kLLMaxRanks];
+    __shared__ DispatchShared sh;
+    __shared__ int s_begin[kLLMaxGroups][kLLMaxRanks + 1];
     __shared__ int s_failed[kLLMaxGroups];
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
     if (phases & kPhaseSend)
         dispatch_send<kUseFP8>(x, topk_idx, num_tokens, num_topk, round_scale != 0, b, peer_bases, L, buffer_idx,
-                               workspace, ctx, hist, hist_all, s_expert, s_slot, s_dest, &s_num_dest,
-                               stamps);
+                               workspace, ctx, hist, hist_all, sh, stamps);
     if (phases & kPhaseRecv)
         dispatch_recv<kUseFP8>(packed_recv_x, packed_recv_scales, packed_recv_count, packed_recv_src_info,
                                packed_recv_layout_range, cumulative_stats, use_ue8m0 != 0, b, L, buffer_idx,
-                               groups_per_block, ctx, s_counts, s_failed, stamps);
+                               groups_per_block, ctx, s_begin, s_failed, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -521,8 +556,7 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 //                   combine_token_flag(me, t). Tokens with no kept entry here send nothing.
 //   recv phase  (C) owner, token t: out = bf16(0 + sum over ranks r ascending that hold a kept entry of t of
 //                   P_r[t]), one rounding (reference.low_latency_combine: the same order, bit for bit).
-// Every block's thread 0 passes the clear countdown (set to gridDim.x by block 0 after zeroing the other
-// buffer's signals) once, before its first signal of the call, so no signal of this call overtakes the clearing.
+// Every block reads each meta flag in (B): the last of them zeroes it; (C) zeroes each token flag as it reads it.
 // The combine runs kLLCombineThreads (512) threads per block.
 // ---------------------------------------------------------------------------------------------------
 constexpr int kCombineInFlight = 4;  // expert rows loaded at once per thread
@@ -538,16 +572,6 @@ struct CombineShared {
     int value;                   // (B): the owner's meta flag
     int failed;
 };
-
-// Thread 0: pass the countdown once per launch (before the block's first signal; blocks without one pass at
-// the end of the send phase); `passed` is thread 0's own flag (a register: 0 not yet, 1 passed, -1 timed out).
-// Returns false after a timeout (the record is written; signals are skipped).
-__device__ __forceinline__ bool combine_gate(int& passed, int* countdown, const DeviceCtx* ctx) {
-    if (passed) return passed > 0;
-    const bool ok = pass_countdown(countdown, ctx, WaitSite{kKernelLowLatencyCombine, kRoleSignaller, -1, -1});
-    passed = ok ? 1 : -1;
-    return ok;
-}
 
 // Warp 0, lanes k < K, after token_slots filled sh.expert / sh.slot: the token's entries whose expert lives on
 // this rank (`rank`), kept (slot < M), compacted in k order: sh.row[j] = the entry's row in the expert input
@@ -599,7 +623,7 @@ __device__ __forceinline__ void partial_sum(float (&acc)[8], const int4* rows, c
 template <typename TopkT>
 __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                                   char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
-                                  int buffer_idx, int* countdown, const DeviceCtx* ctx, int& passed) {
+                                  int buffer_idx, const DeviceCtx* ctx) {
     const int rank = ctx->rank;
     for (int r = blockIdx.x; r < L.num_ranks; r += gridDim.x) {
         if (r == rank) continue;  // (B) reads this rank's own top-k from the arguments
@@ -619,7 +643,7 @@ __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weigh
             __syncwarp();
             if (lane_id() == 0) nvshmem_quiet();
         }
-        if (threadIdx.x == 0 && combine_gate(passed, countdown, ctx))
+        if (threadIdx.x == 0)
             send_signal(base, peer_bases, r, L.signal_offset(buffer_idx) + 4LL * L.combine_meta_flag(rank),
                         (num_topk << 24) | (num_tokens + 1));
         __syncthreads();
@@ -632,8 +656,8 @@ template <typename IdT, typename WeightT>
 __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, const WeightT* weights, int T, int K,
                                                      const int4* rows, const long long* layout_range, char* base,
                                                      const unsigned long long* peer_bases, const LowLatencyLayout& L,
-                                                     int buffer_idx, int* countdown, const DeviceCtx* ctx, int* hist,
-                                                     CombineShared& sh, int& passed) {
+                                                     int buffer_idx, const DeviceCtx* ctx, int* hist,
+                                                     CombineShared& sh) {
     const int rank = ctx->rank, R = L.num_ranks, M = L.num_max_tokens, E = L.num_experts;
     const int row_int4 = L.hidden / 8;  // bf16 input row; the fp32 partial is 2 * row_int4 int4
     char* recv = base + L.recv_offset(buffer_idx);
@@ -670,7 +694,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
                 __syncwarp();
                 if (lane_id() == 0) nvshmem_quiet();
             }
-            if (threadIdx.x == 0 && combine_gate(passed, countdown, ctx))
+            if (threadIdx.x == 0)
                 send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * L.combine_token_flag(rank, t), 1);
         }
         __syncthreads();  // the entries are reused by the next token
@@ -685,21 +709,21 @@ template <typename TopkT>
 __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range,
                                                const TopkT* topk_idx, const float* topk_weights, int num_tokens,
                                                int num_topk, char* base, const unsigned long long* peer_bases,
-                                               const LowLatencyLayout& L, int buffer_idx, int* countdown,
-                                               const DeviceCtx* ctx, int* hist, CombineShared& sh, int& passed,
+                                               const LowLatencyLayout& L, int buffer_idx, int* meta_readers,
+                                               const DeviceCtx* ctx, int* hist, CombineShared& sh,
                                                bool own_in_recv, long long* stamps) {
     const int rank = ctx->rank, R = L.num_ranks;
-    const int* signals = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
+    int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
     if (!own_in_recv)
         combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, rows, layout_range, base, peer_bases,
-                             L, buffer_idx, countdown, ctx, hist, sh, passed);
+                             L, buffer_idx, ctx, hist, sh);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
     for (int i = 1; i < R; ++i) {
         const int s = (rank + i) % R;
         if (threadIdx.x == 0) {
-            const int* flag = signals + L.combine_meta_flag(s);
+            int* flag = signals + L.combine_meta_flag(s);
             int v = 0;
             const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, -1, s},
                                        [&] { return (v = ld_acquire_sys(flag)) != 0; },
@@ -710,6 +734,11 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
                                        });
             sh.value = ok ? v : 0;
             if (!ok) sh.failed = 1;
+            // consumed once every block has read it (the readers' acquires precede their adds)
+            else if (atomicAdd(meta_readers + s, 1) == (int)gridDim.x - 1) {
+                meta_readers[s] = 0;
+                *flag = 0;
+            }
         }
         __syncthreads();
         if (i == 1) stamp(stamps, kStampSendWritten);  // the first remote owner's meta is in
@@ -719,7 +748,7 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
         const char* meta = recv + L.combine_meta_in(s);
         combine_reduce_owner(s, reinterpret_cast<const volatile int*>(meta),
                              reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, rows,
-                             layout_range, base, peer_bases, L, buffer_idx, countdown, ctx, hist, sh, passed);
+                             layout_range, base, peer_bases, L, buffer_idx, ctx, hist, sh);
     }
 }
 
@@ -731,15 +760,9 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
                              long long* stamps) {
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
-    int* countdown = workspace + kWsCombineClear;
-    clear_next_signals(reinterpret_cast<int*>(base + L.signal_offset(buffer_idx ^ 1)), (int)L.signal_ints,
-                       countdown, gridDim.x);
-    int passed = 0;  // thread 0's
-    combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L, buffer_idx, countdown, ctx,
-                      passed);
+    combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L, buffer_idx, ctx);
     combine_reduce(x, zero_copy, layout_range, topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L,
-                   buffer_idx, countdown, ctx, hist, sh, passed, own_in_recv, stamps);
-    if (threadIdx.x == 0 && !sh.failed) combine_gate(passed, countdown, ctx);  // every block passes exactly once
+                   buffer_idx, workspace + kWsMetaReaders, ctx, hist, sh, own_in_recv, stamps);
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
@@ -751,7 +774,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                              CombineShared& sh, bool own_in_recv, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
     const int rank = ctx->rank, R = L.num_ranks, E = L.num_experts, row_int4 = L.hidden / 8;
-    const int* signals = reinterpret_cast<const int*>(base + L.signal_offset(buffer_idx));
+    int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, static_cast<int*>(nullptr));
@@ -768,7 +791,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
             for (int k = 0; k < num_topk; ++k) has |= sh.slot[k] >= 0 && sh.expert[k] / L.num_local == r;
             sh.has[r] = has;
             if (has && !(own_in_recv && r == rank)) {
-                const int* flag = signals + L.combine_token_flag(r, t);
+                int* flag = signals + L.combine_token_flag(r, t);
                 const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, t, r},
                                            [&] { return ld_acquire_sys(flag) != 0; },
                                            [&](long long& head, long long& tail, long long& expected) {
@@ -776,7 +799,8 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                                                tail = t;
                                                expected = 1;
                                            });
-                if (!ok) sh.failed = 1;
+                if (ok) *flag = 0;  // consumed
+                else sh.failed = 1;
             }
         }
         __syncthreads();

@@ -17,9 +17,11 @@ Decisions (research/deepep.md §1.8, §4 is the model):
   defines the order);
 * one launch per call (send and receive phases in one kernel, no grid barrier: every block is resident, grid
   = SM count); ``return_recv_hook=True`` launches the send phase only and the hook launches the receive phase;
-* two buffers alternate per call (dispatch and combine alike); each call zeroes the other buffer's signals, so
-  repeated calls and CUDA-graph replays need no host work. As in DeepEP, at most two low-latency calls may be
-  outstanding: call a hook before the call after next, and do not change ``num_experts`` without
+* two buffers alternate per call (dispatch and combine alike); each signal is zeroed by the waiter that reads it,
+  so a call leaves its buffer clean and repeated calls and CUDA-graph replays need no host work. A receive hook
+  runs once and before the next low-latency call (``event.RecvHooks`` raises otherwise: the call after next
+  reuses the hook's buffer, and peers may write it as soon as this rank's next call signalled them); do not
+  change ``num_experts`` without
   :meth:`clean_low_latency_buffer`;
 * peers reachable over NVLink (``nvshmem_ptr`` != 0) get direct stores, others NVSHMEM puts.
   ``CUPY_EP_LL_FORCE_PUT=1`` (or ``state.force_put = True``) sends everything through puts (tests use it to
@@ -38,13 +40,13 @@ import numpy as np
 
 from . import config as _config
 from . import interop, jit, validate
-from .event import EventOverlap
+from .event import EventOverlap, RecvHooks
 from .reference import LOW_LATENCY_MAX_TOPK
 
 _FILE = "low_latency.cu"
 _THREADS = 1024                 # kLLThreads (dispatch)
 _COMBINE_THREADS = 512          # kLLCombineThreads
-_WORKSPACE_INTS = 32 + _config.LL_MAX_EXPERTS   # kWsFinish + counters
+_WORKSPACE_INTS = 32 + _config.LL_MAX_EXPERTS + _config.LL_MAX_RANKS  # kWsFinish + counters + meta readers
 _SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv
 
 
@@ -132,6 +134,7 @@ class LowLatencyState:
         self.force_put = os.environ.get("CUPY_EP_LL_FORCE_PUT", "0") not in ("", "0")
         self.workspace = cupy.zeros(_WORKSPACE_INTS, dtype=cupy.int32)
         self.index = 0                             # the buffer the next call uses
+        self.hooks = RecvHooks()                   # a hook runs once, before the next low-latency call
         self.signal_shape = None                   # (M, H, E) the signal regions were last cleaned for
         self.num_blocks = buf.num_device_sms       # one resident block per SM (blocks wait for each other)
         self.leaked: str | None = None             # why destroy() skipped the NVSHMEM teardown, if it did
@@ -214,12 +217,12 @@ class LowLatencyState:
         self.launch(name, args_for_phases(phases))
         return self.buf._finish(compute, async_finish, keep)
 
-    def make_hook(self, kind, name: str, args_for_phases, keep):
-        def hook():
+    def make_hook(self, kind, name: str, args_for_phases, keep, what: str):
+        def run():
             with self.buf._device:
                 self.buf._check_usable()
                 self.run(kind, name, args_for_phases, _RECV, False, keep)
-        return hook
+        return self.hooks.make(run, what)
 
     # ---- argument checks (same order and messages as host_backend.HostBuffer) -------------------------
     def check_dispatch(self, x, topk_idx, max_tokens, num_experts, stats, wait_stats, use_fp8, round_scale,
@@ -303,6 +306,7 @@ class LowLatencyState:
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats, wait_stats, use_fp8, round_scale,
             use_ue8m0, async_finish, return_recv_hook, check_values)
         use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook = flags
+        self.hooks.check_next_call("low_latency_dispatch")
         self.prepare(max_tokens, hidden, num_experts)
         R = self.buf.num_ranks
         L, rows = num_experts // R, R * max_tokens
@@ -331,7 +335,7 @@ class LowLatencyState:
         keep = (raw_x, raw_idx, raw_stats, recv_x, scales, count, src_info, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         event = self.run(kind, name, args, phases, async_finish, keep)
-        hook = self.make_hook(kind, name, args, keep) if return_recv_hook else None
+        hook = self.make_hook(kind, name, args, keep, "low_latency_dispatch") if return_recv_hook else None
 
         out_x = interop.wrap(recv_x, kind, "float8_e4m3fn" if use_fp8 else "bfloat16")
         if scales is not None:
@@ -348,6 +352,7 @@ class LowLatencyState:
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
             wait_stats, check_values)
         _, zero_copy, async_finish, return_recv_hook = flags
+        self.hooks.check_next_call("low_latency_combine")
         self.prepare(max_tokens, hidden, num_experts)
         kind = interop.kind_of(topk_idx)
         raw_x = interop.unwrap(x) if (x is not None and not zero_copy) else None
@@ -369,7 +374,7 @@ class LowLatencyState:
         keep = (raw_x, raw_idx, raw_w, raw_out, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         event = self.run(kind, name, args, phases, async_finish, keep)
-        hook = self.make_hook(kind, name, args, keep) if return_recv_hook else None
+        hook = self.make_hook(kind, name, args, keep, "low_latency_combine") if return_recv_hook else None
         result = out if out is not None else interop.wrap(raw_out, kind, "bfloat16")
         return result, event, hook
 
@@ -393,6 +398,7 @@ class LowLatencyState:
         the others raise CommTimeoutError instead of hanging (NVSHMEM's device barrier has no timeout)."""
         validate.check_positive_int(max_tokens, "num_max_dispatch_tokens_per_rank")
         validate.check_positive_int(hidden, "hidden")
+        self.hooks.check_next_call("clean_low_latency_buffer")
         if hidden % 128:
             raise ValueError(f"hidden: must be a multiple of 128 in low-latency mode, got {hidden}")
         validate.check_num_experts(num_experts, self.buf.num_ranks)

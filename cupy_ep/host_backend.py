@@ -39,7 +39,8 @@ expert row back to its token owner, which reduces with the weights. Decisions:
   shapes (``[L] int32``, wait-cost ``[R] int64``, as DeepEP's C++ asserts). Not kept: the GPU's set of
   supported hidden sizes, the NVSHMEM QP-depth bound on M, and ``num_rdma_bytes`` >= the size hint (the
   host needs no RDMA buffer); ``topk_idx`` may also be int32;
-* ``return_recv_hook=True`` returns a hook that does nothing (the data arrived during the call);
+* ``return_recv_hook=True`` returns a hook that does nothing (the data arrived during the call), under the GPU
+  backend's rule (``event.RecvHooks``: it runs once, before the next low-latency call);
   ``async_finish`` and the wait-cost stats are only checked (stats are left unchanged);
 * combine checks, before any transfer and identically on every rank, that each token owner's
   ``topk_idx`` selects as many rows of each expert as the owner's ``layout_range`` holds; the row of
@@ -59,7 +60,7 @@ from . import config as _config
 from . import interop, reference, validate
 from .buffer import Buffer
 from .config import Config
-from .event import EventOverlap
+from .event import EventOverlap, RecvHooks
 
 _HANDLE_FIELDS = (("rank_prefix_matrix", "int32", 2), ("channel_prefix_matrix", "int32", 2),
                   ("recv_channel_prefix_matrix", "int32", 2), ("recv_src_idx", "int32", 1),
@@ -124,8 +125,8 @@ _check_low_latency_topk = validate.check_low_latency_topk
 _last_two_transposed = validate.last_two_transposed
 
 
-def _ready_hook() -> None:
-    """The receive hook of the host backend: the data already arrived during the call, nothing to do."""
+def _ready() -> None:
+    """The receive phase of the host backend: the data already arrived during the call, nothing to do."""
 
 
 class HostBuffer(Buffer):
@@ -158,6 +159,7 @@ class HostBuffer(Buffer):
                              f"{self.num_ranks}, got {num_ranks_per_node!r}")
         self.num_ranks_per_node = num_ranks_per_node
         self._ll_combine_buffer: np.ndarray | None = None   # raw bf16 [L, R*M, H] (zero-copy combine)
+        self._ll_hooks = RecvHooks()  # the GPU backend's rule: a hook runs once, before the next low-latency call
         if backend is None:
             _buffer._warn_host_backend(self.rank)
 
@@ -439,6 +441,7 @@ class HostBuffer(Buffer):
             if hidden % 128:
                 raise ValueError(f"hidden: must be a multiple of 128 in low-latency mode, got {hidden}")
             validate.check_num_experts(num_experts, self.num_ranks)
+            self._ll_hooks.check_next_call("clean_low_latency_buffer")
             same = {"num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank, "hidden": hidden,
                     "num_experts": num_experts}
             return None, same, None
@@ -464,7 +467,8 @@ class HostBuffer(Buffer):
                 (``use_ue8m0`` needs ``round_scale``; both are ignored without ``use_fp8``).
             async_finish: checked only (no event on the host); not together with ``return_recv_hook``.
             return_recv_hook: return a callable ``hook``; DeepEP's outputs are final only after ``hook()``.
-                The host does all the work in this call, so the hook does nothing (call it anyway).
+                The host does all the work in this call, so the hook does nothing; call it anyway, once and
+                before the next low-latency call (the GPU backend's rule: RuntimeError otherwise).
 
         Returns:
             ``(recv_x | (recv_x, recv_x_scales), recv_count, handle, EventOverlap, hook)``: ``recv_x``
@@ -535,7 +539,7 @@ class HostBuffer(Buffer):
             args.stats += recv_count
         handle = (wrap(src_info, "int32"), wrap(layout_range, "int64"), args.max_tokens, args.hidden,
                   args.num_experts)
-        hook = _ready_hook if args.return_recv_hook else None
+        hook = self._ll_hooks.make(_ready, "low_latency_dispatch") if args.return_recv_hook else None
         return out_x, wrap(recv_count, "int32"), handle, EventOverlap(), hook
 
     def _check_low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -579,6 +583,7 @@ class HostBuffer(Buffer):
             _check_vector(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", "int64", num_ranks)
         if async_finish and return_recv_hook:
             raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
+        self._ll_hooks.check_next_call("low_latency_dispatch")
         idx = interop.unwrap(topk_idx).astype(np.int64)
         args = _LowLatencyArgs(kind=interop.kind_of(x), x=interop.unwrap(x), topk_idx=idx, hidden=hidden,
                                max_tokens=max_tokens, num_experts=num_experts, num_local=num_local,
@@ -662,7 +667,7 @@ class HostBuffer(Buffer):
         for r in range(num_ranks):
             acc[has[r]] = acc[has[r]] + partial[r, has[r]]
         combined = acc.astype(interop.BF16).view(np.uint16)
-        hook = _ready_hook if args.return_recv_hook else None
+        hook = self._ll_hooks.make(_ready, "low_latency_combine") if args.return_recv_hook else None
         if out is not None:
             interop.unwrap(out)[...] = combined
             return out, EventOverlap(), hook
@@ -708,6 +713,7 @@ class HostBuffer(Buffer):
             _check_vector(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", "int64", num_ranks)
         if async_finish and return_recv_hook:
             raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
+        self._ll_hooks.check_next_call("low_latency_combine")
         idx = interop.unwrap(topk_idx).astype(np.int64)
         args = _LowLatencyArgs(kind=interop.kind_of(topk_idx), x=None, topk_idx=idx, hidden=hidden,
                                max_tokens=max_tokens, num_experts=num_experts, num_local=num_local,

@@ -361,3 +361,25 @@ def test_bad_input_raises_everywhere_and_buffer_stays_usable(comm, ll_buffer, ca
     problem = bad_input_problem(lambda: call(ctx), prefix, (ValueError, TypeError, NotImplementedError))
     ok = _valid_round_trip(comm, ll_buffer)
     assert all_ok(comm, problem is None and ok), f"rank {comm.Get_rank()}: {problem}, valid call ok: {ok}"
+
+
+def test_receive_hooks_run_once_and_before_the_next_call(comm, ll_buffer):
+    """The GPU backend's hook rule on the host too (``event.RecvHooks``): with a dispatch hook pending, the next
+    combine, dispatch and clean raise RuntimeError naming return_recv_hook (the GPU kernels would reuse the
+    hook's buffer); after the hook runs they work and give the reference's answers; a second run raises."""
+    c = _context(comm, ll_buffer)
+    out = c.buf.low_latency_dispatch(c.x, c.topk_idx, M, c.E, use_fp8=False, return_recv_hook=True)
+    hook = out[4]
+    problems = [bad_input_problem(lambda: c.buf.low_latency_combine(c.y, c.topk_idx, c.w, out[2]),
+                                  "return_recv_hook:", (RuntimeError,)),
+                bad_input_problem(lambda: c.buf.low_latency_dispatch(c.x, c.topk_idx, M, c.E),
+                                  "return_recv_hook:", (RuntimeError,)),
+                bad_input_problem(lambda: c.buf.clean_low_latency_buffer(M, H, c.E), "return_recv_hook:",
+                                  (RuntimeError,))]
+    hook()
+    problems.append(bad_input_problem(hook, "return_recv_hook:", (RuntimeError,)))
+    combined, _, combine_hook = c.buf.low_latency_combine(c.y, c.topk_idx, c.w, out[2], return_recv_hook=True)
+    combine_hook()
+    ok = same_bytes(combined, _want_combine(comm, c.y, c.topk_idx, c.w, M, c.E)) and _valid_round_trip(comm, c.buf)
+    problems = [p for p in problems if p is not None]
+    assert all_ok(comm, not problems and ok), f"rank {comm.Get_rank()}: {problems}, valid calls ok: {ok}"

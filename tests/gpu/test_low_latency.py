@@ -25,7 +25,7 @@ import pytest
 
 import cupy_ep
 from cupy_ep import config as cfgmod, reference
-from tests.helpers import all_ok, gather_all, make_inputs, random_bf16, same_bytes, to_numpy
+from tests.helpers import all_ok, bad_input_problem, gather_all, make_inputs, random_bf16, same_bytes, to_numpy
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -307,6 +307,23 @@ def test_hook_zero_copy_out_and_alternating_buffers(comm, ll_buf, force_put):
     finally:
         ll_buf._ll.force_put = False
     assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
+
+
+def test_a_hook_runs_once_and_before_the_next_call(comm, ll_buf):
+    """The kernels consume each signal as they read it: with a dispatch hook pending, the next low-latency call
+    raises (RuntimeError naming return_recv_hook) before launching anything; a hook's second run raises instead
+    of waiting for consumed signals; afterwards a full round still matches the reference."""
+    case = CASES[1]
+    x, idx, _, E = _inputs(case, comm, 60)
+    x_d, idx_d = _dev(x), _dev(idx)
+    _, _, handle, _, hook = ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E, return_recv_hook=True)
+    problems = [bad_input_problem(lambda: ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E),
+                                  "return_recv_hook:", (RuntimeError,))]
+    hook()
+    problems.append(bad_input_problem(hook, "return_recv_hook:", (RuntimeError,)))
+    problems = [p for p in problems if p is not None]
+    errors = _round(ll_buf, comm, case, seed=61, hook=True)
+    assert all_ok(comm, not problems and not errors), f"rank {comm.Get_rank()}: {problems} {errors}"
 
 
 def test_cuda_graph_capture_and_replay_with_new_data(comm, ll_buf):
