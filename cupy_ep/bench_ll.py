@@ -314,7 +314,7 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
                        f"{_f(r.get('ratio_to_nccl'), '.2f')} |")
     if steady:
         out += ["", f"Token sweep (steady): T tokens per rank, max tokens M = {args.tokens}. T = 0 is the fixed "
-                "cost of a call: the launch, clearing the next buffer's signals, the signals and the round trip, "
+                "cost of a call: the launch, the signals and their round trip, "
                 "no payload.", "",
                 "| op | dtype | T | median us | p99 us | NCCL us (steady, same bytes) | ours/NCCL |",
                 "|---|---|---|---|---|---|---|"]
