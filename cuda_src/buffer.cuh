@@ -164,8 +164,10 @@ struct CombineLayout {
 //            combine:  bf16 rows [L][R*M][H] (the zero-copy buffer).
 //   recv     dispatch: messages [R][M] (src rank, src token: each token arrives once per destination rank),
 //                      then the index table int32 [L][R][M] (local expert, src rank, slot) -> src token;
-//            combine:  partial_in fp32 [R][M][H] (expert rank r's weighted sum of its rows of token t),
-//                      partial_out fp32 [R][M][H] (the rows this rank computed for owner s: source of puts),
+//            combine:  partial_in [R][M] rows of 3H bytes (expert rank r's weighted fp32 sum of its rows of
+//                      token t, rounded to 24 bits: the bf16 high halves [H], then the next byte of each [H];
+//                      reference.low_latency_partial_wire),
+//                      partial_out [R][M] the same (the rows this rank computed for owner s: source of puts),
 //                      meta_in [R] (owner s's top-k: int32 experts [M][kLLMaxTopk], then float weights),
 //                      meta_out [R] (this rank's meta for rank r: source of puts).
 // A dispatch message is a 16-byte header (int source token index, 3 reserved ints), then the row
@@ -183,7 +185,7 @@ struct LowLatencyLayout {
           num_local(experts / ranks) {
         msg_bytes = 16 + 2LL * hidden;
         row_bytes = 2LL * hidden;
-        part_bytes = 4LL * hidden;
+        part_bytes = 3LL * hidden;  // a 24-bit partial per element: bf16 plane + byte plane
         const long long m = max_tokens, e = experts, r = ranks;
         meta_bytes = align_up(m * kLLMaxTopk * 8, 16LL);
         signal_ints = e > r * m + r ? e : r * m + r;

@@ -4,8 +4,9 @@
 //                              that rank's recv area), plus per (token, top-k slot) a 4-byte index entry
 //                              (expert, my rank, slot) -> token; then per expert a count signal;
 //                              receive: per expert, the rows gathered through the index into packed outputs
-//   combine<TopkT>             owner's top-k + weights -> every rank; per (token, rank) one fp32 partial sum of
-//                              that rank's weighted expert rows -> the owner, flag per token; receive: sum of partials
+//   combine<TopkT>             owner's top-k + weights -> every rank; per (token, rank) one partial sum of that
+//                              rank's weighted expert rows (fp32, 24 bits on the wire) -> the owner, flag per
+//                              token; receive: sum of partials
 //   clean_low_latency_buffer   zero both signal regions between two NVSHMEM barriers (the library cleans on the
 //                              host with timed barriers instead; tests/gpu/test_nvshmem.py uses this one as its
 //                              probe of the NVSHMEM device link and barriers)
@@ -542,20 +543,22 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 }
 
 // ---------------------------------------------------------------------------------------------------
-// combine: each expert rank sends its token owner ONE fp32 partial sum per token (the weighted sum of its
-// experts' rows of that token) instead of one bf16 row per (token, k): at top-8 of 256 on 2 ranks ~4 rows
-// per (token, rank) become one row of twice the width, half the bytes across NVLink. The weights live on the
-// owner, so the owner first sends its top-k (experts and weights, a few KB: "meta") to every rank.
+// combine: each expert rank sends its token owner ONE partial sum per token (the weighted fp32 sum of its
+// experts' rows of that token, rounded to 24 bits on the wire: store_partial) instead of one bf16 row per
+// (token, k): at top-8 of 256 on 2 ranks ~4 rows per (token, rank) become one row of 1.5 times the width, under
+// 40 % of the bytes across NVLink. The weights live on the owner, so the owner first sends its top-k (experts and
+// weights, a few KB: "meta") to every rank.
 //   send phase  (A) owner -> every other rank r: meta (int32 expert or -1, float weight, [M][kLLMaxTopk] each), then
 //                   the meta flag (K << 24 | T + 1) at r's signal combine_meta_flag(me);
 //               (B) expert rank, per owner s (itself first, from the call's own top-k: no wait; then the
 //                   others from their meta) and token t of s (blocks stride over t): the slots of t's entries
 //                   from a histogram of s's top-k (exactly the dispatch's slots), then
 //                   P = 0 + sum over the kept k whose expert is here, k ascending, of w_k * row(e_k, s, slot_k)
-//                   (fp32 products and sums, no FMA) into s's partial_in [me][t], then flag 1 at s's signal
-//                   combine_token_flag(me, t). Tokens with no kept entry here send nothing.
+//                   (fp32 products and sums, no FMA), rounded to 24 bits into s's partial_in [me][t], then
+//                   flag 1 at s's signal combine_token_flag(me, t). Tokens with no kept entry here send nothing.
 //   recv phase  (C) owner, token t: out = bf16(0 + sum over ranks r ascending that hold a kept entry of t of
-//                   P_r[t]), one rounding (reference.low_latency_combine: the same order, bit for bit).
+//                   P_r[t]) in fp32, one bf16 rounding (reference.low_latency_combine: the same order and
+//                   roundings, bit for bit; the own partial computed here is rounded as the wire would).
 // Every block reads each meta flag in (B): the last of them zeroes it; (C) zeroes each token flag as it reads it.
 // The combine runs kLLCombineThreads (512) threads per block.
 // ---------------------------------------------------------------------------------------------------
@@ -619,6 +622,39 @@ __device__ __forceinline__ void partial_sum(float (&acc)[8], const int4* rows, c
     }
 }
 
+// The partials' wire format (reference.low_latency_partial_wire): each fp32 rounded to nearest even to 24 bits.
+// Chunk c (8 values) of a partial row: the high 16 bits of each at byte 16c (a bf16 plane of H values), the next
+// 8 bits at byte 2H + 8c (a byte plane): 3 bytes per value instead of 4 across NVLink.
+__device__ __forceinline__ unsigned wire24(float v) {
+    const unsigned b = __float_as_uint(v);
+    return (b + 0x7fu + ((b >> 8) & 1u)) >> 8;
+}
+__device__ __forceinline__ float wire_round(float v) { return __uint_as_float(wire24(v) << 8); }
+
+__device__ __forceinline__ void store_partial(char* row, int hidden, int c, const float (&p)[8]) {
+    unsigned hi[4], lo[2] = {0u, 0u};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const unsigned a = wire24(p[2 * q]), b = wire24(p[2 * q + 1]);
+        hi[q] = (a >> 8) | ((b >> 8) << 16);
+        lo[q >> 1] |= ((a & 0xffu) | ((b & 0xffu) << 8)) << (16 * (q & 1));
+    }
+    reinterpret_cast<int4*>(row)[c] = make_int4((int)hi[0], (int)hi[1], (int)hi[2], (int)hi[3]);
+    reinterpret_cast<uint2*>(row + 2LL * hidden)[c] = make_uint2(lo[0], lo[1]);
+}
+
+// A peer-written partial row (read after its flag was acquired): chunk c as 8 floats.
+__device__ __forceinline__ void load_partial(const char* row, int hidden, int c, float (&p)[8]) {
+    const int4 h = ld_ring_v4(reinterpret_cast<const int4*>(row) + c);
+    const uint2 l = ld_ring_v2(reinterpret_cast<const uint2*>(row + 2LL * hidden) + c);
+    const unsigned hi[4] = {(unsigned)h.x, (unsigned)h.y, (unsigned)h.z, (unsigned)h.w}, lo[2] = {l.x, l.y};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const unsigned high = (hi[j >> 1] >> (16 * (j & 1))) & 0xffffu, low = (lo[j >> 2] >> (8 * (j & 3))) & 0xffu;
+        p[j] = __uint_as_float((high << 16) | (low << 8));
+    }
+}
+
 // (A) blocks b < R: the meta for rank b (not for this rank itself).
 template <typename TopkT>
 __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
@@ -659,7 +695,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
                                                      int buffer_idx, const DeviceCtx* ctx, int* hist,
                                                      CombineShared& sh) {
     const int rank = ctx->rank, R = L.num_ranks, M = L.num_max_tokens, E = L.num_experts;
-    const int row_int4 = L.hidden / 8;  // bf16 input row; the fp32 partial is 2 * row_int4 int4
+    const int row_int4 = L.hidden / 8;  // bf16 input row: chunks of 8 values
     char* recv = base + L.recv_offset(buffer_idx);
     if ((int)blockIdx.x < T) build_histograms(experts, T, K, E, blockIdx.x, hist, static_cast<int*>(nullptr));
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -678,15 +714,11 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
         if (sh.num_kept > 0) {  // uniform
             char* direct = reinterpret_cast<char*>(peer_bases[s]);
             const long long dst = L.recv_offset(buffer_idx) + L.combine_partial_in(rank, t);
-            int4* out = reinterpret_cast<int4*>(direct != nullptr ? direct + dst
-                                                                  : recv + L.combine_partial_out(s, t));
+            char* out = direct != nullptr ? direct + dst : recv + L.combine_partial_out(s, t);
             for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
                 float acc[8];
                 partial_sum(acc, rows, sh, c, row_int4);
-                out[2 * c] = make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
-                                       __float_as_int(acc[3]));
-                out[2 * c + 1] = make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
-                                           __float_as_int(acc[6]), __float_as_int(acc[7]));
+                store_partial(out, L.hidden, c, acc);
             }
             __syncthreads();  // the row is written (bar.sync orders the block's stores before the flag)
             if (direct == nullptr && warp_id() == 0) {
@@ -812,14 +844,12 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
             for (int r = 0; r < R; ++r) {
                 if (!sh.has[r]) continue;
                 float p[8];
-                if (own_in_recv && r == rank) {
+                if (own_in_recv && r == rank) {  // what the wire would have carried
                     partial_sum(p, rows, sh, c, row_int4);
-                } else {
-                    const int4* q = reinterpret_cast<const int4*>(recv + L.combine_partial_in(r, t)) + 2 * c;
-                    const int4 a = ld_ring_v4(q), b = ld_ring_v4(q + 1);
-                    const int v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) p[j] = __int_as_float(v[j]);
+                    for (int j = 0; j < 8; ++j) p[j] = wire_round(p[j]);
+                } else {
+                    load_partial(recv + L.combine_partial_in(r, t), L.hidden, c, p);
                 }
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], p[j]);

@@ -256,7 +256,7 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
     recv = max(num_experts * tokens * msg_dispatch, num_experts * tokens * msg_combine)
     signal = align_up(num_experts * 4)
     total = 2 * signal + 2 * send + 2 * recv
-    # our layout is not DeepEP's (our combine keeps fp32 partial sums per (rank, token) and flags per token): with
+    # our layout is not DeepEP's (our combine keeps 24-bit partial sums per (rank, token) and flags per token): with
     # few tokens and few experts per rank it can need more than DeepEP's total
     ours = low_latency_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)["total_bytes"]
     return max(((total + ALIGN) // ALIGN) * ALIGN, ours)
@@ -278,7 +278,8 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
 
         msg    = 16 + 2H                         # dispatch message: header + bf16 row (>= e4m3 row + scales)
         row    = 2H                              # zero-copy combine input row (bf16)
-        part   = 4H                              # combine partial sum (fp32), one per (expert rank, token)
+        part   = 3H                              # combine partial sum (fp32 rounded to 24 bits: bf16 plane +
+                                                 # byte plane), one per (expert rank, token)
         meta   = align_up(8 * M * K, 16)         # combine meta of one owner: int32 experts, float weights [M][K]
         signal = align_up(4 * max(E, R*M + R))   # dispatch counts [L][R]; combine token flags [R][M] + meta flags [R]
         send   = align_up(max(M * msg, E * M * row))
@@ -291,7 +292,7 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
     (DeepEP's formula) is never less than ``total``.
     """
     m, e, r = num_max_dispatch_tokens_per_rank, num_experts, num_ranks
-    msg, row, part = 16 + 2 * hidden, 2 * hidden, 4 * hidden
+    msg, row, part = 16 + 2 * hidden, 2 * hidden, 3 * hidden
     meta = align_up(8 * m * LL_MAX_TOPK, 16)
     signal_ints = max(e, r * m + r)
     signal = align_up(4 * signal_ints)

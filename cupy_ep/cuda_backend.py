@@ -608,8 +608,9 @@ class CudaBuffer(Buffer):
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
                             out=None, combine_wait_recv_cost_stats=None):
         """Send expert outputs ``x [L, R*M, H]`` bf16 back to the token owners and reduce them with the
-        weights: ``(combined_x [T, H] bf16, EventOverlap, hook)``, per token an fp32 sum over k ascending of
-        ``w[t, k] * row`` rounded once to bf16. ``zero_copy``: the rows are in
+        weights: ``(combined_x [T, H] bf16, EventOverlap, hook)``, per token the fp32 sum of ``w[t, k] * row``:
+        per expert rank over k ascending, rounded to 24 bits, then over the ranks ascending, rounded once to bf16
+        (:func:`cupy_ep.reference.low_latency_combine`). ``zero_copy``: the rows are in
         :meth:`get_next_low_latency_combine_buffer`; ``out``: written in place and returned."""
         check = self.check_values and not _capturing()
         return self._low_latency().combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,

@@ -11,10 +11,11 @@ Decisions (research/deepep.md §1.8, §4 is the model):
   4-byte index entry per (token, k) at ``[local expert][source rank][slot]``; the receiver gathers the expert's
   rows through the index (``LowLatencyLayout`` in cuda_src/buffer.cuh, :func:`cupy_ep.config.low_latency_layout`);
 * combine pre-reduces on the expert side: the owner first sends every rank its top-k experts and weights
-  (a few KB), each expert rank returns ONE fp32 partial sum per (token, rank) (its experts' weighted rows,
-  k ascending) instead of one bf16 row per (token, k), and the owner adds the partials in rank order: half the
-  bytes across NVLink at top-8 of 256 on 2 ranks, deterministic (:func:`cupy_ep.reference.low_latency_combine`
-  defines the order);
+  (a few KB), each expert rank returns ONE partial sum per (token, rank) (its experts' weighted rows, k
+  ascending, in fp32, rounded to 24 bits on the wire: :func:`cupy_ep.reference.low_latency_partial_wire`) instead
+  of one bf16 row per (token, k), and the owner adds the partials in rank order: under 40 % of the bytes across
+  NVLink at top-8 of 256 on 2 ranks, deterministic (:func:`cupy_ep.reference.low_latency_combine` defines the
+  order and the roundings);
 * one launch per call (send and receive phases in one kernel, no grid barrier: every block is resident, grid
   = SM count); ``return_recv_hook=True`` launches the send phase only and the hook launches the receive phase;
 * two buffers alternate per call (dispatch and combine alike); each signal is zeroed by the waiter that reads it,

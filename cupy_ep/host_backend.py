@@ -612,8 +612,9 @@ class HostBuffer(Buffer):
             combine_wait_recv_cost_stats: ``[R] int64`` or None; checked, left unchanged.
 
         Returns:
-            ``(combined_x [T, H] bf16, EventOverlap, hook)``: per token, fp32 ``sum_k w[t, k] * y`` over
-            k ascending (-1 skipped), rounded to bf16 once (:func:`reference.low_latency_combine`).
+            ``(combined_x [T, H] bf16, EventOverlap, hook)``: per token, fp32 ``sum_k w[t, k] * y`` (-1
+            skipped): per expert rank over k ascending, rounded to 24 bits, then over the ranks ascending, rounded
+            to bf16 once (:func:`reference.low_latency_combine`).
         """
         self._check_usable()
         args, notes = self._agree(lambda: self._check_low_latency_combine(
@@ -654,7 +655,8 @@ class HostBuffer(Buffer):
         row_of[flat[np.argsort(idx.flat[flat], kind="stable")]] = np.arange(flat.size)
         row_of = row_of.reshape(idx.shape)
         # The GPU's order (reference.low_latency_combine): per expert rank an fp32 partial sum over its k
-        # ascending, then the partials over ranks ascending (only ranks holding an entry of the token).
+        # ascending, rounded to the wire's 24 bits, then the partials over ranks ascending (only ranks holding an
+        # entry of the token).
         partial = np.zeros((num_ranks, idx.shape[0], args.hidden), dtype=np.float32)
         has = np.zeros((num_ranks, idx.shape[0]), dtype=bool)
         for k in range(idx.shape[1]):
@@ -663,6 +665,7 @@ class HostBuffer(Buffer):
             values = got[row_of[sel, k]].astype(np.float32)
             partial[owner, sel] = partial[owner, sel] + (args.weights[sel, k][:, None] * values).astype(np.float32)
             has[owner, sel] = True
+        partial = reference.low_latency_partial_wire(partial)
         acc = np.zeros((idx.shape[0], args.hidden), dtype=np.float32)
         for r in range(num_ranks):
             acc[has[r]] = acc[has[r]] + partial[r, has[r]]

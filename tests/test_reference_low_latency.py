@@ -295,3 +295,25 @@ def test_low_latency_rdma_size_hint():
                       ((1, 128, 3, 4), "num_experts"), ((1, 128, 1.0, 1), "num_ranks")):
         with pytest.raises(ValueError, match=f"^{name}:"):
             config.low_latency_rdma_size_hint(*bad)
+
+
+def test_partial_wire_rounds_to_24_bits_nearest_even():
+    ulp = 2.0 ** -15   # of the wire's 15 mantissa bits at 1.0
+    x = np.array([1 + ulp / 2, 1 + 3 * ulp / 2, 1 + 3 * ulp / 4, -(1 + ulp / 2 + 2.0 ** -20), 2.0 ** 24 + 2 ** 7,
+                  np.inf, -0.0], np.float32)
+    want = np.array([1, 1 + 2 * ulp, 1 + ulp, -(1 + ulp), 2.0 ** 24, np.inf, -0.0], np.float32)
+    assert np.array_equal(reference.low_latency_partial_wire(x).view(np.uint32), want.view(np.uint32))
+
+
+def test_combine_sums_the_partials_as_the_wire_carries_them():
+    # owner 0's token: expert 0 (own rank) gives -1, experts 2 and 3 (rank 1) give 1 and 1.5 * 2^-16: rank 1's
+    # partial 1 + 1.5 * 2^-16 crosses as 1 + 2^-15 (0.75 of the wire's ulp rounds up), so the sum is 2^-15,
+    # not the 1.5 * 2^-16 an fp32 partial would give (both exact in bf16)
+    E, L, Mx = 4, 2, 4
+    y0 = np.zeros((L, 2 * Mx, H), np.float32)
+    y1 = np.zeros((L, 2 * Mx, H), np.float32)
+    y0[0], y1[0], y1[1] = -1.0, 1.0, 1.5 * 2.0 ** -16
+    topk = [np.array([[0, 2, 3]], np.int64), np.zeros((0, 3), np.int64)]
+    w = [np.ones((1, 3), np.float32), np.zeros((0, 3), np.float32)]
+    out = reference.low_latency_combine([y0.astype(BF16), y1.astype(BF16)], topk, w, Mx, E, rank=0)
+    assert np.all(out.astype(np.float32) == np.float32(2.0 ** -15))
