@@ -199,32 +199,46 @@ class LowLatencyBench:
     def phases(self, runs: dict, tokens: int, rounds: int = 30, calls: int = 4) -> None:
         """Records of timing "stamps" (``--ll-stamps``): per op, where a call's time goes, from the kernels'
         %globaltimer phase stamps (``cuda_low_latency.phase_breakdown``, us after the earliest block started),
-        median over ``rounds``; each round makes ``calls`` calls back to back (the ranks align on the first) and
-        reads the last one's stamps. Stamping adds a few block barriers, so it is measured after the timings."""
+        median over ``rounds``. A round replays one CUDA graph of ``calls`` calls (captured once; even, as the
+        buffers alternate), launched right after an MPI barrier: the calls run back to back on the device
+        whatever the host's speed, the ranks align on the first and the last one (its stamps zeroed just before
+        it, inside the graph) is read. (Plain calls back to back only queue up when the host outpaces the
+        device; when it does not, each call waits for the peer's launch and the receive stamps measure that.)
+        Stamping adds a few block barriers, so it is measured after the timings."""
         import cupy
+        from .bench import _capture
         from .cuda_low_latency import STAMP_NAMES, phase_breakdown
         a, ll = self.args, self.buf._low_latency()
         ll.enable_stamps()
         try:
             for op, (fn, _, dtype) in runs.items():
-                kind = "dispatch" if op == "ll_dispatch" else "combine"
+                stamps = ll.stamps_of("dispatch" if op == "ll_dispatch" else "combine")
+
+                def one_round():
+                    for i in range(calls):
+                        if i == calls - 1:
+                            stamps.fill(0)  # ordered before the last call on the capturing stream
+                        fn()
+                stream = cupy.cuda.Stream(non_blocking=True)
+                with stream:
+                    one_round()  # compiles and allocates outside the capture
+                    stream.synchronize()
+                    self.comm.Barrier()
+                    graph = _capture(stream, one_round)
                 per_round = []
                 for _ in range(rounds):
                     cupy.cuda.runtime.deviceSynchronize()
                     self.comm.Barrier()
-                    for i in range(calls):
-                        if i == calls - 1:
-                            ll.stamps_of(kind).fill(0)  # on the caller's stream: ordered before the last call
-                        fn()
-                    cupy.cuda.runtime.deviceSynchronize()
-                    per_round.append(phase_breakdown(ll.stamps_of(kind).get()))
+                    graph.launch(stream)
+                    stream.synchronize()
+                    per_round.append(phase_breakdown(stamps.get()))
                 phases_us = {name: float(np.median([r[name] for r in per_round if name in r]))
                              for name in STAMP_NAMES if any(name in r for r in per_round)}
-                self.records.append({"op": op, "graph": False, "timing": "stamps", "phases_us": phases_us,
-                                     "rounds": rounds, "time_us_median": None, "time_us_p99": None,
-                                     "time_us_min": None, "nccl_time_us": None, "dtype": dtype, "tokens": tokens,
-                                     "max_tokens": self.M, "hidden": a.hidden, "topk": a.topk, "experts": a.experts,
-                                     "num_ranks": self.R})
+                self.records.append({"op": op, "graph": True, "timing": "stamps", "phases_us": phases_us,
+                                     "rounds": rounds, "calls_per_round": calls, "time_us_median": None,
+                                     "time_us_p99": None, "time_us_min": None, "nccl_time_us": None,
+                                     "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden,
+                                     "topk": a.topk, "experts": a.experts, "num_ranks": self.R})
                 self.log(f"  {op:11s} phases (us after the first block started): " +
                          ", ".join(f"{k} {v:.1f}" for k, v in phases_us.items()))
         finally:
@@ -325,9 +339,9 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
     if stamped:
         names = [n for n in stamped[0]["phases_us"]]
         out += ["", f"Phases (`--ll-stamps`): the kernels' %globaltimer stamps, us after the earliest block of a call "
-                f"started, median over blocks and over {stamped[0]['rounds']} calls (each the last of 4 back to "
-                "back). send_prepared: histograms built; send_written: the block's tokens cast and stored; "
-                "send_end: its signals sent; recv_first_data: its first expert's counts (dispatch) or first token's "
+                f"started, median over blocks and over {stamped[0]['rounds']} calls (each the last of "
+                f"{stamped[0].get('calls_per_round', 4)} replayed back to back as one CUDA graph). send_prepared: "
+                "histograms built; send_written: the block's tokens cast and stored; send_end: its signals sent; recv_first_data: its first expert's counts (dispatch) or first token's "
                 "flags (combine) arrived; recv_end: its outputs written.", "",
                 "| op | T | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         for r in stamped:
