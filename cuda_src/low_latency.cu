@@ -109,21 +109,6 @@ __device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float& 
     scale = __int_as_float((127 - exponent) << 23);
 }
 
-// n int4 from local memory `src` to byte offset `offset` of PE `pe`'s symmetric buffer, by one warp:
-// stores through the NVLink mapping when there is one, else an NVSHMEM put (src must then be symmetric).
-__device__ __forceinline__ void warp_send(const int4* src, long long offset, int n, char* base,
-                                          const unsigned long long* peer_bases, int pe) {
-    if (n <= 0) return;
-    char* direct = reinterpret_cast<char*>(peer_bases[pe]);
-    if (direct != nullptr) {
-        int4* dst = reinterpret_cast<int4*>(direct + offset);
-#pragma unroll 4
-        for (int i = lane_id(); i < n; i += kWarpSize) dst[i] = src[i];
-    } else {
-        nvshmemx_putmem_nbi_warp(base + offset, src, (size_t)n * 16, pe);
-    }
-}
-
 // One int to PE `pe`'s symmetric buffer at `offset`, ordered after everything this thread has observed.
 __device__ __forceinline__ void send_signal(char* base, const unsigned long long* peer_bases, int pe,
                                             long long offset, int value) {
