@@ -415,6 +415,8 @@ __device__ __forceinline__ void gather_expert_rows(const Group& g, int e, const 
         for (int j = 0; j < kInFlight; ++j) {
             const int w = u + j * g.threads;
             if (w >= scale_end) continue;  // source index units carry the token itself
+            // the source again (a few shared-memory loads) rather than one more register array: at 1024
+            // threads the kernel has 64 registers, and keeping it spilled
             const char* msg = recv + L.dispatch_recv_msg(source_of_row(begin, R, row[j]), token[j]);
             if (w < payload) {
                 v[j] = ld_ring_v4(reinterpret_cast<const int4*>(msg + 16) + (w - row[j] * data_int4));

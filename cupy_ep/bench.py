@@ -93,9 +93,9 @@ class GpuTimer:
         def ops():
             for _ in range(per_replay):
                 fn()
-        stream = self._warm_stream(ops)
+        stream = warm_stream(self.comm, ops)
         with stream:
-            graph = _capture(stream, ops)
+            graph = capture_graph(stream, ops)
         t = self._time(stream, lambda: graph.launch(stream))
         if per_replay == 1:
             return t
@@ -129,7 +129,7 @@ class GpuTimer:
 
     def _capture_steady(self, fn, n: int):
         """(stream, graph of n x (flush; fn()), graph of n x flush), fn warmed up once before capturing."""
-        stream = self._warm_stream(fn)
+        stream = warm_stream(self.comm, fn)
         with stream:
             def ops():
                 for j in range(n):
@@ -139,18 +139,7 @@ class GpuTimer:
             def flushes():
                 for j in range(n):
                     self.flush.fill(j & 0xff)
-            return stream, _capture(stream, ops), _capture(stream, flushes)
-
-    def _warm_stream(self, fn):
-        """A non-blocking stream on which ``fn`` ran once (compiles and allocates outside any capture), after
-        which all ranks met."""
-        import cupy
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            fn()
-            stream.synchronize()
-        self.comm.Barrier()
-        return stream
+            return stream, capture_graph(stream, ops), capture_graph(stream, flushes)
 
     def _per_op(self, ops_us, flush_us, n: int) -> Timing:
         """Per-op times from the per-iteration times of the two steady graphs (see ``steady``)."""
@@ -176,7 +165,19 @@ class GpuTimer:
         return Timing(float(np.median(self.last)), float(np.min(self.last)))
 
 
-def _capture(stream, body):
+def warm_stream(comm, fn):
+    """A non-blocking stream on which ``fn`` ran once (compiles and allocates outside any capture), after which
+    all ranks of ``comm`` met."""
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        stream.synchronize()
+    comm.Barrier()
+    return stream
+
+
+def capture_graph(stream, body):
     """``body()`` captured into a CUDA graph on ``stream`` (current); a failed capture is ended before raising,
     so the stream is not left capturing."""
     stream.begin_capture()

@@ -206,7 +206,7 @@ class LowLatencyBench:
         device; when it does not, each call waits for the peer's launch and the receive stamps measure that.)
         Stamping adds a few block barriers, so it is measured after the timings."""
         import cupy
-        from .bench import _capture
+        from .bench import capture_graph, warm_stream
         from .cuda_low_latency import STAMP_NAMES, phase_breakdown
         a, ll = self.args, self.buf._low_latency()
         ll.enable_stamps()
@@ -219,12 +219,9 @@ class LowLatencyBench:
                         if i == calls - 1:
                             stamps.fill(0)  # ordered before the last call on the capturing stream
                         fn()
-                stream = cupy.cuda.Stream(non_blocking=True)
+                stream = warm_stream(self.comm, one_round)
                 with stream:
-                    one_round()  # compiles and allocates outside the capture
-                    stream.synchronize()
-                    self.comm.Barrier()
-                    graph = _capture(stream, one_round)
+                    graph = capture_graph(stream, one_round)
                 per_round = []
                 for _ in range(rounds):
                     cupy.cuda.runtime.deviceSynchronize()
