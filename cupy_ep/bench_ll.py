@@ -196,7 +196,7 @@ class LowLatencyBench:
             self.log(f"  {op:11s} host   T={tokens:4d} {host:7.1f} us per call on the host "
                      f"({wall:7.1f} us per call until the device is done; {HOST_CALLS} calls back to back)")
 
-    def phases(self, runs: dict, tokens: int, rounds: int = 30, calls: int = 4) -> None:
+    def phases(self, runs: dict, tokens: int, flush=None, rounds: int = 30, calls: int = 4) -> None:
         """Records of timing "stamps" (``--ll-stamps``): per op, where a call's time goes, from the kernels'
         %globaltimer phase stamps (``cuda_low_latency.phase_breakdown``, us after the earliest block started),
         median over ``rounds``. A round replays one CUDA graph of ``calls`` calls (captured once; even, as the
@@ -204,7 +204,9 @@ class LowLatencyBench:
         whatever the host's speed, the ranks align on the first and the last one (its stamps zeroed just before
         it, inside the graph) is read. (Plain calls back to back only queue up when the host outpaces the
         device; when it does not, each call waits for the peer's launch and the receive stamps measure that.)
-        Stamping adds a few block barriers, so it is measured after the timings."""
+        Stamping adds a few block barriers, so it is measured after the timings. ``flush`` (the timer's L2 flush
+        buffer, or None): fill it before each call inside the graph, as the steady timing does, so the calls start
+        with a cold L2 (records say ``l2_flushed``)."""
         import cupy
         from .bench import capture_graph, warm_stream
         from .cuda_low_latency import STAMP_NAMES, phase_breakdown
@@ -216,6 +218,8 @@ class LowLatencyBench:
 
                 def one_round():
                     for i in range(calls):
+                        if flush is not None:
+                            flush.fill(i & 0xff)
                         if i == calls - 1:
                             stamps.fill(0)  # ordered before the last call on the capturing stream
                         fn()
@@ -230,13 +234,15 @@ class LowLatencyBench:
                     stream.synchronize()
                     per_round.append(phase_breakdown(stamps.get()))
                 phases_us = {name: float(np.median([r[name] for r in per_round if name in r]))
-                             for name in STAMP_NAMES if any(name in r for r in per_round)}
+                             for name in STAMP_NAMES + ("last_end",) if any(name in r for r in per_round)}
                 self.records.append({"op": op, "graph": True, "timing": "stamps", "phases_us": phases_us,
+                                     "l2_flushed": flush is not None,
                                      "rounds": rounds, "calls_per_round": calls, "time_us_median": None,
                                      "time_us_p99": None, "time_us_min": None, "nccl_time_us": None,
                                      "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden,
                                      "topk": a.topk, "experts": a.experts, "num_ranks": self.R})
-                self.log(f"  {op:11s} phases (us after the first block started): " +
+                self.log(f"  {op:11s} phases{' (L2 flushed)' if flush is not None else ''} (us after the first "
+                         "block started): " +
                          ", ".join(f"{k} {v:.1f}" for k, v in phases_us.items()))
         finally:
             ll.stamps = None
@@ -281,6 +287,7 @@ class LowLatencyBench:
             self.host_overhead(runs, a.tokens)
             if getattr(a, "ll_stamps", False):
                 self.phases(runs, a.tokens)
+                self.phases(runs, a.tokens, flush=timer.flush)
             if self.steady_n:
                 self.token_sweep(timer, y)
             else:
@@ -339,10 +346,12 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
                 f"started, median over blocks and over {stamped[0]['rounds']} calls (each the last of "
                 f"{stamped[0].get('calls_per_round', 4)} replayed back to back as one CUDA graph). send_prepared: "
                 "histograms built; send_written: the block's tokens cast and stored; send_end: its signals sent; recv_first_data: its first expert's counts (dispatch) or first token's "
-                "flags (combine) arrived; recv_end: its outputs written.", "",
-                "| op | T | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+                "flags (combine) arrived; recv_end: its outputs written; last_end: the latest stamp of any block (the "
+                "slowest block: when the launch ends). L2 *warm*: the calls back to back; *flushed*: the L2 "
+                "flushed before each call, as in the steady timing.", "",
+                "| op | T | L2 | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
         for r in stamped:
-            out.append(f"| {r['op']} | {r['tokens']} | " +
+            out.append(f"| {r['op']} | {r['tokens']} | {'flushed' if r.get('l2_flushed') else 'warm'} | " +
                        " | ".join(_f(r["phases_us"].get(n), ".1f") for n in names) + " |")
     host = [r for r in records if r.get("timing") == "host"]
     if host:

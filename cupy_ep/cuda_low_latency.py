@@ -67,7 +67,9 @@ STAMP_NAMES = ("send_start", "send_prepared", "send_written", "send_end", "recv_
 
 
 def phase_breakdown(stamps) -> dict:
-    """Per phase of one launch, the median over blocks of (stamp - the earliest send_start) in us.
+    """Per phase of one launch, the median over blocks of (stamp - the earliest send_start) in us, and
+    ``last_end``: the latest stamp of any block (the launch's span as its blocks see it: the slowest block
+    decides when the kernel ends, the medians do not show it).
 
     ``stamps``: numpy int64 ``[blocks][STAMP_NAMES]`` of one call (0 = not stamped: a block without work in that
     phase, or a phase that did not run). Phases no block stamped are left out."""
@@ -82,6 +84,7 @@ def phase_breakdown(stamps) -> dict:
         column = column[column > 0]
         if column.size:
             out[name] = float(np.median(column - t0)) / 1e3
+    out["last_end"] = float(stamps.max() - t0) / 1e3
     return out
 
 

@@ -56,7 +56,9 @@ def test_phase_breakdown_is_relative_to_the_earliest_send_start():
     stamps[:, 3] = [11000, 13000, 15000]         # send_end
     stamps[1, 5] = 21000                         # recv_first_data: one block only
     got = cll.phase_breakdown(stamps)
-    assert got == {"send_start": 1.0, "send_end": 12.0, "recv_first_data": 20.0}
+    assert got == {"send_start": 1.0, "send_end": 12.0, "recv_first_data": 20.0, "last_end": 20.0}
+    stamps[2, 6] = 30500                         # recv_end: one block only, the latest stamp
+    assert cll.phase_breakdown(stamps)["last_end"] == 29.5
     assert cll.phase_breakdown(np.zeros((2, 8), dtype=np.int64)) == {}
 
 
