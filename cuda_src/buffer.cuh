@@ -157,20 +157,25 @@ struct CombineLayout {
 // ---------------------------------------------------------------------------------------------------
 // Low-latency (NVSHMEM symmetric heap) layout: two buffers used alternately, signals first:
 // [sig0][sig1][send0][send1][recv0][recv1].
-//   signals  int[max(E, R*M + R)]: dispatch: count from (local expert e, src rank s) at e*R + s, encoded
-//                    -count-1 (0 = not arrived); combine: flag 1 from expert rank r for token t at r*M + t
-//                    (its partial row is written), and from owner s at R*M + s its meta's (K << 24 | T + 1).
+//   signals  int[2E + R*M + R]: dispatch: int64 [L][R] the count from (local expert e, src rank s) at e*R + s
+//                    as epoch << 32 | count (never consumed: the epoch tells this call's from older ones);
+//                    then the combine's (from int 2E): flag 1 from expert rank r for token t at r*M + t (its
+//                    partial row is written), and from owner s at R*M + s its meta's (K << 24 | T + 1), each
+//                    zeroed by its reader.
 //   send     dispatch: the cast message of token t at t * msg (the source of NVSHMEM puts);
 //            combine:  bf16 rows [L][R*M][H] (the zero-copy buffer).
 //   recv     dispatch: messages [R][M] (src rank, src token: each token arrives once per destination rank),
-//                      then the index table int32 [L][R][M] (local expert, src rank, slot) -> src token;
-//            combine:  partial_in [R][M] rows of 3H bytes (expert rank r's weighted fp32 sum of its rows of
+//                      then the index table int64 [L][R][M] (local expert, src rank, slot) -> epoch << 32 | src
+//                      token;
+//            combine (after the dispatch's area, at combine_offset):
+//                      partial_in [R][M] rows of 3H bytes (expert rank r's weighted fp32 sum of its rows of
 //                      token t, rounded to 24 bits: the bf16 high halves [H], then the next byte of each [H];
 //                      reference.low_latency_partial_wire),
 //                      partial_out [R][M] the same (the rows this rank computed for owner s: source of puts),
 //                      meta_in [R] (owner s's top-k: int32 experts [M][kLLMaxTopk], then float weights),
 //                      meta_out [R] (this rank's meta for rank r: source of puts).
-// A dispatch message is a 16-byte header (int source token index, 3 reserved ints), then the row
+// A dispatch message is a 16-byte header (int flag: the epoch of the dispatch that wrote it, written after the
+// row; 3 reserved ints), then the row
 // (bf16, or e4m3 followed by H/128 float scales). Its size is fixed at 16 + 2H (>= 16 + H + H/32), so
 // the layout does not depend on use_fp8. cupy_ep/config.py mirrors this (low_latency_layout).
 // ---------------------------------------------------------------------------------------------------
@@ -178,7 +183,7 @@ constexpr int kLLMaxTopk = 11;  // mirrors reference.LOW_LATENCY_MAX_TOPK
 
 struct LowLatencyLayout {
     long long msg_bytes, row_bytes, part_bytes, meta_bytes, signal_ints, signal_bytes, send_bytes, recv_bytes,
-        total_bytes, index_offset, meta_offset;
+        total_bytes, index_offset, combine_offset, meta_offset;
     int num_max_tokens, hidden, num_ranks, num_experts, num_local;
     __host__ __device__ LowLatencyLayout(int max_tokens, int hidden_, int ranks, int experts)
         : num_max_tokens(max_tokens), hidden(hidden_), num_ranks(ranks), num_experts(experts),
@@ -188,13 +193,15 @@ struct LowLatencyLayout {
         part_bytes = 3LL * hidden;  // a 24-bit partial per element: bf16 plane + byte plane
         const long long m = max_tokens, e = experts, r = ranks;
         meta_bytes = align_up(m * kLLMaxTopk * 8, 16LL);
-        signal_ints = e > r * m + r ? e : r * m + r;
+        signal_ints = 2 * e + r * m + r;  // dispatch counts int64 [L][R], then the combine's flags
         signal_bytes = align_up(signal_ints * 4, kAlign);
         send_bytes = align_up(m * msg_bytes > e * m * row_bytes ? m * msg_bytes : e * m * row_bytes, kAlign);
         index_offset = r * m * msg_bytes;  // a multiple of 16
-        meta_offset = 2 * r * m * part_bytes;
-        const long long recv_dispatch = index_offset + e * m * 4, recv_combine = meta_offset + 2 * r * meta_bytes;
-        recv_bytes = align_up(recv_dispatch > recv_combine ? recv_dispatch : recv_combine, kAlign);
+        // the combine's area follows the dispatch's (no overlap: the dispatch's flags and index entries carry the
+        // call's epoch, and a stale value must come from an older dispatch, never from the combine's data)
+        combine_offset = align_up(index_offset + e * m * 8, 16LL);
+        meta_offset = combine_offset + 2 * r * m * part_bytes;
+        recv_bytes = align_up(meta_offset + 2 * r * meta_bytes, kAlign);
         total_bytes = 2 * (signal_bytes + send_bytes + recv_bytes);
     }
     // Region offsets from the symmetric base (the same on every PE, so they address peers too).
@@ -206,13 +213,13 @@ struct LowLatencyLayout {
         return ((long long)src_rank * num_max_tokens + token) * msg_bytes;
     }
     __device__ long long dispatch_recv_index(int local_expert, int src_rank, int slot) const {
-        return index_offset + (((long long)local_expert * num_ranks + src_rank) * num_max_tokens + slot) * 4;
+        return index_offset + (((long long)local_expert * num_ranks + src_rank) * num_max_tokens + slot) * 8;
     }
     __device__ long long combine_send_row(int local_expert, int row) const {
         return ((long long)local_expert * num_ranks * num_max_tokens + row) * row_bytes;
     }
     __device__ long long combine_partial_in(int expert_rank, int token) const {
-        return ((long long)expert_rank * num_max_tokens + token) * part_bytes;
+        return combine_offset + ((long long)expert_rank * num_max_tokens + token) * part_bytes;
     }
     __device__ long long combine_partial_out(int owner, int token) const {
         return (long long)num_ranks * num_max_tokens * part_bytes + combine_partial_in(owner, token);
@@ -223,9 +230,12 @@ struct LowLatencyLayout {
     }
     // inside a meta block: int32 experts [M][kLLMaxTopk] at 0, float weights at meta_weights()
     __device__ long long meta_weights() const { return (long long)num_max_tokens * kLLMaxTopk * 4; }
-    // signal ints inside a signal region
-    __device__ int combine_token_flag(int expert_rank, int token) const { return expert_rank * num_max_tokens + token; }
-    __device__ int combine_meta_flag(int owner) const { return num_ranks * num_max_tokens + owner; }
+    // inside a signal region: the dispatch's counts (int64 index), then the combine's flags (int index)
+    __device__ int dispatch_count(int local_expert, int src_rank) const { return local_expert * num_ranks + src_rank; }
+    __device__ int combine_token_flag(int expert_rank, int token) const {
+        return 2 * num_experts + expert_rank * num_max_tokens + token;
+    }
+    __device__ int combine_meta_flag(int owner) const { return 2 * num_experts + num_ranks * num_max_tokens + owner; }
 };
 
 // ---------------------------------------------------------------------------------------------------

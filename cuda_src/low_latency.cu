@@ -1,9 +1,11 @@
 // low_latency.cu: the low-latency (decode) path on NVSHMEM symmetric memory (research/deepep.md §1.8, §4).
 //
-//   dispatch<kUseFP8, TopkT>   every token -> once to each rank owning one of its experts ([my rank][token] of
-//                              that rank's recv area), plus per (token, top-k slot) a 4-byte index entry
-//                              (expert, my rank, slot) -> token; then per expert a count signal;
-//                              receive: per expert, the rows gathered through the index into packed outputs
+//   dispatch<kUseFP8, TopkT>   first per expert its count (epoch << 32 | count); every token -> once to each
+//                              rank owning one of its experts ([my rank][token] of that rank's recv area), plus
+//                              per (token, top-k slot) an 8-byte index entry (expert, my rank, slot) -> epoch <<
+//                              32 | token, then the message's flag (the epoch); receive: every block reads all
+//                              counts and copies an even share of all rows into the packed outputs, each once
+//                              its entry and flag carry the epoch
 //   combine<TopkT>             owner's top-k + weights -> every rank; per (token, rank) one partial sum of that
 //                              rank's weighted expert rows (fp32, 24 bits on the wire) -> the owner, flag per
 //                              token; receive: sum of partials
@@ -27,20 +29,27 @@
 // flight; then every thread casts its part of the row and stores the bytes straight from registers into
 // recv [my rank][t] of each destination reachable by stores (~1 copy per rank instead of one per expert: ~4x
 // fewer bytes at top-8 of 256 on 2 ranks); destinations that need NVSHMEM puts get the message from this rank's
-// send slot after a block barrier. Then warp 0's lane k adds 1 (gpu-scope release) to the local counter of
-// expert e_k: its index entry and the message it names are written. A signaller sends expert e's count once its
-// counter reaches min(hist_all[e], M), i.e. once every index entry and message the count covers is written.
-// Dispatch receive: per local expert, the counts of every source, then one pass over all the expert's units
-// (payload int4s, scale words, source indices): each thread's kInFlight index loads together, then their payload
-// loads together (gather_expert_rows).
+// send slot after a block barrier. Then thread 0 releases at system scope and writes the call's epoch into the
+// message header's flag at each destination. The counts (min(hist_all[e], M), known from the histogram) went
+// out before the first token, so no signal waits for the slowest block.
+// Epochs: a dispatch's epoch is 1 + the dispatches on its buffer whose receive phase finished (kept in the
+// workspace, the same on every rank as all ranks make the same calls). Counts, index entries and flags left by
+// older dispatches carry older epochs (the combine's signals and data do not overlap them;
+// clean_low_latency_buffer zeroes the regions when the layout changes), so they are never taken for this call's,
+// and nobody needs to consume them.
+// Dispatch receive (dispatch_recv): every block reads all counts of this rank and their prefix over (local
+// expert, source), then takes rows [b * N / G, (b + 1) * N / G) of all N rows in (expert, source, slot) order:
+// per chunk, each row's index entry and flag (rows_ready), then one pass over every unit of the chunk (payload
+// int4s, scale words, source indices) with kInFlight loads per thread in flight (copy_rows).
 //
 // Peers reachable by loads/stores (peer_bases[r] != 0, from nvshmem_ptr on the host) get direct NVLink
-// stores; the others get nvshmemx_putmem_nbi_warp (messages) / nvshmem_int_p (index entries), each followed
-// by nvshmem_quiet from the issuing lane before the block barrier that precedes the counter adds.
+// stores; the others get nvshmemx_putmem_nbi_warp (message rows) / nvshmem_longlong_p (index entries), each
+// followed by nvshmem_quiet from the issuing lane before the block barrier that precedes the flag (nvshmem_int_p).
 //
-// Signals: the dispatch count arrives as -count-1, the combine's meta flag as K << 24 | T + 1 and its token flags
-// as 1, so 0 means "not arrived". Every signal a call writes is read in that call and zeroed right after by its
-// waiter (consumed on read; a combine meta flag, which every block reads, by the last of them): the buffer is
+// Combine signals: the meta flag arrives as K << 24 | T + 1 and the token flags as 1, so 0 means "not arrived".
+// Every one of them (the dispatch's counts, index entries and message flags carry epochs instead) is read in
+// that call and zeroed right after by its waiter (consumed on
+// read; a combine meta flag, which every block reads, by the last of them): the buffer is
 // clean again when the call's receive phase is done, with no clearing pass and nothing for the senders to wait
 // for (also under graph replay). The next write to that signal is by the call after next on the same buffer,
 // and a peer gets there only after this rank signalled it in the next call, i.e. after this call's receive
@@ -59,13 +68,13 @@ constexpr int kLLWarps = kLLThreads / kWarpSize;
 constexpr int kLLCombineThreads = 512;
 constexpr int kLLMaxExperts = 4096;  // mirrors config.LL_MAX_EXPERTS (two shared-memory histograms)
 constexpr int kLLMaxRanks = 64;      // mirrors config.LL_MAX_RANKS
-constexpr int kLLMaxGroups = 8;      // warp groups per block (named barriers 1..8)
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
 // workspace (int32, zeroed once by the host): kWsLastSend = 1 + the buffer index of this rank's previous send
-// phase (0 = none yet); from kWsFinish the dispatch's per-expert counters (kept (token, k) entries written, each
-// with its token's message; reset to 0 by the expert's signaller); from kWsMetaReaders per owner rank the blocks
-// that have read its combine meta flag (the last one zeroes the flag and the count)
-constexpr int kWsLastSend = 2, kWsFinish = 32, kWsMetaReaders = kWsFinish + kLLMaxExperts;
+// phase (0 = none yet); kWsEpoch + i: the dispatches on buffer i whose receive phase finished (a dispatch's epoch
+// is that + 1: its index entries and message flags carry it); kWsRecvDone: blocks of the running dispatch receive
+// phase that finished (the last one advances the epoch and resets it); from kWsMetaReaders per owner rank the
+// blocks that have read its combine meta flag (the last one zeroes the flag and the count)
+constexpr int kWsLastSend = 2, kWsEpoch = 4, kWsRecvDone = 6, kWsMetaReaders = 32;
 
 // Optional phase stamps (profiling; stamps == nullptr in normal use): per block kLLStamps int64 %globaltimer
 // values, written by thread 0 right after a block-wide barrier, so each marks when the whole block got there.
@@ -82,10 +91,6 @@ __device__ __forceinline__ void stamp_after_barrier(long long* stamps, int which
     if (stamps == nullptr) return;
     __syncthreads();
     stamp(stamps, which);
-}
-
-__device__ __forceinline__ void red_add_release_gpu(int* p, int v) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // Two floats -> two e4m3 bytes (lo at the lower address), round to nearest even, saturating to +-448.
@@ -176,9 +181,10 @@ struct DispatchShared {
     int expert[kLLMaxTopk];      // token_slots: global expert of entry k
     int slot[kLLMaxTopk];        // token_slots: its slot, -1 = not kept
     int put_dest[kLLMaxTopk];    // destination ranks reached by NVSHMEM puts (no NVLink mapping), num_put of them
-    char* target[kLLMaxTopk + 1];  // where the message bytes are stored: each mapped destination's recv slot,
-                                   // then this rank's send slot when num_put > 0 (the puts' symmetric source)
-    int num_target, num_put;
+    char* target[kLLMaxTopk + 1];  // where the message bytes are stored: each mapped destination's recv slot
+                                   // (num_store of them), then this rank's send slot when num_put > 0 (the puts'
+                                   // symmetric source)
+    int num_target, num_store, num_put;
 };
 
 // Dispatch, warp 0: token_slots by lanes k < K, then the token's distinct destination ranks (owners of the expert
@@ -207,6 +213,7 @@ __device__ __forceinline__ void token_dests(const TopkT* topk_idx, int t, int nu
         const int num_stores = __popc(stores), num_put = __popc(puts);
         if (num_put > 0) sh.target[num_stores] = send_msg;
         sh.num_target = num_stores + (num_put > 0);
+        sh.num_store = num_stores;
         sh.num_put = num_put;
     }
 }
@@ -223,22 +230,12 @@ __device__ __forceinline__ void check_buffer_alternates(int* workspace, int buff
     workspace[kWsLastSend] = 1 + buffer_idx;
 }
 
-// Warp groups of a block: groups_per_block in {1, 2, 4, 8}, each with its own named barrier.
-struct Group {
-    int index, warps, thread, threads, global, count;
-    __device__ Group(int groups_per_block) {
-        warps = kLLWarps / groups_per_block;
-        index = warp_id() / warps;
-        threads = warps * kWarpSize;
-        thread = threadIdx.x - index * threads;
-        global = blockIdx.x * groups_per_block + index;
-        count = gridDim.x * groups_per_block;
-    }
-    __device__ void sync() const {
-        __syncwarp();
-        group_sync(1 + index, threads);
-    }
-};
+// The running dispatch's epoch on buffer `buffer_idx` (1 + the dispatches on it whose receive phase finished): the
+// same in its send and receive launches and in every block, as only the last block to finish a receive phase
+// advances it. Read where it is used (an L1/L2 hit) rather than kept in a register across the kernel.
+__device__ __forceinline__ int dispatch_epoch(const int* workspace, int buffer_idx) {
+    return ld_volatile(workspace + kWsEpoch + buffer_idx) + 1;
+}
 
 // ---------------------------------------------------------------------------------------------------
 // dispatch
@@ -247,15 +244,13 @@ __device__ __forceinline__ int dispatch_msg_int4(bool use_fp8, int hidden) {
     return use_fp8 ? (16 + hidden + hidden / 32) / 16 : (16 + 2 * hidden) / 16;
 }
 
-// Token t's message ([t, 0, 0, 0] int4, then the FP8 bytes and float scales, or the BF16 row), element by
-// element to emit(byte offset in the message, value) for value int4, uint2 or float. `first` is x_row[threadIdx.x]
-// (loaded early by the caller, ahead of a barrier). hidden % 512 == 0 for FP8: whole warps iterate together,
-// 16 lanes per 128-channel group.
+// A token's message after its 16-byte header (the header's flag is written after the row): the FP8 bytes and
+// float scales, or the BF16 row, element by element to emit(byte offset in the message, value) for value int4,
+// uint2 or float. `first` is x_row[threadIdx.x] (loaded early by the caller, ahead of a barrier).
+// hidden % 512 == 0 for FP8: whole warps iterate together, 16 lanes per 128-channel group.
 template <bool kUseFP8, typename Emit>
-__device__ __forceinline__ void encode_token(int4 first, const int4* x_row, int t, int hidden, bool round_scale,
-                                             Emit emit) {
+__device__ __forceinline__ void encode_token(int4 first, const int4* x_row, int hidden, bool round_scale, Emit emit) {
     const int hidden_int4 = hidden / 8;
-    if (threadIdx.x == 0) emit(0LL, make_int4(t, 0, 0, 0));
     for (int i = threadIdx.x; i < hidden_int4; i += blockDim.x) {
         const int4 v = i == (int)threadIdx.x ? first : ld_nc_v4(x_row + i);
         if constexpr (kUseFP8) {
@@ -284,21 +279,37 @@ __device__ __forceinline__ void encode_token(int4 first, const int4* x_row, int 
     }
 }
 
+// The counts go out first (every block has them in hist_all): expert e's count from this rank is
+// min(hist_all[e], M), at its owner's dispatch_count(e % L, rank) as epoch << 32 | count in one 8-byte store.
+// They order nothing: a receiver waits for each row's index entry and message flag to carry the epoch too.
+__device__ __forceinline__ void send_counts(const int* hist_all, char* base, const unsigned long long* peer_bases,
+                                            const LowLatencyLayout& L, int buffer_idx, int rank, int epoch) {
+    if (lane_id() != 0) return;
+    for (int e = blockIdx.x + gridDim.x * warp_id(); e < L.num_experts; e += gridDim.x * kLLWarps) {
+        const int count = min(hist_all[e], L.num_max_tokens), pe = e / L.num_local;
+        const long long offset = L.signal_offset(buffer_idx) + 8LL * L.dispatch_count(e % L.num_local, rank);
+        const long long value = ((long long)epoch << 32) | (unsigned)count;
+        char* direct = reinterpret_cast<char*>(peer_bases[pe]);
+        if (direct != nullptr) st_relaxed_sys(reinterpret_cast<long long*>(direct + offset), value);
+        else nvshmem_longlong_p(reinterpret_cast<long long*>(base + offset), value, pe);
+    }
+}
+
 template <bool kUseFP8, typename TopkT>
 __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_tokens, int num_topk, bool round_scale,
                               char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
-                              int buffer_idx, int* workspace, const DeviceCtx* ctx, int* hist, int* hist_all,
-                              DispatchShared& sh, long long* stamps) {
+                              int buffer_idx, int* workspace, const DeviceCtx* ctx, int* hist,
+                              int* hist_all, DispatchShared& sh, long long* stamps) {
     const int rank = ctx->rank, E = L.num_experts;
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
     stamp(stamps, kStampSendPrepared);  // build_histograms ends with a block barrier
+    send_counts(hist_all, base, peer_bases, L, buffer_idx, rank, dispatch_epoch(workspace, buffer_idx));
 
     const int msg_int4 = dispatch_msg_int4(kUseFP8, L.hidden), hidden_int4 = L.hidden / 8;
     char* send = base + L.send_offset(buffer_idx);
     const long long recv = L.recv_offset(buffer_idx);
-    int* finish = workspace + kWsFinish;
     const int lane = lane_id();
     for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
         const int4* x_row = x + (long long)t * hidden_int4;
@@ -307,33 +318,36 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
         char* send_msg = send + (long long)t * L.msg_bytes;
         token_dests(topk_idx, t, num_topk, E, L.num_local, L.num_max_tokens, hist, peer_bases,
                     recv + L.dispatch_recv_msg(rank, t), send_msg, sh);
-        // Warp 0, lane k: the index entry of (t, k) on the expert's rank (the message itself goes once per rank).
+        // Warp 0, lane k: the index entry of (t, k) on the expert's rank, epoch << 32 | t in one 8-byte store (the
+        // message itself goes once per rank). The flag written after the message covers it too.
         bool index_put = false;
         if (warp_id() == 0 && lane < num_topk && sh.slot[lane] >= 0) {
             const int e = sh.expert[lane], pe = e / L.num_local;
             const long long offset = recv + L.dispatch_recv_index(e % L.num_local, rank, sh.slot[lane]);
+            const long long entry = ((long long)dispatch_epoch(workspace, buffer_idx) << 32) | (unsigned)t;
             char* direct = reinterpret_cast<char*>(peer_bases[pe]);
             if (direct != nullptr) {
-                *reinterpret_cast<int*>(direct + offset) = t;
+                *reinterpret_cast<long long*>(direct + offset) = entry;
             } else {
-                nvshmem_int_p(reinterpret_cast<int*>(base + offset), t, pe);
+                nvshmem_longlong_p(reinterpret_cast<long long*>(base + offset), entry, pe);
                 index_put = true;
             }
         }
         __syncthreads();  // the slots and the targets are visible to the block
         // Cast and store straight from registers into every mapped destination (and the send slot for puts).
         const int num_target = sh.num_target;
-        encode_token<kUseFP8>(first, x_row, t, L.hidden, round_scale, [&](long long offset, auto value) {
+        encode_token<kUseFP8>(first, x_row, L.hidden, round_scale, [&](long long offset, auto value) {
             for (int j = 0; j < num_target; ++j) *reinterpret_cast<decltype(value)*>(sh.target[j] + offset) = value;
         });
-        __syncthreads();  // every store of the message is issued (bar.sync orders them before warp 0's releases)
+        __syncthreads();  // every store of the message is issued (bar.sync orders them before thread 0's release)
         if (sh.num_put > 0) {  // uniform
-            // the warps split evenly over the put destinations, each warp one part of the message
-            const int num_put = sh.num_put, warps_per_dest = kLLWarps / num_put;
+            // the warps split evenly over the put destinations, each warp one part of the row (the header's
+            // flag follows once the puts are complete)
+            const int num_put = sh.num_put, warps_per_dest = kLLWarps / num_put, row_int4 = msg_int4 - 1;
             const int d = warp_id() / warps_per_dest, part = warp_id() - d * warps_per_dest;
             if (d < num_put) {
-                const int part_int4 = (msg_int4 + warps_per_dest - 1) / warps_per_dest;
-                const int begin = part * part_int4, n = min(part_int4, msg_int4 - begin);
+                const int part_int4 = (row_int4 + warps_per_dest - 1) / warps_per_dest;
+                const int begin = 1 + part * part_int4, n = min(part_int4, msg_int4 - begin);
                 if (n > 0)
                     nvshmemx_putmem_nbi_warp(base + recv + L.dispatch_recv_msg(rank, t) + begin * 16LL,
                                              send_msg + begin * 16LL, (size_t)n * 16, sh.put_dest[d]);
@@ -343,97 +357,178 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
             if (index_put) nvshmem_quiet();
             __syncthreads();  // every put of this token is complete
         }
-        // One count per kept (t, k): its index entry and the message it points at are written. A gpu-scope
-        // release suffices: the signaller acquires it on this GPU and its system-scope release of the count is
-        // cumulative over everything it has observed (the PTX model's causality order), as in DeepEP.
-        if (warp_id() == 0 && lane < num_topk && sh.slot[lane] >= 0) red_add_release_gpu(finish + sh.expert[lane], 1);
+        // The message's flag: the call's epoch, after one system-scope release that covers the block's index
+        // entries and row stores (ordered before it by the barriers above).
+        if (threadIdx.x == 0) {
+            const int epoch = dispatch_epoch(workspace, buffer_idx);
+            fence_acq_rel_sys();
+            for (int j = 0; j < sh.num_store; ++j) st_relaxed_sys(reinterpret_cast<int*>(sh.target[j]), epoch);
+            for (int d = 0; d < sh.num_put; ++d)
+                nvshmem_int_p(reinterpret_cast<int*>(base + recv + L.dispatch_recv_msg(rank, t)), epoch, sh.put_dest[d]);
+        }
         if (t + (int)gridDim.x < num_tokens) {  // the next token's slots count the rows before it
             advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
-            __syncthreads();
         }
+        __syncthreads();  // sh is reused by the next token
     }
-    stamp(stamps, kStampSendWritten);  // thread 0 is past the last token's barrier (and its own adds)
-
-    // Signallers: expert e's count goes out once all its index entries and messages (from every block) are written.
-    if (lane_id() == 0) {
-        for (int e = blockIdx.x + gridDim.x * warp_id(); e < E; e += gridDim.x * kLLWarps) {
-            const int count = min(hist_all[e], L.num_max_tokens);
-            const WaitSite site{kKernelLowLatencyDispatch, kRoleSignaller, e, e / L.num_local};
-            const bool ok = wait_until(ctx, site, [&] { return ld_acquire_gpu(finish + e) >= count; },
-                                       [&](long long& head, long long& tail, long long& expected) {
-                                           head = ld_volatile(finish + e);
-                                           tail = count;
-                                           expected = count;
-                                       });
-            if (!ok) break;
-            finish[e] = 0;  // for the next call (kernel boundary orders it)
-            const long long offset = L.signal_offset(buffer_idx) +
-                                     4LL * ((e % L.num_local) * L.num_ranks + rank);
-            send_signal(base, peer_bases, e / L.num_local, offset, -count - 1);
-        }
-    }
+    stamp(stamps, kStampSendWritten);  // thread 0 is past the last token's flags
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
-// Largest s with begin[s] <= row: the source rank whose rows [begin[s], begin[s+1]) hold `row` (row < begin[R]).
-__device__ __forceinline__ int source_of_row(const int* begin, int num_ranks, int row) {
-    int lo = 0, hi = num_ranks - 1;
+// Dispatch receive, shared memory: the prefix of the counts over (local expert, source) pairs (in hist's space:
+// up to kLLMaxExperts + 1 ints), and per row of the current chunk where it comes from and where it goes.
+constexpr int kLLRowsPerChunk = 256;
+struct DispatchRecvShared {
+    int token[kLLRowsPerChunk];    // the row's source token (from its index entry)
+    int src[kLLRowsPerChunk];      // its source rank
+    int out_row[kLLRowsPerChunk];  // its row in the packed outputs: local expert * R*M + position
+    int warp_sums[kLLWarps];       // block_exclusive_scan
+    int failed;
+};
+
+// a[0..n) -> exclusive prefix sums, a[n] = the total (n < kLLMaxExperts + 1). Each thread scans a contiguous
+// chunk; warp shuffles and one pass over the warp totals join them. Ends with a block barrier.
+__device__ __forceinline__ void block_exclusive_scan(int* a, int n, int* warp_sums) {
+    const int per = (n + blockDim.x - 1) / blockDim.x;
+    const int lo = min(n, (int)threadIdx.x * per), hi = min(n, lo + per), lane = lane_id(), warp = warp_id();
+    int sum = 0;
+    for (int i = lo; i < hi; ++i) sum += a[i];
+    int inclusive = sum;
+#pragma unroll
+    for (int o = 1; o < kWarpSize; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
+        if (lane >= o) inclusive += v;
+    }
+    if (lane == kWarpSize - 1) warp_sums[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        const int own = lane < (int)(blockDim.x / kWarpSize) ? warp_sums[lane] : 0;
+        int w = own;
+#pragma unroll
+        for (int o = 1; o < kWarpSize; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += v;
+        }
+        if (lane < (int)(blockDim.x / kWarpSize)) warp_sums[lane] = w - own;  // exclusive over the warps
+    }
+    __syncthreads();
+    int run = warp_sums[warp] + inclusive - sum;
+    for (int i = lo; i < hi; ++i) {
+        const int v = a[i];
+        a[i] = run;
+        run += v;
+    }
+    if (threadIdx.x == blockDim.x - 1) a[n] = run;  // its chunk is the last one (or empty at n)
+    __syncthreads();
+}
+
+// Largest i < n with prefix[i] <= row (row < prefix[n]): the (local expert, source) pair holding global row `row`.
+__device__ __forceinline__ int pair_of_row(const int* prefix, int n, int row) {
+    int lo = 0, hi = n - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (begin[mid] <= row) lo = mid;
+        if (prefix[mid] <= row) lo = mid;
         else hi = mid - 1;
     }
     return lo;
 }
 
-// Dispatch receive, one local expert e whose counts (s_begin: prefix over the source ranks, R + 1 entries) are
-// in: its N rows packed in (source, slot) order. One pass over every unit of the expert: the payload int4s, the
-// scale words (FP8) and the source index of each row, so a thread's kInFlight units load their index entries
-// together, then their payloads together (two dependent L2 round trips per pass, not per source and per kind).
+// Every block: the counts of every (local expert e, source s) pair into prefix[e * R + s], waiting for each to carry
+// the call's epoch (counts are never consumed, so any number of blocks may read them); then their prefix. Returns
+// false on a timeout.
+__device__ __forceinline__ bool read_counts(const long long* counts, int n, int epoch, int* prefix,
+                                            DispatchRecvShared& rs, const LowLatencyLayout& L, const DeviceCtx* ctx) {
+    if (threadIdx.x == 0) rs.failed = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        long long v = 0;
+        const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, i / L.num_ranks, i % L.num_ranks},
+                                   [&] { return (int)((v = ld_volatile(counts + i)) >> 32) == epoch; },
+                                   [&](long long& head, long long& tail, long long& expected) {
+                                       head = v >> 32;
+                                       tail = (int)(v & 0xffffffff);
+                                       expected = epoch;
+                                   });
+        prefix[i] = ok ? (int)(v & 0xffffffff) : 0;
+        if (!ok) rs.failed = 1;
+    }
+    __syncthreads();
+    block_exclusive_scan(prefix, n, rs.warp_sums);
+    return !rs.failed;
+}
+
+// Rows [first, first + rows) of the global (local expert, source, slot) order: wait until each row's index entry
+// and then the flag of the message it names carry the call's epoch (older dispatches' entries and flags carry
+// older epochs; the combine's area does not overlap them), and note where the row comes from and goes. The flag is
+// acquired at system scope; the block barrier after this passes the row on to the threads that copy it.
+__device__ __forceinline__ void rows_ready(int first, int rows, const int* prefix, int n, const char* recv,
+                                           int epoch, DispatchRecvShared& rs, const LowLatencyLayout& L,
+                                           const DeviceCtx* ctx) {
+    const int R = L.num_ranks, rows_per_expert = R * L.num_max_tokens;
+    for (int j = threadIdx.x; j < rows; j += blockDim.x) {
+        const int row = first + j, i = pair_of_row(prefix, n, row), e = i / R, s = i - e * R;
+        const long long* entry = reinterpret_cast<const long long*>(recv + L.dispatch_recv_index(e, s, row - prefix[i]));
+        int seen = 0;  // the epoch last seen: the entry's, then the flag's
+        long long v = 0;
+        const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
+                                   [&] {
+                                       v = ld_volatile(entry);
+                                       seen = (int)(v >> 32);
+                                       if (seen != epoch) return false;
+                                       seen = ld_acquire_sys(reinterpret_cast<const int*>(
+                                           recv + L.dispatch_recv_msg(s, (int)(v & 0xffffffff))));
+                                       return seen == epoch;
+                                   },
+                                   [&](long long& head, long long& tail, long long& expected) {
+                                       head = seen;
+                                       tail = row - prefix[i];
+                                       expected = epoch;
+                                   });
+        if (!ok) rs.failed = 1;
+        rs.token[j] = (int)(v & 0xffffffff);
+        rs.src[j] = s;
+        rs.out_row[j] = e * rows_per_expert + (row - prefix[e * R]);
+    }
+    __syncthreads();
+}
+
+// The rows noted by rows_ready into the packed outputs, in one pass over every unit (payload int4s, scale words and
+// source indices of all the rows): each thread's kInFlight loads together, then their stores.
 template <bool kUseFP8>
-__device__ __forceinline__ void gather_expert_rows(const Group& g, int e, const int* begin, void* packed_recv_x,
-                                                   void* packed_recv_scales, int* packed_recv_src_info,
-                                                   bool use_ue8m0, const char* recv, const LowLatencyLayout& L) {
+__device__ __forceinline__ void copy_rows(int rows, const DispatchRecvShared& rs, void* packed_recv_x,
+                                          void* packed_recv_scales, int* packed_recv_src_info, bool use_ue8m0,
+                                          const char* recv, const LowLatencyLayout& L) {
     constexpr int kInFlight = 4;
-    const int R = L.num_ranks, rows_per_expert = R * L.num_max_tokens, N = begin[R];
+    const int rows_per_expert = L.num_ranks * L.num_max_tokens;
     const int data_int4 = kUseFP8 ? L.hidden / 16 : L.hidden / 8;
     const int words = kUseFP8 ? (use_ue8m0 ? L.hidden / 512 : L.hidden / 128) : 0;  // scale words per row
-    const int payload = N * data_int4, scale_end = payload + N * words, units = scale_end + N;
-    const long long row0 = (long long)e * rows_per_expert;
-    for (int u = g.thread; u < units; u += kInFlight * g.threads) {
-        int row[kInFlight], token[kInFlight];
-#pragma unroll
-        for (int j = 0; j < kInFlight; ++j) {
-            const int w = u + j * g.threads;
-            if (w >= units) continue;
-            row[j] = w < payload ? w / data_int4 : w < scale_end ? (w - payload) / words : w - scale_end;
-            const int s = source_of_row(begin, R, row[j]);
-            token[j] = ld_volatile(reinterpret_cast<const int*>(recv + L.dispatch_recv_index(e, s, row[j] - begin[s])));
-        }
+    const int payload = rows * data_int4, scale_end = payload + rows * words, units = scale_end + rows;
+    for (int u = threadIdx.x; u < units; u += kInFlight * blockDim.x) {
         int4 v[kInFlight];
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {
-            const int w = u + j * g.threads;
-            if (w >= scale_end) continue;  // source index units carry the token itself
-            // the source again (a few shared-memory loads) rather than one more register array: at 1024
-            // threads the kernel has 64 registers, and keeping it spilled
-            const char* msg = recv + L.dispatch_recv_msg(source_of_row(begin, R, row[j]), token[j]);
+            const int w = u + j * blockDim.x;
+            if (w >= scale_end) continue;  // source index units: the token is in shared memory
+            const int row = w < payload ? w / data_int4 : (w - payload) / words;
+            const char* msg = recv + L.dispatch_recv_msg(rs.src[row], rs.token[row]);
             if (w < payload) {
-                v[j] = ld_ring_v4(reinterpret_cast<const int4*>(msg + 16) + (w - row[j] * data_int4));
+                v[j] = ld_ring_v4(reinterpret_cast<const int4*>(msg + 16) + (w - row * data_int4));
             } else if (use_ue8m0) {  // four float scales -> one word of their exponents
-                v[j] = ld_ring_v4(reinterpret_cast<const int4*>(msg + 16 + L.hidden) + (w - payload - row[j] * words));
+                v[j] = ld_ring_v4(reinterpret_cast<const int4*>(msg + 16 + L.hidden) + (w - payload - row * words));
             } else {
-                v[j].x = ld_volatile(reinterpret_cast<const int*>(msg + 16 + L.hidden) + (w - payload - row[j] * words));
+                v[j].x = ld_volatile(reinterpret_cast<const int*>(msg + 16 + L.hidden) + (w - payload - row * words));
             }
         }
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {
-            const int w = u + j * g.threads;
+            const int w = u + j * blockDim.x;
             if (w >= units) continue;
             if (w < payload) {
-                reinterpret_cast<int4*>(packed_recv_x)[(row0 + row[j]) * data_int4 + (w - row[j] * data_int4)] = v[j];
+                const int row = w / data_int4;
+                reinterpret_cast<int4*>(packed_recv_x)[(long long)rs.out_row[row] * data_int4 + (w - row * data_int4)] = v[j];
             } else if (w < scale_end) {  // column-major scales: [L][words][R*M]
-                const int word = w - payload - row[j] * words;
+                const int row = (w - payload) / words, word = w - payload - row * words;
+                const int out = rs.out_row[row], e = out / rows_per_expert;
                 int value = v[j].x;
                 if (use_ue8m0) {
                     const unsigned f[4] = {(unsigned)v[j].x, (unsigned)v[j].y, (unsigned)v[j].z, (unsigned)v[j].w};
@@ -442,66 +537,61 @@ __device__ __forceinline__ void gather_expert_rows(const Group& g, int e, const 
                     for (int b = 0; b < 4; ++b) packed |= ((f[b] >> 23) & 0xffu) << (8 * b);
                     value = (int)packed;
                 }
-                reinterpret_cast<int*>(packed_recv_scales)[((long long)e * words + word) * rows_per_expert + row[j]] = value;
+                reinterpret_cast<int*>(packed_recv_scales)[((long long)e * words + word) * rows_per_expert +
+                                                           (out - e * rows_per_expert)] = value;
             } else {
-                packed_recv_src_info[row0 + row[j]] = token[j];
+                const int row = w - scale_end;
+                packed_recv_src_info[rs.out_row[row]] = rs.token[row];
             }
         }
     }
 }
 
+// Dispatch receive: every block reads all counts of this rank (they arrive early) and takes an even share of all
+// the rows (local expert, source, slot order), whatever expert they belong to, so no block waits on a big
+// expert while others idle; per chunk of kLLRowsPerChunk rows, rows_ready then copy_rows. Blocks write the per-
+// expert outputs (count, layout_range, stats) of experts blockIdx.x, blockIdx.x + gridDim.x, ...
 template <bool kUseFP8>
 __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count,
                               int* packed_recv_src_info, long long* packed_recv_layout_range, int* cumulative_stats,
-                              bool use_ue8m0, char* base, const LowLatencyLayout& L, int buffer_idx,
-                              int groups_per_block, const DeviceCtx* ctx, int (*s_begin)[kLLMaxRanks + 1],
-                              int* s_failed, long long* stamps) {
-    stamp_after_barrier(stamps, kStampRecvStart);
-    const Group g(groups_per_block);
-    const int R = L.num_ranks, M = L.num_max_tokens;
-    int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
+                              bool use_ue8m0, char* base, const LowLatencyLayout& L, int buffer_idx, int* workspace,
+                              const DeviceCtx* ctx, int* prefix, DispatchRecvShared& rs, long long* stamps) {
+    __syncthreads();  // prefix reuses the send phase's histograms
+    stamp(stamps, kStampRecvStart);
+    const int R = L.num_ranks, n = L.num_local * R, epoch = dispatch_epoch(workspace, buffer_idx);
     const char* recv = base + L.recv_offset(buffer_idx);
-    int* begin = s_begin[g.index];
-    if (g.thread == 0) s_failed[g.index] = 0;  // once: after a timeout the group gives up for good
-    for (int e = g.global; e < L.num_local; e += g.count) {
-        g.sync();  // the previous expert's readers of begin are done
-        if (g.thread < kWarpSize) {  // counts into begin[s + 1]
-            for (int s = g.thread; s < R; s += kWarpSize) {
-                int* sig = signals + e * R + s;
-                const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
-                                           [&] { return ld_acquire_sys(sig) != 0; },
-                                           [&](long long& head, long long& tail, long long& expected) {
-                                               head = ld_volatile(sig);
-                                               tail = 0;
-                                               expected = -1;
-                                           });
-                begin[s + 1] = ok ? min(-ld_volatile(sig) - 1, M) : 0;
-                if (ok) *sig = 0;  // consumed
-                else s_failed[g.index] = 1;
+    const long long* counts = reinterpret_cast<const long long*>(base + L.signal_offset(buffer_idx));
+    if (read_counts(counts, n, epoch, prefix, rs, L, ctx)) {
+        for (int e = blockIdx.x; e < L.num_local; e += gridDim.x) {
+            const int begin = prefix[e * R];
+            if ((int)threadIdx.x < R) {
+                const int s = threadIdx.x, from = prefix[e * R + s];
+                packed_recv_layout_range[(long long)e * R + s] = ((long long)(from - begin) << 32) | (prefix[e * R + s + 1] - from);
             }
-            __syncwarp();
-            if (g.thread == 0) {  // counts -> prefix; layout_range (begin << 32 | count), count, stats
-                int sum = 0;
-                begin[0] = 0;
-                for (int s = 0; s < R; ++s) {
-                    const int count = begin[s + 1];
-                    packed_recv_layout_range[(long long)e * R + s] = ((long long)sum << 32) | count;
-                    sum += count;
-                    begin[s + 1] = sum;
-                }
-                if (!s_failed[g.index]) {
-                    packed_recv_count[e] = sum;
-                    if (cumulative_stats != nullptr) cumulative_stats[e] += sum;
-                }
+            if (threadIdx.x == 0) {
+                packed_recv_count[e] = prefix[e * R + R] - begin;
+                if (cumulative_stats != nullptr) cumulative_stats[e] += prefix[e * R + R] - begin;
             }
         }
-        g.sync();
-        if (e == g.global) stamp(stamps, kStampRecvFirstData);  // group 0's thread 0: its first counts are in
-        if (s_failed[g.index]) continue;
-        gather_expert_rows<kUseFP8>(g, e, begin, packed_recv_x, packed_recv_scales, packed_recv_src_info, use_ue8m0,
-                                    recv, L);
+        const long long total = prefix[n];
+        const int lo = (int)(total * blockIdx.x / gridDim.x), hi = (int)(total * (blockIdx.x + 1) / gridDim.x);
+        for (int first = lo; first < hi; first += kLLRowsPerChunk) {
+            const int rows = min(kLLRowsPerChunk, hi - first);
+            rows_ready(first, rows, prefix, n, recv, epoch, rs, L, ctx);
+            if (first == lo) stamp(stamps, kStampRecvFirstData);  // the block's first rows are in
+            if (rs.failed) break;  // uniform: read after the barrier
+            copy_rows<kUseFP8>(rows, rs, packed_recv_x, packed_recv_scales, packed_recv_src_info, use_ue8m0, recv, L);
+            __syncthreads();  // rs is reused by the next chunk
+        }
     }
-    stamp_after_barrier(stamps, kStampRecvEnd);
+    __syncthreads();
+    stamp(stamps, kStampRecvEnd);
+    // The last block to finish advances the buffer's epoch for its next dispatch (every block read it before;
+    // the kernel boundary orders the write before the next launch).
+    if (threadIdx.x == 0 && atomicAdd(workspace + kWsRecvDone, 1) == (int)gridDim.x - 1) {
+        workspace[kWsRecvDone] = 0;
+        workspace[kWsEpoch + buffer_idx] += 1;
+    }
 }
 
 // Outputs: packed_recv_x [L][R*M][H] (e4m3 bytes or bf16), packed_recv_scales [L][S][R*M] float32 or
@@ -513,20 +603,19 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
          long long* packed_recv_layout_range, int* cumulative_stats, const int4* x, const TopkT* topk_idx,
          int num_tokens, int num_topk, int round_scale, int use_ue8m0, void* base,
          const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
-         int groups_per_block, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
-    __shared__ int hist[kLLMaxExperts], hist_all[kLLMaxExperts];
+         int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
+    __shared__ int hists[2 * kLLMaxExperts];  // send: the two histograms; receive: the counts' prefix
     __shared__ DispatchShared sh;
-    __shared__ int s_begin[kLLMaxGroups][kLLMaxRanks + 1];
-    __shared__ int s_failed[kLLMaxGroups];
+    __shared__ DispatchRecvShared rs;
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
     if (phases & kPhaseSend)
         dispatch_send<kUseFP8>(x, topk_idx, num_tokens, num_topk, round_scale != 0, b, peer_bases, L, buffer_idx,
-                               workspace, ctx, hist, hist_all, sh, stamps);
+                               workspace, ctx, hists, hists + kLLMaxExperts, sh, stamps);
     if (phases & kPhaseRecv)
         dispatch_recv<kUseFP8>(packed_recv_x, packed_recv_scales, packed_recv_count, packed_recv_src_info,
                                packed_recv_layout_range, cumulative_stats, use_ue8m0 != 0, b, L, buffer_idx,
-                               groups_per_block, ctx, s_begin, s_failed, stamps);
+                               workspace, ctx, hists, rs, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -852,13 +941,12 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
 
 // combined_x [T][H] bf16; x [L][R*M][H] bf16 (unused with zero_copy: the rows are in the send buffer);
 // layout_range [L][R] from the dispatch handle; topk_idx [T][K], topk_weights [T][K] float32.
-// groups_per_block: unused (the dispatch's; one signature for both kernels' common arguments).
 template <typename TopkT>
 __global__ void __launch_bounds__(kLLCombineThreads, 1)
 combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx,
         const float* topk_weights, int num_tokens, int num_topk, int zero_copy, void* base,
         const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
-        int groups_per_block, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
+        int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hist[kLLMaxExperts];
     __shared__ CombineShared sh;
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
@@ -886,7 +974,8 @@ __global__ void clean_low_latency_buffer(int* signals0, int num_signals0, int* s
 }
 
 // out: signal, send, recv, total bytes, the offsets of sig1, send0, recv0, the dispatch's index table and the
-// combine's meta inside a recv region, the signal ints (config.low_latency_layout).
+// combine's meta inside a recv region, the signal ints, the combine's area inside a recv region
+// (config.low_latency_layout).
 __global__ void ll_carve_probe(int max_tokens, int hidden, int num_ranks, int num_experts, long long* out) {
     const LowLatencyLayout L(max_tokens, hidden, num_ranks, num_experts);
     out[0] = L.signal_bytes;
@@ -899,6 +988,7 @@ __global__ void ll_carve_probe(int max_tokens, int hidden, int num_ranks, int nu
     out[7] = L.index_offset;
     out[8] = L.meta_offset;
     out[9] = L.signal_ints;
+    out[10] = L.combine_offset;
 }
 
 }  // namespace ep

@@ -281,29 +281,34 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
         part   = 3H                              # combine partial sum (fp32 rounded to 24 bits: bf16 plane +
                                                  # byte plane), one per (expert rank, token)
         meta   = align_up(8 * M * K, 16)         # combine meta of one owner: int32 experts, float weights [M][K]
-        signal = align_up(4 * max(E, R*M + R))   # dispatch counts [L][R]; combine token flags [R][M] + meta flags [R]
+        signal = align_up(4 * (2E + R*M + R))    # dispatch counts int64 [L][R]; combine token flags [R][M] + meta flags [R]
         send   = align_up(max(M * msg, E * M * row))
-        index  = R * M * msg                     # dispatch recv: messages [R][M], then int32 index [E/R][R][M]
-        meta0  = 2 * R * M * part                # combine recv: partial_in [R][M], partial_out [R][M], then
-        recv   = align_up(max(index + 4 * E * M, meta0 + 2 * R * meta))   # meta_in [R], meta_out [R]
+        index  = R * M * msg                     # dispatch recv: messages [R][M], then int64 index [E/R][R][M]
+        comb0  = align_up(index + 8 * E * M, 16) # combine recv, after the dispatch's area: partial_in [R][M],
+        meta0  = comb0 + 2 * R * M * part        # partial_out [R][M], then
+        recv   = align_up(meta0 + 2 * R * meta)  # meta_in [R], meta_out [R]
         total  = 2 * (signal + send + recv)
 
-    ``dispatch_index_offset`` is ``index``; ``combine_meta_offset`` is ``meta0``. :func:`low_latency_rdma_size_hint`
+    ``dispatch_index_offset`` is ``index``; ``combine_offset`` is ``comb0``; ``combine_meta_offset`` is ``meta0``.
+    The two areas do not overlap: the dispatch's index entries and message flags carry the epoch of the dispatch
+    that wrote them, so a stale value there must come from an older dispatch, never from the combine's data. :func:`low_latency_rdma_size_hint`
     (DeepEP's formula) is never less than ``total``.
     """
     m, e, r = num_max_dispatch_tokens_per_rank, num_experts, num_ranks
     msg, row, part = 16 + 2 * hidden, 2 * hidden, 3 * hidden
     meta = align_up(8 * m * LL_MAX_TOPK, 16)
-    signal_ints = max(e, r * m + r)
+    signal_ints = 2 * e + r * m + r
     signal = align_up(4 * signal_ints)
     send = align_up(max(m * msg, e * m * row))
     index = r * m * msg
-    meta0 = 2 * r * m * part
-    recv = align_up(max(index + 4 * e * m, meta0 + 2 * r * meta))
+    comb0 = align_up(index + 8 * e * m, 16)
+    meta0 = comb0 + 2 * r * m * part
+    recv = align_up(meta0 + 2 * r * meta)
     return {"msg_bytes": msg, "row_bytes": row, "part_bytes": part, "meta_bytes": meta, "signal_ints": signal_ints,
             "signal_bytes": signal, "send_bytes": send, "recv_bytes": recv,
             "total_bytes": 2 * (signal + send + recv), "signal_offset_1": signal, "send_offset_0": 2 * signal,
-            "recv_offset_0": 2 * (signal + send), "dispatch_index_offset": index, "combine_meta_offset": meta0}
+            "recv_offset_0": 2 * (signal + send), "dispatch_index_offset": index, "combine_offset": comb0,
+            "combine_meta_offset": meta0}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -8,8 +8,11 @@ Decisions (research/deepep.md §1.8, §4 is the model):
   kernels compute each message's slot from a histogram of ``topk_idx`` instead of DeepEP's atomics, so the
   output is deterministic (no sorting needed to compare, reproducible across runs);
 * dispatch sends each token once per destination rank (to ``[source rank][token]`` of its recv region) plus one
-  4-byte index entry per (token, k) at ``[local expert][source rank][slot]``; the receiver gathers the expert's
-  rows through the index (``LowLatencyLayout`` in cuda_src/buffer.cuh, :func:`cupy_ep.config.low_latency_layout`);
+  8-byte index entry per (token, k) at ``[local expert][source rank][slot]``; the receiver gathers the expert's
+  rows through the index (``LowLatencyLayout`` in cuda_src/buffer.cuh, :func:`cupy_ep.config.low_latency_layout`).
+  The per-expert counts go out first (known from the histogram); each row is ready once its index entry and its
+  message's flag carry the call's epoch (the buffer's dispatches so far + 1, counted on the device), so no
+  signal waits for the slowest sender block;
 * combine pre-reduces on the expert side: the owner first sends every rank its top-k experts and weights
   (a few KB), each expert rank returns ONE partial sum per (token, rank) (its experts' weighted rows, k
   ascending, in fp32, rounded to 24 bits on the wire: :func:`cupy_ep.reference.low_latency_partial_wire`) instead
@@ -47,18 +50,8 @@ from .reference import LOW_LATENCY_MAX_TOPK
 _FILE = "low_latency.cu"
 _THREADS = 1024                 # kLLThreads (dispatch)
 _COMBINE_THREADS = 512          # kLLCombineThreads
-_WORKSPACE_INTS = 32 + _config.LL_MAX_EXPERTS + _config.LL_MAX_RANKS  # kWsFinish + counters + meta readers
+_WORKSPACE_INTS = 32 + _config.LL_MAX_RANKS  # kWsMetaReaders + meta readers (below: buffer index, epochs)
 _SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv
-
-
-def groups_per_block(work_items: int, num_blocks: int) -> int:
-    """Warp groups per block (1, 2, 4 or 8) so that ``work_items`` (experts, or expert x rank pairs) spread
-    over ``num_blocks`` blocks use every group once where possible."""
-    need = -(-max(work_items, 1) // max(num_blocks, 1))
-    groups = 1
-    while groups < need and groups < 8:
-        groups *= 2
-    return groups
 
 
 # low_latency.cu LLStamp, in order
@@ -211,9 +204,9 @@ class LowLatencyState:
         index, self.index = self.index, self.index ^ 1
         return index
 
-    def common_args(self, index: int, max_tokens: int, hidden: int, num_experts: int, groups: int):
+    def common_args(self, index: int, max_tokens: int, hidden: int, num_experts: int):
         return (np.uint64(self.base), self.peer_bases, np.int32(index), np.int32(max_tokens), np.int32(hidden),
-                np.int32(num_experts), np.int32(groups), self.workspace)
+                np.int32(num_experts), self.workspace)
 
     def run(self, kind, name: str, args_for_phases, phases: int, async_finish: bool, keep):
         """Launch on the communication stream bracketed by the caller's stream; returns the EventOverlap."""
@@ -330,7 +323,7 @@ class LowLatencyState:
         index = self.next_index()
         ctype = "long long" if raw_idx.dtype == np.int64 else "int"
         name = f"ep::dispatch<{'true' if use_fp8 else 'false'}, {ctype}>"
-        common = self.common_args(index, max_tokens, hidden, num_experts, groups_per_block(L, self.num_blocks))
+        common = self.common_args(index, max_tokens, hidden, num_experts)
 
         def args(phases):
             return (recv_x, scales, count, src_info, layout_range, raw_stats, raw_x, raw_idx, np.int32(num_tokens),
@@ -370,7 +363,7 @@ class LowLatencyState:
         index = self.next_index()
         ctype = "long long" if raw_idx.dtype == np.int64 else "int"
         name = f"ep::combine<{ctype}>"
-        common = self.common_args(index, max_tokens, hidden, num_experts, 1)  # the combine has no warp groups
+        common = self.common_args(index, max_tokens, hidden, num_experts)
 
         def args(phases):
             return (raw_out, raw_x, layout_range, raw_idx, raw_w, np.int32(num_tokens), np.int32(num_topk),
@@ -394,7 +387,7 @@ class LowLatencyState:
         return interop.wrap(raw, kind, "bfloat16")
 
     def clean(self, max_tokens, hidden, num_experts) -> None:
-        """Collective: zero both signal regions of the (M, H, E) layout on every rank (synchronous).
+        """Collective: zero both signal and recv regions of the (M, H, E) layout on every rank (synchronous).
 
         Host-side, with a timeout: each rank drains its device (its low-latency kernels, their NVSHMEM puts
         included, are done), a timed MPI barrier (no rank still writes signals), zero the own regions, a
@@ -411,6 +404,8 @@ class LowLatencyState:
         self.buf.comm_stream.synchronize()
         self.timed_barrier("before zeroing")
         self.memory.memset_async(0, 2 * lay["signal_bytes"], self.buf.comm_stream)
+        # and both recv regions: under a new layout their bytes could read as this call's index entries or flags
+        (self.memory + lay["recv_offset_0"]).memset_async(0, 2 * lay["recv_bytes"], self.buf.comm_stream)
         self.buf.comm_stream.synchronize()
         self.timed_barrier("after zeroing")
         self.signal_shape = (max_tokens, hidden, num_experts)
@@ -470,5 +465,5 @@ def check_ll_experts(num_experts: int) -> None:
                          f"got {num_experts}")
 
 
-__all__ = ["LowLatencyState", "STAMP_NAMES", "phase_breakdown", "check_num_rdma_bytes", "groups_per_block",
+__all__ = ["LowLatencyState", "STAMP_NAMES", "phase_breakdown", "check_num_rdma_bytes",
            "set_nvshmem_env", "check_ll_experts", "LOW_LATENCY_MAX_TOPK", "EventOverlap"]

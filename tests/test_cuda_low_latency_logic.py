@@ -1,7 +1,9 @@
 """GPU-less checks of the low-latency GPU path's pure-Python logic: layout sizes vs the DeepEP size hint,
-warp-group choice, NVSHMEM environment defaults, the teardown decision of LowLatencyState.destroy; and a numpy
-model of the dispatch's wire scheme in low_latency.cu (messages once per destination rank at [src][token], the
-index table [L][R][M], the per-expert counts) on the layout's byte offsets, checked against the reference.
+NVSHMEM environment defaults, the teardown decision of LowLatencyState.destroy; and a numpy model of the
+dispatch's wire scheme in low_latency.cu (messages once per destination rank at [src][token] with the epoch flag
+in their header, the index table [L][R][M] of epoch << 32 | token entries, the per-expert counts tagged with the
+epoch, the receive's even split of all rows over the blocks) on the layout's byte offsets, over stale bytes of
+older epochs, checked against the reference.
 The model is written from the kernel's description, not run from it: it checks the scheme, not the CUDA code."""
 import os
 
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 
 from cupy_ep import config, reference
-from cupy_ep.cuda_low_latency import groups_per_block, set_nvshmem_env
+from cupy_ep.cuda_low_latency import set_nvshmem_env
 
 
 @pytest.mark.parametrize("hidden", [512, 1024, 2048, 4096, 5120, 7168, 8192])
@@ -27,18 +29,14 @@ def test_layout_fits_in_the_size_hint(hidden, max_tokens, ranks, experts):
 
 
 def test_signal_region_holds_dispatch_counts_and_combine_flags():
-    # dispatch: counts [L][R] = E ints; combine: token flags [R][M] + meta flags [R]; not dependent on hidden
+    # dispatch: counts int64 [L][R] = 2E ints, then the combine's token flags [R][M] + meta flags [R] (they never
+    # overlap: the counts are not consumed, the flags are); not dependent on hidden
     a = config.low_latency_layout(128, 7168, 2, 256)
     b = config.low_latency_layout(128, 512, 2, 256)
     c = config.low_latency_layout(16, 512, 2, 256)
-    assert a["signal_ints"] == b["signal_ints"] == 2 * 128 + 2 and a["signal_offset_1"] == b["signal_offset_1"] == 1152
-    assert c["signal_ints"] == 256 and c["signal_offset_1"] == 1024
-
-
-@pytest.mark.parametrize("items,blocks,want", [(1, 132, 1), (128, 132, 1), (133, 132, 2), (256, 132, 2),
-                                               (512, 132, 4), (1024, 132, 8), (100000, 132, 8), (0, 132, 1)])
-def test_groups_per_block(items, blocks, want):
-    assert groups_per_block(items, blocks) == want
+    assert a["signal_ints"] == b["signal_ints"] == 2 * 256 + 2 * 128 + 2
+    assert a["signal_offset_1"] == b["signal_offset_1"] == config.align_up(4 * 770) == 3200
+    assert c["signal_ints"] == 2 * 256 + 2 * 16 + 2 and c["signal_offset_1"] == config.align_up(4 * 546)
 
 
 def test_nvshmem_env_defaults(monkeypatch):
@@ -124,27 +122,43 @@ def test_dispatch_index_table_lies_after_the_messages_inside_the_recv_region(ran
     lay = config.low_latency_layout(M, H, ranks, experts)
     assert lay["dispatch_index_offset"] == ranks * M * lay["msg_bytes"]  # messages [R][M]
     assert lay["dispatch_index_offset"] % 16 == 0
-    assert lay["dispatch_index_offset"] + 4 * experts * M <= lay["recv_bytes"]  # index [L][R][M] int32
-    # the combine's partials [2][R][M] rows (3H bytes) and its meta [2][R] fit too
-    assert lay["combine_meta_offset"] == 2 * ranks * M * lay["part_bytes"]
+    # index [L][R][M] int64, then (not overlapping it) the combine's partials [2][R][M] rows (3H bytes), its meta [2][R]
+    assert lay["dispatch_index_offset"] + 8 * experts * M <= lay["combine_offset"]
+    assert lay["combine_offset"] % 16 == 0
+    assert lay["combine_meta_offset"] == lay["combine_offset"] + 2 * ranks * M * lay["part_bytes"]
     assert lay["combine_meta_offset"] + 2 * ranks * lay["meta_bytes"] <= lay["recv_bytes"]
 
 
 def test_dispatch_recv_region_is_smaller_than_one_message_per_expert_slot():
     lay = config.low_latency_layout(128, 7168, 2, 256)
-    # dispatch needs R*M messages + E*M ints (3.8 MB), no longer E*M messages; the combine R*M 24-bit partial rows
-    # in and out (11 MB), no longer E*M bf16 rows (470 MB)
-    assert lay["dispatch_index_offset"] + 4 * 256 * 128 < 4 << 20
-    assert lay["recv_bytes"] == config.align_up(2 * 2 * 128 * 3 * 7168 + 2 * 2 * config.align_up(128 * 11 * 8, 16))
+    # dispatch needs R*M messages + E*M int64 entries (3.9 MB), no longer E*M messages; the combine R*M 24-bit
+    # partial rows in and out (11 MB), no longer E*M bf16 rows (470 MB)
+    assert lay["dispatch_index_offset"] + 8 * 256 * 128 < 4 << 20
+    assert lay["recv_bytes"] == config.align_up(lay["combine_offset"] + 2 * 2 * 128 * 3 * 7168 +
+                                                2 * 2 * config.align_up(128 * 11 * 8, 16))
 
 
-def _send_model(rank, x_cast, scales, topk_idx, M, E, R, recv, lay, log):
-    """One source rank's dispatch send as low_latency.cu does it: per token the slots of its kept (t, k)
-    (histogram of the rows before it), the distinct destination ranks (first k first), the index entries, the
-    message once per destination rank; then per expert the count its counter reached."""
+def _put64(region, at, value):
+    region[at:at + 8] = np.array([value], np.int64).view(np.uint8)
+
+
+def _get64(region, at):
+    return int(region[at:at + 8].view(np.int64)[0])
+
+
+def _send_model(rank, x_cast, scales, topk_idx, M, E, R, recv, signals, lay, log, epoch):
+    """One source rank's dispatch send as low_latency.cu does it: first per expert its count (epoch << 32 |
+    min(hist_all[e], M)) at the owner's [local expert][source]; then per token the slots of its kept (t, k)
+    (histogram of the rows before it), the distinct destination ranks (first k first), the index entries
+    (epoch << 32 | t), the row once per destination rank, then the message's flag (the epoch) in its header."""
     L, H = E // R, x_cast.shape[1]
+    hist_all = np.zeros(E, np.int64)
+    for e in topk_idx.ravel():
+        if 0 <= e < E:
+            hist_all[e] += 1
+    for e in range(E):
+        _put64(signals[e // L], 8 * ((e % L) * R + rank), (epoch << 32) | int(min(hist_all[e], M)))
     hist = np.zeros(E, np.int64)
-    finish = np.zeros(E, np.int64)
     for t, row in enumerate(topk_idx):
         kept = []
         for k, e in enumerate(row):
@@ -154,55 +168,60 @@ def _send_model(rank, x_cast, scales, topk_idx, M, E, R, recv, lay, log):
                     kept.append((int(e), int(slot)))
         dests = list(dict.fromkeys(e // L for e, _ in kept))  # __match_any_sync: distinct, in order of first k
         for e, slot in kept:
-            at = lay["dispatch_index_offset"] + ((e % L * R + rank) * M + slot) * 4
-            recv[e // L][at:at + 4] = np.array([t], np.int32).view(np.uint8)
-        msg = np.zeros(lay["msg_bytes"], np.uint8)
-        msg[:4] = np.array([t], np.int32).view(np.uint8)
-        msg[16:16 + H] = x_cast[t]
-        msg[16 + H:16 + H + 4 * (H // 128)] = scales[t].astype(np.float32).view(np.uint8)
+            _put64(recv[e // L], lay["dispatch_index_offset"] + ((e % L * R + rank) * M + slot) * 8, (epoch << 32) | t)
         for r in dests:
             at = (rank * M + t) * lay["msg_bytes"]
-            recv[r][at:at + lay["msg_bytes"]] = msg
+            recv[r][at + 16:at + 16 + H] = x_cast[t]
+            recv[r][at + 16 + H:at + 16 + H + 4 * (H // 128)] = scales[t].astype(np.float32).view(np.uint8)
+            recv[r][at:at + 4] = np.array([epoch], np.int32).view(np.uint8)  # the flag, after the row
             log.append((rank, r, t))
-        for e, _ in kept:
-            finish[e] += 1
         for e in row:
             if 0 <= e < E:
                 hist[e] += 1
-    counts = np.minimum(hist, M)  # min(hist_all[e], M): the signaller waits for exactly this many adds
-    assert np.array_equal(finish, counts)
-    return counts
 
 
-def _recv_model(rank, counts_from, M, E, R, H, recv, lay, use_ue8m0):
-    """The dispatch receive of `rank`: per (local expert, source) read the count, gather through the index."""
+def _recv_model(rank, M, E, R, H, recv, signals, lay, use_ue8m0, epoch, blocks):
+    """The dispatch receive of `rank` as dispatch_recv splits it: every block reads all counts (checking their
+    epoch) and their prefix over (local expert, source); block b takes global rows [b*N/G, (b+1)*N/G), finds each
+    row's pair by binary search (pair_of_row), checks that its index entry and its message's flag carry the epoch,
+    and copies it to its expert's position."""
+    import bisect
     L, S = E // R, H // 128
-    recv_x = np.zeros((L, R * M, H), np.uint8)
+    n = L * R
     words = S // 4 if use_ue8m0 else S
+    recv_x = np.zeros((L, R * M, H), np.uint8)
     recv_scales = np.zeros((L, words, R * M), np.int32 if use_ue8m0 else np.float32)
-    src_info = np.zeros((L, R * M), np.int32)
-    layout_range = np.zeros((L, R), np.int64)
-    count = np.zeros(L, np.int32)
-    for e in range(L):
-        begin = 0
-        for s in range(R):
-            n = int(counts_from[s][rank * L + e])
-            layout_range[e, s] = (begin << 32) | n
-            at = lay["dispatch_index_offset"] + (e * R + s) * M * 4
-            index = recv[rank][at:at + 4 * n].view(np.int32)
-            for i, t in enumerate(index):
-                assert 0 <= t < M
-                m = (s * M + int(t)) * lay["msg_bytes"]
-                msg = recv[rank][m:m + lay["msg_bytes"]]
-                recv_x[e, begin + i] = msg[16:16 + H]
-                sc = msg[16 + H:16 + H + 4 * S].view(np.float32)
-                if use_ue8m0:
-                    recv_scales[e, :, begin + i] = reference.pack_ue8m0(sc[None, :])[0]
-                else:
-                    recv_scales[e, :, begin + i] = sc
-                src_info[e, begin + i] = t
-            begin += n
-        count[e] = begin
+    src_info = np.full((L, R * M), -1, np.int32)
+    counts = []
+    for i in range(n):
+        v = _get64(signals[rank], 8 * i)
+        assert v >> 32 == epoch
+        counts.append(v & 0xffffffff)
+    prefix = [0]
+    for c in counts:
+        prefix.append(prefix[-1] + c)
+    layout_range = np.array([[((prefix[e * R + s] - prefix[e * R]) << 32) | counts[e * R + s] for s in range(R)]
+                             for e in range(L)], np.int64).reshape(L, R)
+    count = np.array([prefix[e * R + R] - prefix[e * R] for e in range(L)], np.int32)
+    total, copied = prefix[n], []
+    for b in range(blocks):
+        for row in range(total * b // blocks, total * (b + 1) // blocks):
+            i = bisect.bisect_right(prefix[:n], row) - 1  # pair_of_row: the largest i < n with prefix[i] <= row
+            e, s = divmod(i, R)
+            entry = _get64(recv[rank], lay["dispatch_index_offset"] + ((e * R + s) * M + row - prefix[i]) * 8)
+            assert entry >> 32 == epoch
+            t = entry & 0xffffffff
+            assert 0 <= t < M
+            m = (s * M + t) * lay["msg_bytes"]
+            msg = recv[rank][m:m + lay["msg_bytes"]]
+            assert int(msg[:4].view(np.int32)[0]) == epoch
+            pos = row - prefix[e * R]
+            recv_x[e, pos] = msg[16:16 + H]
+            sc = msg[16 + H:16 + H + 4 * S].view(np.float32)
+            recv_scales[e, :, pos] = reference.pack_ue8m0(sc[None, :])[0] if use_ue8m0 else sc
+            src_info[e, pos] = t
+            copied.append(row)
+    assert copied == list(range(total))  # every row once, by exactly one block
     return recv_x, recv_scales, src_info, layout_range, count
 
 
@@ -210,27 +229,30 @@ def _recv_model(rank, counts_from, M, E, R, H, recv, lay, use_ue8m0):
                                                 (4, 32, 6, 9, 12, 0.3, False), (3, 6, 5, 7, 36, 0.0, True),
                                                 (2, 4, 3, 0, 4, 0.0, False)])
 @pytest.mark.parametrize("use_ue8m0", [False, True])
-def test_dispatch_scheme_model_matches_the_reference(R, E, K, T, M, mask, dup, use_ue8m0):
-    """The once-per-rank messages + index table, on stale (random) recv regions, give the reference's outputs,
-    and no message slot [src][token] of a rank is written twice in one call."""
+@pytest.mark.parametrize("blocks", [1, 5, 132])
+def test_dispatch_scheme_model_matches_the_reference(R, E, K, T, M, mask, dup, use_ue8m0, blocks):
+    """The once-per-rank messages + index table + epoch-tagged counts, written over an older dispatch's data on the
+    same buffer (epoch 6, other inputs) on stale bytes, give the reference's outputs for the epoch-7 call, every row
+    copied by exactly one block; and no message slot [src][token] of a rank is written twice in one call."""
     from tests.helpers import make_inputs
     rng = np.random.default_rng(R * 1000 + E * 10 + K)
     H = 512
-    ins = [make_inputs(rng, T, H, K, E, R, mask_prob=mask, duplicates=dup) for _ in range(R)]
-    xs, idxs = [i.x for i in ins], [i.topk_idx for i in ins]
     lay = config.low_latency_layout(M, H, R, E)
     recv = [rng.integers(0, 256, lay["recv_bytes"], dtype=np.uint8) for _ in range(R)]  # stale bytes
-    log = []
-    counts_from = []
-    for s in range(R):
-        x_cast, scales = reference.per_token_cast_to_fp8(xs[s], round_scale=use_ue8m0)
-        counts_from.append(_send_model(s, x_cast, scales, idxs[s], M, E, R, recv, lay, log))
-    assert len(log) == len(set(log))  # each (source, destination, token) message once
+    signals = [np.zeros(lay["signal_bytes"], np.uint8) for _ in range(R)]
+    for epoch in (6, 7):
+        ins = [make_inputs(rng, T, H, K, E, R, mask_prob=mask, duplicates=dup) for _ in range(R)]
+        xs, idxs = [i.x for i in ins], [i.topk_idx for i in ins]
+        log = []
+        for s in range(R):
+            x_cast, scales = reference.per_token_cast_to_fp8(xs[s], round_scale=use_ue8m0)
+            _send_model(s, x_cast, scales, idxs[s], M, E, R, recv, signals, lay, log, epoch)
+        assert len(log) == len(set(log))  # each (source, destination, token) message once
     for t_rank in range(R):
         want = reference.low_latency_dispatch(xs, idxs, M, E, t_rank, use_fp8=True, round_scale=use_ue8m0,
                                               use_ue8m0=use_ue8m0)
-        recv_x, recv_scales, src_info, layout_range, count = _recv_model(t_rank, counts_from, M, E, R, H, recv,
-                                                                         lay, use_ue8m0)
+        recv_x, recv_scales, src_info, layout_range, count = _recv_model(t_rank, M, E, R, H, recv, signals, lay,
+                                                                         use_ue8m0, 7, blocks)
         assert np.array_equal(count, want.recv_count)
         assert np.array_equal(layout_range, want.layout_range)
         for e in range(E // R):
@@ -248,10 +270,11 @@ def test_dispatch_scheme_sends_each_token_once_per_destination_rank():
     ins = [make_inputs(rng, T, H, K, E, R) for _ in range(R)]
     lay = config.low_latency_layout(M, H, R, E)
     recv = [np.zeros(lay["recv_bytes"], np.uint8) for _ in range(R)]
+    signals = [np.zeros(lay["signal_bytes"], np.uint8) for _ in range(R)]
     log = []
     for s in range(R):
         x_cast, scales = reference.per_token_cast_to_fp8(ins[s].x)
-        _send_model(s, x_cast, scales, ins[s].topk_idx, M, E, R, recv, lay, log)
+        _send_model(s, x_cast, scales, ins[s].topk_idx, M, E, R, recv, signals, lay, log, 1)
     pairs = sum(len({int(e) // (E // R) for e in row}) for i in ins for row in i.topk_idx)
     assert len(log) == pairs <= 2 * T * R < T * K * R  # at most R per token instead of K
 

@@ -414,12 +414,12 @@ def test_layout_matches_config(comm, ll_buf):
     def probe():
         k = jit.get_kernel("low_latency.cu", "ep::ll_carve_probe")
         for M, H, E in ((128, 7168, 256), (16, 512, 8 * comm.Get_size()), (256, 4096, 64)):
-            out = cupy.zeros(10, dtype=cupy.int64)
+            out = cupy.zeros(11, dtype=cupy.int64)
             k((1,), (1,), (np.int32(M), np.int32(H), np.int32(comm.Get_size()), np.int32(E), out))
             lay = cfgmod.low_latency_layout(M, H, comm.Get_size(), E)
             want = [lay[n] for n in ("signal_bytes", "send_bytes", "recv_bytes", "total_bytes", "signal_offset_1",
                                      "send_offset_0", "recv_offset_0", "dispatch_index_offset",
-                                     "combine_meta_offset", "signal_ints")]
+                                     "combine_meta_offset", "signal_ints", "combine_offset")]
             if out.get().tolist() != want:
                 errors.append(f"(M, H, E) = {(M, H, E)}: device {out.get().tolist()} != config {want}")
 
