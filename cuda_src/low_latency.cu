@@ -587,10 +587,11 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
     __syncthreads();
     stamp(stamps, kStampRecvEnd);
     // The last block to finish advances the buffer's epoch for its next dispatch (every block read it before;
-    // the kernel boundary orders the write before the next launch).
+    // the kernel boundary orders the write before the next launch). After 2^32 dispatches the count wraps: it
+    // skips -1, so that no epoch is 0, the value of zeroed memory.
     if (threadIdx.x == 0 && atomicAdd(workspace + kWsRecvDone, 1) == (int)gridDim.x - 1) {
         workspace[kWsRecvDone] = 0;
-        workspace[kWsEpoch + buffer_idx] += 1;
+        workspace[kWsEpoch + buffer_idx] += workspace[kWsEpoch + buffer_idx] == -2 ? 2 : 1;
     }
 }
 

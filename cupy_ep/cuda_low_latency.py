@@ -51,6 +51,7 @@ _FILE = "low_latency.cu"
 _THREADS = 1024                 # kLLThreads (dispatch)
 _COMBINE_THREADS = 512          # kLLCombineThreads
 _WORKSPACE_INTS = 32 + _config.LL_MAX_RANKS  # kWsMetaReaders + meta readers (below: buffer index, epochs)
+WS_EPOCH = 4                    # kWsEpoch: per buffer, the dispatches whose receive phase finished
 _SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv
 
 

@@ -309,6 +309,27 @@ def test_hook_zero_copy_out_and_alternating_buffers(comm, ll_buf, force_put):
     assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
 
 
+def test_dispatch_epoch_wraps_past_zero(comm, ll_buf):
+    """The dispatch tells this call's counts, index entries and flags from older ones by the buffer's epoch, counted
+    on the device. Started 3 dispatches before its int32 count wraps to -1 (epoch 0, the value of zeroed memory),
+    rounds on both sides of the wrap match the reference and the count skips -1."""
+    import cupy
+    from cupy_ep.cuda_low_latency import WS_EPOCH
+    ws = ll_buf._ll.workspace
+    cupy.cuda.runtime.deviceSynchronize()
+    comm.Barrier()
+    ws[WS_EPOCH:WS_EPOCH + 2] = -3
+    cupy.cuda.runtime.deviceSynchronize()
+    comm.Barrier()
+    errors = []
+    for i in range(4):  # each round: a dispatch on one buffer, a combine on the other (the dispatch's stays fixed)
+        errors += [f"round {i}: {e}" for e in _round(ll_buf, comm, CASES[1], seed=70 + i)]
+    epochs = sorted(ws[WS_EPOCH:WS_EPOCH + 2].get().tolist())
+    if epochs != [-3, 2]:  # -3 -> -2 -> 0 (skipping -1) -> 1 -> 2 on the dispatches' buffer (epochs -2, -1, 1, 2)
+        errors.append(f"epoch counts after 4 dispatches from -3: {epochs}, expected [-3, 2]")
+    assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
+
+
 def test_a_hook_runs_once_and_before_the_next_call(comm, ll_buf):
     """The kernels consume each signal as they read it: with a dispatch hook pending, the next low-latency call
     raises (RuntimeError naming return_recv_hook) before launching anything; a hook's second run raises instead
