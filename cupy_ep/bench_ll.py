@@ -345,8 +345,8 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
         out += ["", f"Phases (`--ll-stamps`): the kernels' %globaltimer stamps, us after the earliest block of a call "
                 f"started, median over blocks and over {stamped[0]['rounds']} calls (each the last of "
                 f"{stamped[0].get('calls_per_round', 4)} replayed back to back as one CUDA graph). send_prepared: "
-                "histograms built; send_written: the block's tokens cast and stored; send_end: its signals sent; recv_first_data: its first expert's counts (dispatch) or first token's "
-                "flags (combine) arrived; recv_end: its outputs written; last_end: the latest stamp of any block (the "
+                "histograms built; send_written: the block's tokens cast, stored and flagged; send_end: its signals sent (the combine's partials; the dispatch sends none after its tokens); recv_first_data: its first rows' index entries and flags (dispatch) "
+                "or its first token's flags (combine) arrived; recv_end: its outputs written; last_end: the latest stamp of any block (the "
                 "slowest block: when the launch ends). L2 *warm*: the calls back to back; *flushed*: the L2 "
                 "flushed before each call, as in the steady timing.", "",
                 "| op | T | L2 | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
