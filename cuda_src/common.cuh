@@ -19,10 +19,9 @@ enum KernelId : int {
     kKernelInternodeNotifyDispatch = 10, kKernelInternodeCachedNotify = 11, kKernelInternodeDispatch = 12,
     kKernelInternodeCombine = 13,
 };
+// (5 was kRoleSignaller, the low-latency dispatch's count signallers, gone since its counts carry epochs)
 enum Role : int { kRoleBarrier = 0, kRoleSender = 1, kRoleReceiver = 2, kRoleNotify = 3, kRoleCallCheck = 4,
-                 kRoleSignaller = 5, kRoleBufferReuse = 6 };
-// kRoleSignaller: a low-latency warp waiting until its rank's messages of one expert are written (local
-// counters) before it signals the count / flag to the peer.
+                 kRoleBufferReuse = 6 };
 // kRoleBufferReuse: not a wait but a low-latency call whose send phase uses the same buffer (0/1) as the
 // previous send phase of this rank (head = that buffer): a CUDA graph replaying an odd number of low-latency
 // calls. Its receivers would find the previous replay's signals still set and read data that never came.

@@ -23,7 +23,7 @@ _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_noti
                  5: "cached_notify_combine", 6: "combine", 7: "barrier", 8: "low_latency_dispatch",
                  9: "low_latency_combine", 10: "internode_notify_dispatch", 11: "internode_cached_notify",
                  12: "internode_dispatch", 13: "internode_combine"}
-_ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check", 5: "signaller",
+_ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check",
                6: "buffer_reuse",
                # internode.cu WarpRole
                10: "kRDMASender", 11: "kRDMASenderCoordinator", 12: "kRDMAAndNVLForwarder",
