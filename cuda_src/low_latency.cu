@@ -76,19 +76,34 @@ constexpr int kPhaseSend = 1, kPhaseRecv = 2;
 // blocks that have read its combine meta flag (the last one zeroes the flag and the count)
 constexpr int kWsLastSend = 2, kWsEpoch = 4, kWsRecvDone = 6, kWsMetaReaders = 32;
 
-// Optional phase stamps (profiling; stamps == nullptr in normal use): per block kLLStamps int64 %globaltimer
-// values, written by thread 0 right after a block-wide barrier, so each marks when the whole block got there.
-constexpr int kLLStamps = 8;
+// Optional phase stamps (profiling; built only with -DCUPY_EP_LL_STAMPS=1, cuda_low_latency.STAMPS_OPTION, and
+// then written where stamps != nullptr): per block kLLStamps int64 %globaltimer values, written by thread 0 (most
+// right after a block-wide barrier, so they mark when the whole block got there). Without the option the stamping
+// code compiles away: its branches cost the 1024-thread dispatch registers it does not have.
+#ifdef CUPY_EP_LL_STAMPS
+constexpr bool kStampsBuilt = true;
+#else
+constexpr bool kStampsBuilt = false;
+#endif
+// What each marks, per kernel (cupy_ep/bench_ll.py's report says the same):
+//   dispatch: prepared = histograms built; routed = the last token's slots known and index entries issued;
+//             encoded = its bytes stored; fenced = thread 0 past the system-scope release; written = its flags
+//             stored; recv_prepared = the counts read and prefixed; recv_first_data = the first chunk's rows in.
+//   combine:  prepared = the own tokens' partials flagged (hook mode); routed = the first remote owner's meta in;
+//             encoded = the last partial row stored; written = its flag sent; recv_prepared = the first token's
+//             own partial computed; recv_first_data = the first token's partials in.
+constexpr int kLLStamps = 12;
 enum LLStamp : int {
-    kStampSendStart = 0, kStampSendPrepared = 1, kStampSendWritten = 2, kStampSendEnd = 3,
-    kStampRecvStart = 4, kStampRecvFirstData = 5, kStampRecvEnd = 6,
+    kStampSendStart = 0, kStampSendPrepared = 1, kStampSendRouted = 2, kStampSendEncoded = 3,
+    kStampSendFenced = 4, kStampSendWritten = 5, kStampSendEnd = 6, kStampRecvStart = 7,
+    kStampRecvPrepared = 8, kStampRecvFirstData = 9, kStampRecvEnd = 10,
 };
 __device__ __forceinline__ void stamp(long long* stamps, int which) {
-    if (stamps != nullptr && threadIdx.x == 0) stamps[blockIdx.x * kLLStamps + which] = (long long)globaltimer_ns();
+    if (kStampsBuilt && stamps != nullptr && threadIdx.x == 0) stamps[blockIdx.x * kLLStamps + which] = (long long)globaltimer_ns();
 }
 // A block barrier only when stamping (the condition is uniform over the block).
 __device__ __forceinline__ void stamp_after_barrier(long long* stamps, int which) {
-    if (stamps == nullptr) return;
+    if (!kStampsBuilt || stamps == nullptr) return;
     __syncthreads();
     stamp(stamps, which);
 }
@@ -295,6 +310,12 @@ __device__ __forceinline__ void send_counts(const int* hist_all, char* base, con
     }
 }
 
+// x[t]'s int4 number threadIdx.x (zero past the row or the tokens).
+__device__ __forceinline__ int4 load_first_chunk(const int4* x, int t, int num_tokens, int hidden_int4) {
+    if (t >= num_tokens || (int)threadIdx.x >= hidden_int4) return make_int4(0, 0, 0, 0);
+    return ld_nc_v4(x + (long long)t * hidden_int4 + threadIdx.x);
+}
+
 template <bool kUseFP8, typename TopkT>
 __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_tokens, int num_topk, bool round_scale,
                               char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
@@ -303,18 +324,22 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
     const int rank = ctx->rank, E = L.num_experts;
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
+    const int msg_int4 = dispatch_msg_int4(kUseFP8, L.hidden), hidden_int4 = L.hidden / 8;
+    // The block's first token into the L2 while the histograms are built (most blocks send one token; with a cold
+    // L2 its loads below would be HBM round trips).
+    if (threadIdx.x == 0 && (int)blockIdx.x < num_tokens)
+        prefetch_l2_bulk(x + (long long)blockIdx.x * hidden_int4, L.hidden * 2);
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
     stamp(stamps, kStampSendPrepared);  // build_histograms ends with a block barrier
     send_counts(hist_all, base, peer_bases, L, buffer_idx, rank, dispatch_epoch(workspace, buffer_idx));
 
-    const int msg_int4 = dispatch_msg_int4(kUseFP8, L.hidden), hidden_int4 = L.hidden / 8;
     char* send = base + L.send_offset(buffer_idx);
     const long long recv = L.recv_offset(buffer_idx);
     const int lane = lane_id();
     for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
         const int4* x_row = x + (long long)t * hidden_int4;
         // this thread's first x chunk is in flight while warp 0 works out where the token goes
-        const int4 first = (int)threadIdx.x < hidden_int4 ? ld_nc_v4(x_row + threadIdx.x) : make_int4(0, 0, 0, 0);
+        const int4 first = load_first_chunk(x, t, num_tokens, hidden_int4);
         char* send_msg = send + (long long)t * L.msg_bytes;
         token_dests(topk_idx, t, num_topk, E, L.num_local, L.num_max_tokens, hist, peer_bases,
                     recv + L.dispatch_recv_msg(rank, t), send_msg, sh);
@@ -334,12 +359,14 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
             }
         }
         __syncthreads();  // the slots and the targets are visible to the block
+        stamp(stamps, kStampSendRouted);
         // Cast and store straight from registers into every mapped destination (and the send slot for puts).
         const int num_target = sh.num_target;
         encode_token<kUseFP8>(first, x_row, L.hidden, round_scale, [&](long long offset, auto value) {
             for (int j = 0; j < num_target; ++j) *reinterpret_cast<decltype(value)*>(sh.target[j] + offset) = value;
         });
         __syncthreads();  // every store of the message is issued (bar.sync orders them before thread 0's release)
+        stamp(stamps, kStampSendEncoded);
         if (sh.num_put > 0) {  // uniform
             // the warps split evenly over the put destinations, each warp one part of the row (the header's
             // flag follows once the puts are complete)
@@ -362,6 +389,7 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
         if (threadIdx.x == 0) {
             const int epoch = dispatch_epoch(workspace, buffer_idx);
             fence_acq_rel_sys();
+            stamp(stamps, kStampSendFenced);
             for (int j = 0; j < sh.num_store; ++j) st_relaxed_sys(reinterpret_cast<int*>(sh.target[j]), epoch);
             for (int d = 0; d < sh.num_put; ++d)
                 nvshmem_int_p(reinterpret_cast<int*>(base + recv + L.dispatch_recv_msg(rank, t)), epoch, sh.put_dest[d]);
@@ -562,6 +590,7 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
     const char* recv = base + L.recv_offset(buffer_idx);
     const long long* counts = reinterpret_cast<const long long*>(base + L.signal_offset(buffer_idx));
     if (read_counts(counts, n, epoch, prefix, rs, L, ctx)) {
+        stamp(stamps, kStampRecvPrepared);  // read_counts ends with a block barrier
         for (int e = blockIdx.x; e < L.num_local; e += gridDim.x) {
             const int begin = prefix[e * R];
             if ((int)threadIdx.x < R) {
@@ -706,7 +735,6 @@ __device__ __forceinline__ unsigned wire24(float v) {
     const unsigned b = __float_as_uint(v);
     return (b + 0x7fu + ((b >> 8) & 1u)) >> 8;
 }
-__device__ __forceinline__ float wire_round(float v) { return __uint_as_float(wire24(v) << 8); }
 
 __device__ __forceinline__ void store_partial(char* row, int hidden, int c, const float (&p)[8]) {
     unsigned hi[4], lo[2] = {0u, 0u};
@@ -770,7 +798,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
                                                      const int4* rows, const long long* layout_range, char* base,
                                                      const unsigned long long* peer_bases, const LowLatencyLayout& L,
                                                      int buffer_idx, const DeviceCtx* ctx, int* hist,
-                                                     CombineShared& sh) {
+                                                     CombineShared& sh, long long* stamps) {
     const int rank = ctx->rank, R = L.num_ranks, M = L.num_max_tokens, E = L.num_experts;
     const int row_int4 = L.hidden / 8;  // bf16 input row: chunks of 8 values
     char* recv = base + L.recv_offset(buffer_idx);
@@ -798,15 +826,36 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
                 store_partial(out, L.hidden, c, acc);
             }
             __syncthreads();  // the row is written (bar.sync orders the block's stores before the flag)
+            stamp(stamps, kStampSendEncoded);
             if (direct == nullptr && warp_id() == 0) {
                 nvshmemx_putmem_nbi_warp(base + dst, out, (size_t)L.part_bytes, s);
                 __syncwarp();
                 if (lane_id() == 0) nvshmem_quiet();
             }
-            if (threadIdx.x == 0)
+            if (threadIdx.x == 0) {
                 send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * L.combine_token_flag(rank, t), 1);
+                stamp(stamps, kStampSendWritten);
+            }
         }
         __syncthreads();  // the entries are reused by the next token
+    }
+}
+
+// The rows this rank's experts produced (x [L][R*M][H] bf16; layout_range [L][R]: the last source's begin + count
+// = the expert's rows) into the L2 by bulk prefetches from the last warp of each block, in the background while
+// the meta travels: each row is read once, by a partial sum, and after the caller's own work since the dispatch
+// they would otherwise come from HBM one dependent round trip at a time.
+__device__ __forceinline__ void prefetch_expert_rows(const int4* rows, const long long* layout_range,
+                                                     const LowLatencyLayout& L) {
+    constexpr long long kChunk = 32 << 10;  // bytes per prefetch instruction
+    if (warp_id() != (int)(blockDim.x / kWarpSize) - 1) return;
+    const long long row_bytes = 2LL * L.hidden, rows_per_expert = (long long)L.num_ranks * L.num_max_tokens;
+    for (int e = blockIdx.x; e < L.num_local; e += gridDim.x) {
+        const long long last = layout_range[(long long)e * L.num_ranks + L.num_ranks - 1];
+        const long long bytes = ((last >> 32) + (last & 0xffffffff)) * row_bytes;
+        const char* begin = reinterpret_cast<const char*>(rows) + e * rows_per_expert * row_bytes;
+        for (long long off = lane_id() * kChunk; off < bytes; off += kWarpSize * kChunk)
+            prefetch_l2_bulk(begin + off, (int)min(kChunk, bytes - off));
     }
 }
 
@@ -825,9 +874,10 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
+    prefetch_expert_rows(rows, layout_range, L);
     if (!own_in_recv)
         combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, rows, layout_range, base, peer_bases,
-                             L, buffer_idx, ctx, hist, sh);
+                             L, buffer_idx, ctx, hist, sh, stamps);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
     for (int i = 1; i < R; ++i) {
         const int s = (rank + i) % R;
@@ -850,14 +900,14 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
             }
         }
         __syncthreads();
-        if (i == 1) stamp(stamps, kStampSendWritten);  // the first remote owner's meta is in
+        if (i == 1) stamp(stamps, kStampSendRouted);  // the first remote owner's meta is in
         if (sh.failed) return;  // uniform
         const int K = sh.value >> 24, T = (sh.value & 0xffffff) - 1;
         __syncthreads();  // sh.value is read by every thread before thread 0 waits for the next owner
         const char* meta = recv + L.combine_meta_in(s);
         combine_reduce_owner(s, reinterpret_cast<const volatile int*>(meta),
                              reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, rows,
-                             layout_range, base, peer_bases, L, buffer_idx, ctx, hist, sh);
+                             layout_range, base, peer_bases, L, buffer_idx, ctx, hist, sh, stamps);
     }
 }
 
@@ -875,7 +925,9 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
-// (C) the owner's sum of the partials; own_in_recv: this rank's own partial is computed here from x.
+// (C) the owner's sum of the partials. own_in_recv: this rank's own partial is computed here from x, first (while
+// the peers' partials may still be on their way), into this rank's own partial_in slot in the wire format (what a
+// peer's would carry), then read back by the sum like the others.
 template <typename TopkT>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
                              const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
@@ -884,7 +936,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
     stamp_after_barrier(stamps, kStampRecvStart);
     const int rank = ctx->rank, R = L.num_ranks, E = L.num_experts, row_int4 = L.hidden / 8;
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
-    const char* recv = base + L.recv_offset(buffer_idx);
+    char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, static_cast<int*>(nullptr));
     for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
@@ -899,7 +951,20 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
             bool has = false;
             for (int k = 0; k < num_topk; ++k) has |= sh.slot[k] >= 0 && sh.expert[k] / L.num_local == r;
             sh.has[r] = has;
-            if (has && !(own_in_recv && r == rank)) {
+        }
+        __syncthreads();
+        if (own_in_recv && sh.has[rank]) {  // uniform
+            char* own = recv + L.combine_partial_in(rank, t);
+            for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {  // the same c as the sum's: no barrier needed
+                float p[8];
+                partial_sum(p, rows, sh, c, row_int4);
+                store_partial(own, L.hidden, c, p);
+            }
+        }
+        if (t == (int)blockIdx.x) stamp(stamps, kStampRecvPrepared);  // (thread 0's part of) the own partial
+        if ((int)threadIdx.x < R) {
+            const int r = threadIdx.x;
+            if (sh.has[r] && !(own_in_recv && r == rank)) {
                 int* flag = signals + L.combine_token_flag(r, t);
                 const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, t, r},
                                            [&] { return ld_acquire_sys(flag) != 0; },
@@ -921,13 +986,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
             for (int r = 0; r < R; ++r) {
                 if (!sh.has[r]) continue;
                 float p[8];
-                if (own_in_recv && r == rank) {  // what the wire would have carried
-                    partial_sum(p, rows, sh, c, row_int4);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) p[j] = wire_round(p[j]);
-                } else {
-                    load_partial(recv + L.combine_partial_in(r, t), L.hidden, c, p);
-                }
+                load_partial(recv + L.combine_partial_in(r, t), L.hidden, c, p);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], p[j]);
             }

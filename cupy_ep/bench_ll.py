@@ -226,24 +226,42 @@ class LowLatencyBench:
                 stream = warm_stream(self.comm, one_round)
                 with stream:
                     graph = capture_graph(stream, one_round)
-                per_round = []
+                per_round, slowest, by_rank = [], [], []
                 for _ in range(rounds):
                     cupy.cuda.runtime.deviceSynchronize()
                     self.comm.Barrier()
                     graph.launch(stream)
                     stream.synchronize()
-                    per_round.append(phase_breakdown(stamps.get()))
-                phases_us = {name: float(np.median([r[name] for r in per_round if name in r]))
-                             for name in STAMP_NAMES + ("last_end",) if any(name in r for r in per_round)}
+                    mine = stamps.get()
+                    per_round.append(phase_breakdown(mine))
+                    slowest.append(phase_breakdown(mine, stat=np.max))
+                    # every rank's stamps from the earliest start of any rank (%globaltimer: one clock per host,
+                    # if the GPUs agree on it; the report shows each rank's send_start to judge)
+                    every = self.comm.allgather(mine)
+                    t0 = min(int(a[:, 0][a[:, 0] > 0].min()) for a in every if (a[:, 0] > 0).any())
+                    by_rank.append([phase_breakdown(a, t0=t0) for a in every])
+
+                def medians(rounds_):
+                    return {name: float(np.median([r[name] for r in rounds_ if name in r]))
+                            for name in STAMP_NAMES + ("last_end",) if any(name in r for r in rounds_)}
+                phases_us = medians(per_round)
+                phases_max_us = medians(slowest)
+                phases_by_rank_us = [medians([r[i] for r in by_rank]) for i in range(self.R)]
                 self.records.append({"op": op, "graph": True, "timing": "stamps", "phases_us": phases_us,
+                                     "phases_max_us": phases_max_us, "phases_by_rank_us": phases_by_rank_us,
                                      "l2_flushed": flush is not None,
                                      "rounds": rounds, "calls_per_round": calls, "time_us_median": None,
                                      "time_us_p99": None, "time_us_min": None, "nccl_time_us": None,
                                      "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden,
                                      "topk": a.topk, "experts": a.experts, "num_ranks": self.R})
-                self.log(f"  {op:11s} phases{' (L2 flushed)' if flush is not None else ''} (us after the first "
-                         "block started): " +
+                flushed = ' (L2 flushed)' if flush is not None else ''
+                self.log(f"  {op:11s} phases{flushed} (us after the first block started): " +
                          ", ".join(f"{k} {v:.1f}" for k, v in phases_us.items()))
+                self.log(f"  {op:11s} slowest block{flushed}: " +
+                         ", ".join(f"{k} {v:.1f}" for k, v in phases_max_us.items()))
+                for r, ph in enumerate(phases_by_rank_us):
+                    self.log(f"  {op:11s} rank {r} on the common clock{flushed}: " +
+                             ", ".join(f"{k} {v:.1f}" for k, v in ph.items()))
         finally:
             ll.stamps = None
 
@@ -341,18 +359,32 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
                        f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {_f(r.get('ratio_to_nccl'), '.2f')} |")
     stamped = [r for r in records if r.get("timing") == "stamps"]
     if stamped:
-        names = [n for n in stamped[0]["phases_us"]]
-        out += ["", f"Phases (`--ll-stamps`): the kernels' %globaltimer stamps, us after the earliest block of a call "
-                f"started, median over blocks and over {stamped[0]['rounds']} calls (each the last of "
-                f"{stamped[0].get('calls_per_round', 4)} replayed back to back as one CUDA graph). send_prepared: "
-                "histograms built; send_written: the block's tokens cast, stored and flagged; send_end: its signals sent (the combine's partials; the dispatch sends none after its tokens); recv_first_data: its first rows' index entries and flags (dispatch) "
-                "or its first token's flags (combine) arrived; recv_end: its outputs written; last_end: the latest stamp of any block (the "
-                "slowest block: when the launch ends). L2 *warm*: the calls back to back; *flushed*: the L2 "
-                "flushed before each call, as in the steady timing.", "",
-                "| op | T | L2 | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
+        from .cuda_low_latency import STAMP_NAMES
+        names = [n for n in STAMP_NAMES + ("last_end",) if any(n in r["phases_us"] for r in stamped)]
+        out += ["", f"Phases (`--ll-stamps`): the kernels' %globaltimer stamps in us, median over "
+                f"{stamped[0]['rounds']} calls (each the last of {stamped[0].get('calls_per_round', 4)} replayed back "
+                "to back as one CUDA graph). *stat* = over the blocks of one call: *median* block or *slowest* block, "
+                "on rank 0 from its earliest block's start; *rank r* = rank r's median block from the earliest start "
+                "of any rank (the ranks' %globaltimer clocks taken as one: trust it as far as the ranks' send_start "
+                "agree). Dispatch: prepared = histograms built; routed = the last token's slots known and index "
+                "entries issued; encoded = its bytes stored; fenced = thread 0 past the system-scope release; "
+                "written = its flags stored; recv_prepared = the counts read and prefixed; recv_first_data = the "
+                "block's first rows in. Combine: prepared = the own partials flagged (hook mode only); routed = the "
+                "remote owner's meta in; encoded = the last partial row stored; written = its flag sent; "
+                "recv_prepared = the first token's own partial computed; recv_first_data = its partials in. "
+                "recv_end: the block's outputs written; last_end: the latest stamp of any block (when the launch "
+                "ends). L2 *warm*: the calls back to back; *flushed*: the L2 flushed before each call, as in the "
+                "steady timing.", "",
+                "| op | T | L2 | stat | " + " | ".join(names) + " |", "|---|---|---|---|" + "---|" * len(names)]
         for r in stamped:
-            out.append(f"| {r['op']} | {r['tokens']} | {'flushed' if r.get('l2_flushed') else 'warm'} | " +
-                       " | ".join(_f(r["phases_us"].get(n), ".1f") for n in names) + " |")
+            l2 = "flushed" if r.get("l2_flushed") else "warm"
+            rows = [("median", r["phases_us"])]
+            if r.get("phases_max_us"):
+                rows.append(("slowest", r["phases_max_us"]))
+            rows += [(f"rank {i}", ph) for i, ph in enumerate(r.get("phases_by_rank_us") or [])]
+            for stat, ph in rows:
+                out.append(f"| {r['op']} | {r['tokens']} | {l2} | {stat} | " +
+                           " | ".join(_f(ph.get(n), ".1f") for n in names) + " |")
     host = [r for r in records if r.get("timing") == "host"]
     if host:
         out += ["", f"Host time per call: {host[0]['calls']} plain calls back to back (no sync inside the loop; "

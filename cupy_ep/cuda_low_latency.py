@@ -55,29 +55,36 @@ WS_EPOCH = 4                    # kWsEpoch: per buffer, the dispatches whose rec
 _SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv
 
 
+# The build option that compiles the phase stamps into low_latency.cu's kernels (without it they have none: the
+# stamps' branches and barriers cost registers the 1024-thread dispatch does not have to spare).
+STAMPS_OPTION = "-DCUPY_EP_LL_STAMPS=1"
+
 # low_latency.cu LLStamp, in order
-STAMP_NAMES = ("send_start", "send_prepared", "send_written", "send_end", "recv_start", "recv_first_data",
-               "recv_end", "unused")
+STAMP_NAMES = ("send_start", "send_prepared", "send_routed", "send_encoded", "send_fenced", "send_written",
+               "send_end", "recv_start", "recv_prepared", "recv_first_data", "recv_end", "unused")
 
 
-def phase_breakdown(stamps) -> dict:
-    """Per phase of one launch, the median over blocks of (stamp - the earliest send_start) in us, and
-    ``last_end``: the latest stamp of any block (the launch's span as its blocks see it: the slowest block
-    decides when the kernel ends, the medians do not show it).
+def phase_breakdown(stamps, t0: int | None = None, stat=np.median) -> dict:
+    """Per phase of one launch, ``stat`` (the median by default; ``np.max``: the slowest block) over blocks of
+    (stamp - t0) in us, and ``last_end``: the latest stamp of any block (the launch's span as its blocks see it:
+    the slowest block decides when the kernel ends, the medians do not show it).
 
     ``stamps``: numpy int64 ``[blocks][STAMP_NAMES]`` of one call (0 = not stamped: a block without work in that
-    phase, or a phase that did not run). Phases no block stamped are left out."""
+    phase, or a phase that did not run). ``t0``: the origin in ns (default: the earliest send_start of these
+    stamps; pass the earliest over all ranks to put the ranks on one clock). Phases no block stamped are left
+    out."""
     stamps = np.asarray(stamps, dtype=np.int64)
     starts = stamps[:, 0][stamps[:, 0] > 0]
     if starts.size == 0:
         return {}
-    t0 = int(starts.min())
+    if t0 is None:
+        t0 = int(starts.min())
     out = {}
     for i, name in enumerate(STAMP_NAMES):
         column = stamps[:, i]
         column = column[column > 0]
         if column.size:
-            out[name] = float(np.median(column - t0)) / 1e3
+            out[name] = float(stat(column - t0)) / 1e3
     out["last_end"] = float(stamps.max() - t0) / 1e3
     return out
 
@@ -137,7 +144,8 @@ class LowLatencyState:
         self.num_blocks = buf.num_device_sms       # one resident block per SM (blocks wait for each other)
         self.leaked: str | None = None             # why destroy() skipped the NVSHMEM teardown, if it did
         # Optional phase stamps (profiling): [dispatch, combine][block][STAMP_NAMES] int64 %globaltimer ns, written
-        # by the kernels when enabled (CUPY_EP_LL_STAMPS=1 or enable_stamps()); None: the kernels skip them.
+        # when enabled (CUPY_EP_LL_STAMPS=1 or enable_stamps()) by kernels built with STAMPS_OPTION; None: the
+        # kernels built without it, which have no stamping code at all.
         self.stamps = None
         if os.environ.get("CUPY_EP_LL_STAMPS", "0") not in ("", "0"):
             self.enable_stamps()
@@ -162,12 +170,14 @@ class LowLatencyState:
         return self.no_peers if self.force_put else self.nvlink_peers
 
     def kernel(self, name: str):
-        """A low-latency kernel, its module initialised for this NVSHMEM world (once)."""
-        k = self._kernels.get(name)
+        """A low-latency kernel, its module initialised for this NVSHMEM world (once); the stamping build while
+        stamps are enabled."""
+        key = (name, self.stamps is not None)
+        k = self._kernels.get(key)
         if k is None:
-            k = jit.get_kernel(_FILE, name)
+            k = jit.get_kernel(_FILE, name, extra_options=(STAMPS_OPTION,) if key[1] else ())
             self.nv.init_module(k._module.ptr)
-            self._kernels[name] = k
+            self._kernels[key] = k
         return k
 
     def launch(self, name: str, args) -> None:

@@ -357,12 +357,19 @@ def test_ll_markdown():
                           "tokens": 128, "max_tokens": 128})
     b.records.append({"op": "ll_dispatch", "graph": False, "timing": "stamps", "rounds": 30, "time_us_median": None,
                       "dtype": "fp8", "tokens": 128, "max_tokens": 128,
-                      "phases_us": {"send_start": 0.0, "send_end": 9.5, "recv_end": 30.25}})
-    b.records.append(dict(b.records[-1], l2_flushed=True, phases_us={"send_start": 0.0, "send_end": 11.0}))
+                      "phases_us": {"send_start": 0.0, "send_end": 9.5, "recv_end": 30.25},
+                      "phases_max_us": {"send_start": 0.5, "send_end": 12.0, "recv_end": 31.0},
+                      "phases_by_rank_us": [{"send_start": 0.0, "send_end": 9.5, "recv_end": 30.25},
+                                            {"send_start": 1.5, "send_end": 11.0, "recv_end": 32.0}]})
+    b.records.append(dict(b.records[-1], l2_flushed=True, phases_us={"send_start": 0.0, "send_end": 11.0},
+                          phases_max_us=None, phases_by_rank_us=None))
     md = "\n".join(bench_ll.markdown_lines(b.records, b.args, 2, {"gpu": "NVIDIA H200", "commit": "abc1234"}))
-    assert "| ll_dispatch | 128 | warm | 0.0 | 9.5 | 30.2 |" in md
-    assert "| ll_dispatch | 128 | flushed | 0.0 | 11.0 | - |" in md
-    assert "| op | T | L2 | send_start | send_end | recv_end |" in md
+    assert "| ll_dispatch | 128 | warm | median | 0.0 | 9.5 | 30.2 |" in md
+    assert "| ll_dispatch | 128 | warm | slowest | 0.5 | 12.0 | 31.0 |" in md
+    assert "| ll_dispatch | 128 | warm | rank 1 | 1.5 | 11.0 | 32.0 |" in md
+    assert "| ll_dispatch | 128 | flushed | median | 0.0 | 11.0 | - |" in md
+    assert "| ll_dispatch | 128 | flushed | slowest |" not in md
+    assert "| op | T | L2 | stat | send_start | send_end | recv_end |" in md
     assert "| ll_dispatch | fp8 | steady | 12.0 | 13.0 | 30.0 | steady | 0.40 |" in md
     assert "| ll_combine | bf16 | call | 200.0 | 201.0 | 48.0 | graph | 4.17 |" in md
     assert "T = 0 is the fixed cost" in md

@@ -62,6 +62,20 @@ def test_compiles_for_sm90_without_spills(filename):
     assert not {k: v for k, v in ours.items() if v.get("spill_stores", 0)}, ours
 
 
+def test_low_latency_stamping_build_compiles():
+    """The profiling build (phase stamps compiled in, cuda_low_latency.STAMPS_OPTION): the kernels the benchmark's
+    --ll-stamps runs (FP8 dispatch, combine) must not spill, or the stamps would time another kernel. (The BF16
+    dispatch with int32 top-k spills 8 bytes in this build: it is not the benchmark's.)"""
+    from cupy_ep.cuda_low_latency import STAMPS_OPTION
+    names = ["ep::dispatch<true, long long>", "ep::dispatch<true, int>", "ep::combine<long long>"]
+    result = jit.compile_only("low_latency.cu", names, arch="sm_90", extra_options=(STAMPS_OPTION,))
+    resources = result.resources()
+    for expr, lowered in result.mapping.items():
+        assert resources[lowered].get("spill_stores", 0) == 0, f"{expr} spills: {resources[lowered]}"
+    plain = jit.compile_only("low_latency.cu", names, arch="sm_90")
+    assert plain.cubin != result.cubin, "the option must change the build"
+
+
 def test_every_source_file_is_covered():
     files = {p.name for p in jit.source_dir().glob("*.cu")}
     assert files == set(KERNELS), "add the new file's kernels to KERNELS"

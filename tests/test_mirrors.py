@@ -51,15 +51,20 @@ def test_low_latency_stamp_names_mirror_the_enum():
 def test_phase_breakdown_is_relative_to_the_earliest_send_start():
     import numpy as np
     from cupy_ep import cuda_low_latency as cll
+    col = cll.STAMP_NAMES.index
     stamps = np.zeros((3, len(cll.STAMP_NAMES)), dtype=np.int64)
-    stamps[:, 0] = [1000, 3000, 2000]            # send_start
-    stamps[:, 3] = [11000, 13000, 15000]         # send_end
-    stamps[1, 5] = 21000                         # recv_first_data: one block only
+    stamps[:, 0] = [1000, 3000, 2000]                        # send_start
+    stamps[:, col("send_end")] = [11000, 13000, 15000]
+    stamps[1, col("recv_first_data")] = 21000                # one block only
     got = cll.phase_breakdown(stamps)
     assert got == {"send_start": 1.0, "send_end": 12.0, "recv_first_data": 20.0, "last_end": 20.0}
-    stamps[2, 6] = 30500                         # recv_end: one block only, the latest stamp
+    slowest = cll.phase_breakdown(stamps, stat=np.max)
+    assert slowest["send_start"] == 2.0 and slowest["send_end"] == 14.0
+    # a common origin for several ranks' stamps (the earliest start of all of them)
+    assert cll.phase_breakdown(stamps, t0=500)["send_end"] == 12.5
+    stamps[2, col("recv_end")] = 30500                       # one block only, the latest stamp
     assert cll.phase_breakdown(stamps)["last_end"] == 29.5
-    assert cll.phase_breakdown(np.zeros((2, 8), dtype=np.int64)) == {}
+    assert cll.phase_breakdown(np.zeros((2, len(cll.STAMP_NAMES)), dtype=np.int64)) == {}
 
 
 def test_dispatch_sender_groups_mirror_remote_groups():
