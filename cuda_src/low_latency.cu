@@ -39,8 +39,8 @@
 // and nobody needs to consume them.
 // Dispatch receive (dispatch_recv): every block reads all counts of this rank and their prefix over (local
 // expert, source), then takes rows [b * N / G, (b + 1) * N / G) of all N rows in (expert, source, slot) order:
-// per chunk, each row's index entry and flag (rows_ready), then one pass over every unit of the chunk (payload
-// int4s, scale words, source indices) with kInFlight loads per thread in flight (copy_rows).
+// the warps take (row, part) units and copy each as soon as the row's index entry and flag carry the epoch
+// (copy_rows_as_ready).
 //
 // Peers reachable by loads/stores (peer_bases[r] != 0, from nvshmem_ptr on the host) get direct NVLink
 // stores; the others get nvshmemx_putmem_nbi_warp (message rows) / nvshmem_longlong_p (index entries), each
@@ -403,14 +403,10 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
-// Dispatch receive, shared memory: the prefix of the counts over (local expert, source) pairs (in hist's space:
-// up to kLLMaxExperts + 1 ints), and per row of the current chunk where it comes from and where it goes.
-constexpr int kLLRowsPerChunk = 256;
+// Dispatch receive, shared memory (the counts' prefix over (local expert, source) pairs lives in hist's space: up
+// to kLLMaxExperts + 1 ints).
 struct DispatchRecvShared {
-    int token[kLLRowsPerChunk];    // the row's source token (from its index entry)
-    int src[kLLRowsPerChunk];      // its source rank
-    int out_row[kLLRowsPerChunk];  // its row in the packed outputs: local expert * R*M + position
-    int warp_sums[kLLWarps];       // block_exclusive_scan
+    int warp_sums[kLLWarps];  // block_exclusive_scan
     int failed;
 };
 
@@ -485,100 +481,100 @@ __device__ __forceinline__ bool read_counts(const long long* counts, int n, int 
     return !rs.failed;
 }
 
-// Rows [first, first + rows) of the global (local expert, source, slot) order: wait until each row's index entry
-// and then the flag of the message it names carry the call's epoch (older dispatches' entries and flags carry
-// older epochs; the combine's area does not overlap them), and note where the row comes from and goes. The flag is
-// acquired at system scope; the block barrier after this passes the row on to the threads that copy it.
-__device__ __forceinline__ void rows_ready(int first, int rows, const int* prefix, int n, const char* recv,
-                                           int epoch, DispatchRecvShared& rs, const LowLatencyLayout& L,
-                                           const DeviceCtx* ctx) {
-    const int R = L.num_ranks, rows_per_expert = R * L.num_max_tokens;
-    for (int j = threadIdx.x; j < rows; j += blockDim.x) {
-        const int row = first + j, i = pair_of_row(prefix, n, row), e = i / R, s = i - e * R;
-        const long long* entry = reinterpret_cast<const long long*>(recv + L.dispatch_recv_index(e, s, row - prefix[i]));
-        int seen = 0;  // the epoch last seen: the entry's, then the flag's
-        long long v = 0;
-        const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
-                                   [&] {
-                                       v = ld_volatile(entry);
-                                       seen = (int)(v >> 32);
-                                       if (seen != epoch) return false;
-                                       seen = ld_acquire_sys(reinterpret_cast<const int*>(
-                                           recv + L.dispatch_recv_msg(s, (int)(v & 0xffffffff))));
-                                       return seen == epoch;
-                                   },
-                                   [&](long long& head, long long& tail, long long& expected) {
-                                       head = seen;
-                                       tail = row - prefix[i];
-                                       expected = epoch;
-                                   });
-        if (!ok) rs.failed = 1;
-        rs.token[j] = (int)(v & 0xffffffff);
-        rs.src[j] = s;
-        rs.out_row[j] = e * rows_per_expert + (row - prefix[e * R]);
-    }
-    __syncthreads();
+// One row of the global (local expert, source, slot) order, by lane 0 of a warp: wait until its index entry and
+// then the flag of the message it names carry the call's epoch (older dispatches' entries and flags carry older
+// epochs; the combine's area does not overlap them); the flag is acquired at system scope. Returns the source
+// token, or -1 on a timeout.
+__device__ __forceinline__ int wait_row(int row, int pair, int s, const int* prefix, const char* recv, int epoch,
+                                        const LowLatencyLayout& L, const DeviceCtx* ctx) {
+    const int e = pair / L.num_ranks;
+    const long long* entry = reinterpret_cast<const long long*>(recv + L.dispatch_recv_index(e, s, row - prefix[pair]));
+    int seen = 0;  // the epoch last seen: the entry's, then the flag's
+    long long v = 0;
+    const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
+                               [&] {
+                                   v = ld_volatile(entry);
+                                   seen = (int)(v >> 32);
+                                   if (seen != epoch) return false;
+                                   seen = ld_acquire_sys(reinterpret_cast<const int*>(
+                                       recv + L.dispatch_recv_msg(s, (int)(v & 0xffffffff))));
+                                   return seen == epoch;
+                               },
+                               [&](long long& head, long long& tail, long long& expected) {
+                                   head = seen;
+                                   tail = row - prefix[pair];
+                                   expected = epoch;
+                               });
+    return ok ? (int)(v & 0xffffffff) : -1;
 }
 
-// The rows noted by rows_ready into the packed outputs, in one pass over every unit (payload int4s, scale words and
-// source indices of all the rows): each thread's kInFlight loads together, then their stores.
+// Rows [lo, hi) of the global (local expert, source, slot) order into the packed outputs, each copied as soon as
+// it is in: the warps take units (row, part), a row's payload split over `parts` warps (so a block's few rows
+// use all its warps); per unit lane 0 waits for the row (wait_row; the warp's other lanes are ordered after its
+// acquire by __syncwarp), then the warp copies its part with kInFlight loads per lane in flight, part 0 also the
+// row's scales and source index. No block barrier: a late row holds up only the warps that copy it. Returns false
+// on a timeout.
 template <bool kUseFP8>
-__device__ __forceinline__ void copy_rows(int rows, const DispatchRecvShared& rs, void* packed_recv_x,
-                                          void* packed_recv_scales, int* packed_recv_src_info, bool use_ue8m0,
-                                          const char* recv, const LowLatencyLayout& L) {
-    constexpr int kInFlight = 4;
-    const int rows_per_expert = L.num_ranks * L.num_max_tokens;
+__device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* prefix, int n, const char* recv,
+                                                   int epoch, void* packed_recv_x, void* packed_recv_scales,
+                                                   int* packed_recv_src_info, bool use_ue8m0,
+                                                   const LowLatencyLayout& L, const DeviceCtx* ctx,
+                                                   long long* stamps) {
+    constexpr int kInFlight = 4, kMaxParts = 8;
+    const int rows = hi - lo, R = L.num_ranks, rows_per_expert = R * L.num_max_tokens, lane = lane_id();
+    if (rows <= 0) return true;
+    const int parts = max(1, min(kMaxParts, kLLWarps / rows));
     const int data_int4 = kUseFP8 ? L.hidden / 16 : L.hidden / 8;
     const int words = kUseFP8 ? (use_ue8m0 ? L.hidden / 512 : L.hidden / 128) : 0;  // scale words per row
-    const int payload = rows * data_int4, scale_end = payload + rows * words, units = scale_end + rows;
-    for (int u = threadIdx.x; u < units; u += kInFlight * blockDim.x) {
-        int4 v[kInFlight];
+    const int part_int4 = (data_int4 + parts - 1) / parts;
+    for (int u = warp_id(); u < rows * parts; u += kLLWarps) {
+        const int j = u / parts, part = u - j * parts, row = lo + j;
+        const int pair = pair_of_row(prefix, n, row), s = pair % R, e = pair / R;
+        int token = 0;
+        if (lane == 0) token = wait_row(row, pair, s, prefix, recv, epoch, L, ctx);
+        token = __shfl_sync(0xffffffffu, token, 0);
+        __syncwarp();  // the message's bytes are read after lane 0's acquire of its flag
+        if (token < 0) return false;  // uniform over the warp
+        if (u == 0) stamp(stamps, kStampRecvFirstData);  // thread 0: the block's first row is in
+        const int out_row = e * rows_per_expert + (row - prefix[e * R]);
+        const char* msg = recv + L.dispatch_recv_msg(s, token);
+        const int4* src = reinterpret_cast<const int4*>(msg + 16);
+        int4* dst = reinterpret_cast<int4*>(packed_recv_x) + (long long)out_row * data_int4;
+        const int begin = part * part_int4, end = min(data_int4, begin + part_int4);
+        for (int i = begin + lane; i < end; i += kInFlight * kWarpSize) {
+            int4 v[kInFlight];
 #pragma unroll
-        for (int j = 0; j < kInFlight; ++j) {
-            const int w = u + j * blockDim.x;
-            if (w >= scale_end) continue;  // source index units: the token is in shared memory
-            const int row = w < payload ? w / data_int4 : (w - payload) / words;
-            const char* msg = recv + L.dispatch_recv_msg(rs.src[row], rs.token[row]);
-            if (w < payload) {
-                v[j] = ld_ring_v4(reinterpret_cast<const int4*>(msg + 16) + (w - row * data_int4));
-            } else if (use_ue8m0) {  // four float scales -> one word of their exponents
-                v[j] = ld_ring_v4(reinterpret_cast<const int4*>(msg + 16 + L.hidden) + (w - payload - row * words));
-            } else {
-                v[j].x = ld_volatile(reinterpret_cast<const int*>(msg + 16 + L.hidden) + (w - payload - row * words));
-            }
+            for (int q = 0; q < kInFlight; ++q)
+                if (i + q * kWarpSize < end) v[q] = ld_ring_v4(src + i + q * kWarpSize);
+#pragma unroll
+            for (int q = 0; q < kInFlight; ++q)
+                if (i + q * kWarpSize < end) dst[i + q * kWarpSize] = v[q];
         }
+        if (part != 0) continue;
+        for (int w = lane; w < words; w += kWarpSize) {  // column-major scales: [L][words][R*M]
+            int value;
+            if (use_ue8m0) {  // four float scales -> one word of their exponents
+                const int4 f = ld_ring_v4(reinterpret_cast<const int4*>(msg + 16 + L.hidden) + w);
+                const unsigned b[4] = {(unsigned)f.x, (unsigned)f.y, (unsigned)f.z, (unsigned)f.w};
+                unsigned packed = 0;
 #pragma unroll
-        for (int j = 0; j < kInFlight; ++j) {
-            const int w = u + j * blockDim.x;
-            if (w >= units) continue;
-            if (w < payload) {
-                const int row = w / data_int4;
-                reinterpret_cast<int4*>(packed_recv_x)[(long long)rs.out_row[row] * data_int4 + (w - row * data_int4)] = v[j];
-            } else if (w < scale_end) {  // column-major scales: [L][words][R*M]
-                const int row = (w - payload) / words, word = w - payload - row * words;
-                const int out = rs.out_row[row], e = out / rows_per_expert;
-                int value = v[j].x;
-                if (use_ue8m0) {
-                    const unsigned f[4] = {(unsigned)v[j].x, (unsigned)v[j].y, (unsigned)v[j].z, (unsigned)v[j].w};
-                    unsigned packed = 0;
-#pragma unroll
-                    for (int b = 0; b < 4; ++b) packed |= ((f[b] >> 23) & 0xffu) << (8 * b);
-                    value = (int)packed;
-                }
-                reinterpret_cast<int*>(packed_recv_scales)[((long long)e * words + word) * rows_per_expert +
-                                                           (out - e * rows_per_expert)] = value;
+                for (int q = 0; q < 4; ++q) packed |= ((b[q] >> 23) & 0xffu) << (8 * q);
+                value = (int)packed;
             } else {
-                const int row = w - scale_end;
-                packed_recv_src_info[rs.out_row[row]] = rs.token[row];
+                value = ld_volatile(reinterpret_cast<const int*>(msg + 16 + L.hidden) + w);
             }
+            reinterpret_cast<int*>(packed_recv_scales)[((long long)e * words + w) * rows_per_expert +
+                                                       (out_row - e * rows_per_expert)] = value;
         }
+        if (lane == 0) packed_recv_src_info[out_row] = token;
     }
+    return true;
 }
 
 // Dispatch receive: every block reads all counts of this rank (they arrive early) and takes an even share of all
 // the rows (local expert, source, slot order), whatever expert they belong to, so no block waits on a big
-// expert while others idle; per chunk of kLLRowsPerChunk rows, rows_ready then copy_rows. Blocks write the per-
-// expert outputs (count, layout_range, stats) of experts blockIdx.x, blockIdx.x + gridDim.x, ...
+// expert while others idle; its warps copy each row as soon as it is in (copy_rows_as_ready). Blocks write the
+// per-expert outputs (count, layout_range, stats) of experts blockIdx.x, blockIdx.x + gridDim.x, ...
 template <bool kUseFP8>
 __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count,
                               int* packed_recv_src_info, long long* packed_recv_layout_range, int* cumulative_stats,
@@ -604,14 +600,9 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
         }
         const long long total = prefix[n];
         const int lo = (int)(total * blockIdx.x / gridDim.x), hi = (int)(total * (blockIdx.x + 1) / gridDim.x);
-        for (int first = lo; first < hi; first += kLLRowsPerChunk) {
-            const int rows = min(kLLRowsPerChunk, hi - first);
-            rows_ready(first, rows, prefix, n, recv, epoch, rs, L, ctx);
-            if (first == lo) stamp(stamps, kStampRecvFirstData);  // the block's first rows are in
-            if (rs.failed) break;  // uniform: read after the barrier
-            copy_rows<kUseFP8>(rows, rs, packed_recv_x, packed_recv_scales, packed_recv_src_info, use_ue8m0, recv, L);
-            __syncthreads();  // rs is reused by the next chunk
-        }
+        if (!copy_rows_as_ready<kUseFP8>(lo, hi, prefix, n, recv, epoch, packed_recv_x, packed_recv_scales,
+                                         packed_recv_src_info, use_ue8m0, L, ctx, stamps))
+            rs.failed = 1;
     }
     __syncthreads();
     stamp(stamps, kStampRecvEnd);
@@ -861,8 +852,9 @@ __device__ __forceinline__ void prefetch_expert_rows(const int4* rows, const lon
 
 // (B) the partial sums of every owner's tokens: this rank's own first (its top-k are the kernel's arguments: no
 // wait), meanwhile the remote owners' meta arrives. own_in_recv (both phases in one launch): the own tokens'
-// partials are left to (C), which computes them in registers (no write, flag or read back); a hook's receive
-// phase runs later, when the caller may already reuse x, so there they are sent here like the others.
+// partials are left to (C), which computes each right before waiting for the peers' (no flag, and the remote
+// owners' rows go first); a hook's receive phase runs later, when the caller may already reuse x, so there they
+// are sent here like the others. Either way the rows are prefetched into the L2 first.
 template <typename TopkT>
 __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range,
                                                const TopkT* topk_idx, const float* topk_weights, int num_tokens,
