@@ -202,22 +202,22 @@ struct DispatchShared {
     int num_target, num_store, num_put;
 };
 
-// Dispatch, warp 0: token_slots by lanes k < K, then the token's distinct destination ranks (owners of the expert
-// of a kept (t, k), slot >= 0, in the order of their first k) sorted into store targets and put destinations.
+// Dispatch, warp 0: the token's distinct destination ranks (owners of its valid experts, in the order of their
+// first k) sorted into store targets and put destinations. They do not depend on the slots, so the message can
+// go out before the histograms are built: a (t, k) past its expert's M slots is dropped by getting no index
+// entry (its message may then travel for nothing; as T <= M only a row naming one expert twice can do that).
 // `recv_msg`: the message's offset in a recv region; `send_msg`: this rank's send slot of the token.
 template <typename TopkT>
-__device__ __forceinline__ void token_dests(const TopkT* topk_idx, int t, int num_topk, int num_experts,
-                                            int num_local, int max_tokens, const int* hist,
-                                            const unsigned long long* peer_bases, long long recv_msg,
-                                            char* send_msg, DispatchShared& sh) {
+__device__ __forceinline__ void token_targets(const TopkT* topk_idx, int t, int num_topk, int num_experts,
+                                              int num_local, const unsigned long long* peer_bases, long long recv_msg,
+                                              char* send_msg, DispatchShared& sh) {
     if (warp_id() != 0) return;
-    token_slots(topk_idx, t, num_topk, num_experts, max_tokens, hist, sh.expert, sh.slot);
-    __syncwarp();
     const int lane = lane_id();
-    const bool kept = lane < num_topk && sh.slot[lane] >= 0;
-    const int dst = kept ? sh.expert[lane] / num_local : -1 - lane;  // lanes not kept: a key of their own
+    const long long e = lane < num_topk ? (long long)topk_idx[(long long)t * num_topk + lane] : -1;
+    const bool valid = e >= 0 && e < num_experts;
+    const int dst = valid ? (int)(e / num_local) : -1 - lane;  // lanes without an expert: a key of their own
     const unsigned same = __match_any_sync(0xffffffffu, dst);
-    const bool first = kept && __ffs(same) - 1 == lane;
+    const bool first = valid && __ffs(same) - 1 == lane;
     char* direct = first ? reinterpret_cast<char*>(peer_bases[dst]) : nullptr;
     const unsigned stores = __ballot_sync(0xffffffffu, first && direct != nullptr);
     const unsigned puts = __ballot_sync(0xffffffffu, first && direct == nullptr);
@@ -231,6 +231,31 @@ __device__ __forceinline__ void token_dests(const TopkT* topk_idx, int t, int nu
         sh.num_store = num_stores;
         sh.num_put = num_put;
     }
+}
+
+// Dispatch, warp 0 (hist: the rows before t): the slots of t's entries, then per kept (t, k) its index entry on the
+// expert's rank, epoch << 32 | t in one 8-byte store (the message itself goes once per rank; the flag written
+// after it covers the entries too). Returns whether this lane used an NVSHMEM put (it must quiet before the flag).
+template <typename TopkT>
+__device__ __forceinline__ bool send_index_entries(const TopkT* topk_idx, int t, int num_topk, const int* hist,
+                                                   char* base, const unsigned long long* peer_bases,
+                                                   const LowLatencyLayout& L, long long recv, int rank, int epoch,
+                                                   DispatchShared& sh) {
+    if (warp_id() != 0) return false;
+    token_slots(topk_idx, t, num_topk, L.num_experts, L.num_max_tokens, hist, sh.expert, sh.slot);
+    __syncwarp();
+    const int lane = lane_id();
+    if (lane >= num_topk || sh.slot[lane] < 0) return false;
+    const int e = sh.expert[lane], pe = e / L.num_local;
+    const long long offset = recv + L.dispatch_recv_index(e % L.num_local, rank, sh.slot[lane]);
+    const long long entry = ((long long)epoch << 32) | (unsigned)t;
+    char* direct = reinterpret_cast<char*>(peer_bases[pe]);
+    if (direct != nullptr) {
+        *reinterpret_cast<long long*>(direct + offset) = entry;
+        return false;
+    }
+    nvshmem_longlong_p(reinterpret_cast<long long*>(base + offset), entry, pe);
+    return true;
 }
 
 // Block 0, thread 0, at the start of a send phase: the buffers must alternate between send phases. The host
@@ -316,6 +341,49 @@ __device__ __forceinline__ int4 load_first_chunk(const int4* x, int t, int num_t
     return ld_nc_v4(x + (long long)t * hidden_int4 + threadIdx.x);
 }
 
+// Dispatch, one token's message: its targets (warp 0), then every thread casts its part of the row and stores the
+// bytes straight from registers into every mapped destination (and the send slot for puts). The stores are issued,
+// not ordered: the caller's block barrier and thread 0's release follow.
+template <bool kUseFP8, typename TopkT>
+__device__ __forceinline__ void send_message(const int4* x, const TopkT* topk_idx, int t, int num_tokens,
+                                             int num_topk, bool round_scale, char* send, long long recv,
+                                             const unsigned long long* peer_bases, const LowLatencyLayout& L,
+                                             int rank, DispatchShared& sh, long long* stamps) {
+    const int hidden_int4 = L.hidden / 8;
+    // this thread's first x chunk is in flight while warp 0 works out where the token goes
+    const int4 first = load_first_chunk(x, t, num_tokens, hidden_int4);
+    token_targets(topk_idx, t, num_topk, L.num_experts, L.num_local, peer_bases,
+                  recv + L.dispatch_recv_msg(rank, t), send + (long long)t * L.msg_bytes, sh);
+    __syncthreads();  // the targets are visible to the block
+    stamp(stamps, kStampSendRouted);
+    const int num_target = sh.num_target;
+    encode_token<kUseFP8>(first, x + (long long)t * hidden_int4, L.hidden, round_scale,
+                          [&](long long offset, auto value) {
+        for (int j = 0; j < num_target; ++j) *reinterpret_cast<decltype(value)*>(sh.target[j] + offset) = value;
+    });
+}
+
+// Dispatch, the destinations without an NVLink mapping: the message from this rank's send slot by NVSHMEM puts,
+// the warps split evenly over them, each warp one part of the row after the 16-byte header (whose flag follows
+// once the puts are complete: each warp quiets its own). Kept out of line: only the put path calls it, and
+// inlined its NVSHMEM code would take registers from the 1024-thread kernel's common path.
+__device__ __noinline__ void put_message(char* base, const char* send_msg, long long recv_msg, int msg_int4,
+                                         const DispatchShared& sh) {
+    const int num_put = sh.num_put, warps_per_dest = kLLWarps / num_put, row_int4 = msg_int4 - 1;
+    const int d = warp_id() / warps_per_dest, part = warp_id() - d * warps_per_dest;
+    if (d >= num_put) return;
+    const int part_int4 = (row_int4 + warps_per_dest - 1) / warps_per_dest;
+    const int begin = 1 + part * part_int4, n = min(part_int4, msg_int4 - begin);
+    if (n > 0)
+        nvshmemx_putmem_nbi_warp(base + recv_msg + begin * 16LL, send_msg + begin * 16LL, (size_t)n * 16,
+                                 sh.put_dest[d]);
+    __syncwarp();
+    if (lane_id() == 0) nvshmem_quiet();
+}
+
+// Dispatch send. The block's first token goes out before the histograms (its destinations do not depend on the
+// slots; blocks without a token build them at once); then per token its index entries, one block barrier, one
+// system-scope release and its flags.
 template <bool kUseFP8, typename TopkT>
 __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_tokens, int num_topk, bool round_scale,
                               char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
@@ -324,64 +392,27 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
     const int rank = ctx->rank, E = L.num_experts;
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
-    const int msg_int4 = dispatch_msg_int4(kUseFP8, L.hidden), hidden_int4 = L.hidden / 8;
-    // The block's first token into the L2 while the histograms are built (most blocks send one token; with a cold
-    // L2 its loads below would be HBM round trips).
-    if (threadIdx.x == 0 && (int)blockIdx.x < num_tokens)
-        prefetch_l2_bulk(x + (long long)blockIdx.x * hidden_int4, L.hidden * 2);
+    const long long recv = L.recv_offset(buffer_idx);  // (the send slot is recomputed where used: registers)
+    if ((int)blockIdx.x < num_tokens)
+        send_message<kUseFP8>(x, topk_idx, blockIdx.x, num_tokens, num_topk, round_scale,
+                              base + L.send_offset(buffer_idx), recv, peer_bases, L, rank, sh, stamps);
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
     stamp(stamps, kStampSendPrepared);  // build_histograms ends with a block barrier
     send_counts(hist_all, base, peer_bases, L, buffer_idx, rank, dispatch_epoch(workspace, buffer_idx));
 
-    char* send = base + L.send_offset(buffer_idx);
-    const long long recv = L.recv_offset(buffer_idx);
-    const int lane = lane_id();
     for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
-        const int4* x_row = x + (long long)t * hidden_int4;
-        // this thread's first x chunk is in flight while warp 0 works out where the token goes
-        const int4 first = load_first_chunk(x, t, num_tokens, hidden_int4);
-        char* send_msg = send + (long long)t * L.msg_bytes;
-        token_dests(topk_idx, t, num_topk, E, L.num_local, L.num_max_tokens, hist, peer_bases,
-                    recv + L.dispatch_recv_msg(rank, t), send_msg, sh);
-        // Warp 0, lane k: the index entry of (t, k) on the expert's rank, epoch << 32 | t in one 8-byte store (the
-        // message itself goes once per rank). The flag written after the message covers it too.
-        bool index_put = false;
-        if (warp_id() == 0 && lane < num_topk && sh.slot[lane] >= 0) {
-            const int e = sh.expert[lane], pe = e / L.num_local;
-            const long long offset = recv + L.dispatch_recv_index(e % L.num_local, rank, sh.slot[lane]);
-            const long long entry = ((long long)dispatch_epoch(workspace, buffer_idx) << 32) | (unsigned)t;
-            char* direct = reinterpret_cast<char*>(peer_bases[pe]);
-            if (direct != nullptr) {
-                *reinterpret_cast<long long*>(direct + offset) = entry;
-            } else {
-                nvshmem_longlong_p(reinterpret_cast<long long*>(base + offset), entry, pe);
-                index_put = true;
-            }
-        }
-        __syncthreads();  // the slots and the targets are visible to the block
-        stamp(stamps, kStampSendRouted);
-        // Cast and store straight from registers into every mapped destination (and the send slot for puts).
-        const int num_target = sh.num_target;
-        encode_token<kUseFP8>(first, x_row, L.hidden, round_scale, [&](long long offset, auto value) {
-            for (int j = 0; j < num_target; ++j) *reinterpret_cast<decltype(value)*>(sh.target[j] + offset) = value;
-        });
-        __syncthreads();  // every store of the message is issued (bar.sync orders them before thread 0's release)
+        if (t != (int)blockIdx.x)
+            send_message<kUseFP8>(x, topk_idx, t, num_tokens, num_topk, round_scale,
+                                  base + L.send_offset(buffer_idx), recv, peer_bases, L, rank, sh, stamps);
+        const bool index_put = send_index_entries(topk_idx, t, num_topk, hist, base, peer_bases, L, recv, rank,
+                                                  dispatch_epoch(workspace, buffer_idx), sh);
+        __syncthreads();  // every store of the message and its entries is issued (bar.sync orders them before
+                          // thread 0's release)
         stamp(stamps, kStampSendEncoded);
         if (sh.num_put > 0) {  // uniform
-            // the warps split evenly over the put destinations, each warp one part of the row (the header's
-            // flag follows once the puts are complete)
-            const int num_put = sh.num_put, warps_per_dest = kLLWarps / num_put, row_int4 = msg_int4 - 1;
-            const int d = warp_id() / warps_per_dest, part = warp_id() - d * warps_per_dest;
-            if (d < num_put) {
-                const int part_int4 = (row_int4 + warps_per_dest - 1) / warps_per_dest;
-                const int begin = 1 + part * part_int4, n = min(part_int4, msg_int4 - begin);
-                if (n > 0)
-                    nvshmemx_putmem_nbi_warp(base + recv + L.dispatch_recv_msg(rank, t) + begin * 16LL,
-                                             send_msg + begin * 16LL, (size_t)n * 16, sh.put_dest[d]);
-                __syncwarp();
-                if (lane == 0) nvshmem_quiet();
-            }
-            if (index_put) nvshmem_quiet();
+            put_message(base, base + L.send_offset(buffer_idx) + (long long)t * L.msg_bytes,
+                        recv + L.dispatch_recv_msg(rank, t), dispatch_msg_int4(kUseFP8, L.hidden), sh);
+            if (index_put) nvshmem_quiet();  // (an entry is put only where the message is: num_put > 0)
             __syncthreads();  // every put of this token is complete
         }
         // The message's flag: the call's epoch, after one system-scope release that covers the block's index
