@@ -1,22 +1,23 @@
 // low_latency.cu: the low-latency (decode) path on NVSHMEM symmetric memory (research/deepep.md §1.8, §4).
 //
-//   dispatch<kUseFP8, TopkT>   first per expert its count (epoch << 32 | count); every token -> once to each
-//                              rank owning one of its experts ([my rank][token] of that rank's recv area), plus
-//                              per (token, top-k slot) an 8-byte index entry (expert, my rank, slot) -> epoch <<
-//                              32 | token, then the message's flag (the epoch); receive: every block reads all
-//                              counts and copies an even share of all rows into the packed outputs, each once
-//                              its entry and flag carry the epoch
+//   dispatch<kUseFP8, TopkT>   every token -> once to each rank owning one of its experts ([my rank][token] of
+//                              that rank's recv area); per expert its count (epoch << 32 | count); per (token,
+//                              top-k slot) an 8-byte index entry (expert, my rank, slot) -> epoch << 32 | token,
+//                              released after the message (the row's only signal); receive: every block reads all
+//                              counts and copies an even share of all rows into the packed outputs, each as soon
+//                              as its entry carries the epoch
 //   combine<TopkT>             owner's top-k + weights -> every rank; per (token, rank) one partial sum of that
 //                              rank's weighted expert rows (fp32, 24 bits on the wire) -> the owner, flag per
-//                              token; receive: sum of partials
+//                              token; receive: sum of partials. One launch splits its blocks into an expert side
+//                              and an owner side that run at the same time
 //   clean_low_latency_buffer   zero both signal regions between two NVSHMEM barriers (the library cleans on the
 //                              host with timed barriers instead; tests/gpu/test_nvshmem.py uses this one as its
 //                              probe of the NVSHMEM device link and barriers)
 //   ll_carve_probe             writes LowLatencyLayout's sizes (a GPU test compares them with config.py)
 //
-// Shape of both kernels: one block of 1024 threads per SM (grid <= the SM count, so every block is resident
-// and blocks may wait for each other without a grid barrier). `phases` selects SEND (1), RECV (2) or both:
-// return_recv_hook launches SEND, the hook launches RECV.
+// Shape of both kernels: one block per SM (1024 threads for the dispatch, 512 for the combine; grid <= the SM
+// count, so every block is resident and blocks may wait for each other without a grid barrier). `phases` selects
+// SEND (1), RECV (2) or both: return_recv_hook launches SEND, the hook launches RECV.
 //
 // Slots are deterministic: (token t, slot k) for expert e gets slot
 // #{(t', k') before (t, k) in row-major order with topk_idx[t', k'] == e}, computed from a shared-memory
@@ -24,30 +25,31 @@
 // it token by token). Rows of a local expert are therefore ordered (source rank, token, k) exactly as
 // cupy_ep/reference.py says, and the combine side finds its rows by recomputing the same slots.
 //
-// Dispatch send: per token t, warp 0 finds the slots and the distinct destination ranks of t and writes the
-// index entries index[e % L][my rank][slot] = t on the experts' ranks while the other warps' loads of x are in
-// flight; then every thread casts its part of the row and stores the bytes straight from registers into
-// recv [my rank][t] of each destination reachable by stores (~1 copy per rank instead of one per expert: ~4x
-// fewer bytes at top-8 of 256 on 2 ranks); destinations that need NVSHMEM puts get the message from this rank's
-// send slot after a block barrier. Then thread 0 releases at system scope and writes the call's epoch into the
-// message header's flag at each destination. The counts (min(hist_all[e], M), known from the histogram) went
-// out before the first token, so no signal waits for the slowest block.
+// Dispatch send: per token t, warp 0 finds the distinct destination ranks of t (the owners of its valid experts:
+// no slots needed) while the other warps' loads of x are in flight; then every thread casts its part of the row and
+// stores the bytes straight from registers into recv [my rank][t] of each destination reachable by stores (~1 copy
+// per rank instead of one per expert: ~4x fewer bytes at top-8 of 256 on 2 ranks). The block's first token goes
+// out before the histograms. Warp 0 then finds t's slots and, after a block barrier (and the puts of destinations
+// without an NVLink mapping, from this rank's send slot), each kept (t, k)'s lane releases at system scope and
+// writes its index entry index[e % L][my rank][slot] = epoch << 32 | t on the expert's rank. The counts
+// (min(hist_all[e], M), known from the histogram) go out right after the histograms, so no signal waits for the
+// slowest block. The message's 16-byte header is unused (padding).
 // Epochs: a dispatch's epoch is 1 + the dispatches on its buffer whose receive phase finished (kept in the
-// workspace, the same on every rank as all ranks make the same calls). Counts, index entries and flags left by
+// workspace, the same on every rank as all ranks make the same calls). Counts and index entries left by
 // older dispatches carry older epochs (the combine's signals and data do not overlap them;
 // clean_low_latency_buffer zeroes the regions when the layout changes), so they are never taken for this call's,
 // and nobody needs to consume them.
 // Dispatch receive (dispatch_recv): every block reads all counts of this rank and their prefix over (local
 // expert, source), then takes rows [b * N / G, (b + 1) * N / G) of all N rows in (expert, source, slot) order:
-// the warps take (row, part) units and copy each as soon as the row's index entry and flag carry the epoch
+// the warps take (row, part) units and copy each as soon as the row's index entry carries the epoch
 // (copy_rows_as_ready).
 //
 // Peers reachable by loads/stores (peer_bases[r] != 0, from nvshmem_ptr on the host) get direct NVLink
-// stores; the others get nvshmemx_putmem_nbi_warp (message rows) / nvshmem_longlong_p (index entries), each
-// followed by nvshmem_quiet from the issuing lane before the block barrier that precedes the flag (nvshmem_int_p).
+// stores; the others get nvshmemx_putmem_nbi_warp (message rows, each warp's followed by nvshmem_quiet before the
+// block barrier that precedes the entries) / nvshmem_longlong_p (index entries) / nvshmem_int_p (combine flags).
 //
 // Combine signals: the meta flag arrives as K << 24 | T + 1 and the token flags as 1, so 0 means "not arrived".
-// Every one of them (the dispatch's counts, index entries and message flags carry epochs instead) is read in
+// Every one of them (the dispatch's counts and index entries carry epochs instead) is read in
 // that call and zeroed right after by its waiter (consumed on
 // read; a combine meta flag, which every block reads, by the last of them): the buffer is
 // clean again when the call's receive phase is done, with no clearing pass and nothing for the senders to wait
@@ -71,7 +73,7 @@ constexpr int kLLMaxRanks = 64;      // mirrors config.LL_MAX_RANKS
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
 // workspace (int32, zeroed once by the host): kWsLastSend = 1 + the buffer index of this rank's previous send
 // phase (0 = none yet); kWsEpoch + i: the dispatches on buffer i whose receive phase finished (a dispatch's epoch
-// is that + 1: its index entries and message flags carry it); kWsRecvDone: blocks of the running dispatch receive
+// is that + 1: its counts and index entries carry it); kWsRecvDone: blocks of the running dispatch receive
 // phase that finished (the last one advances the epoch and resets it); from kWsMetaReaders per owner rank the
 // blocks that have read its combine meta flag (the last one zeroes the flag and the count)
 constexpr int kWsLastSend = 2, kWsEpoch = 4, kWsRecvDone = 6, kWsMetaReaders = 32;
@@ -86,9 +88,9 @@ constexpr bool kStampsBuilt = true;
 constexpr bool kStampsBuilt = false;
 #endif
 // What each marks, per kernel (cupy_ep/bench_ll.py's report says the same):
-//   dispatch: prepared = histograms built; routed = the last token's slots known and index entries issued;
-//             encoded = its bytes stored; fenced = thread 0 past the system-scope release; written = its flags
-//             stored; recv_prepared = the counts read and prefixed; recv_first_data = the first chunk's rows in.
+//   dispatch: routed = the last token's destinations known; prepared = histograms built; encoded = its bytes
+//             stored; written = thread 0 past its index entry (released); recv_prepared = the counts read and
+//             prefixed; recv_first_data = the block's first row in. (fenced: not used.)
 //   combine:  prepared = the own tokens' partials flagged (hook mode); routed = the first remote owner's meta in;
 //             encoded = the last partial row stored; written = its flag sent; recv_prepared = the first token's
 //             own partial computed; recv_first_data = the first token's partials in.
@@ -233,29 +235,26 @@ __device__ __forceinline__ void token_targets(const TopkT* topk_idx, int t, int 
     }
 }
 
-// Dispatch, warp 0 (hist: the rows before t): the slots of t's entries, then per kept (t, k) its index entry on the
-// expert's rank, epoch << 32 | t in one 8-byte store (the message itself goes once per rank; the flag written
-// after it covers the entries too). Returns whether this lane used an NVSHMEM put (it must quiet before the flag).
-template <typename TopkT>
-__device__ __forceinline__ bool send_index_entries(const TopkT* topk_idx, int t, int num_topk, const int* hist,
-                                                   char* base, const unsigned long long* peer_bases,
-                                                   const LowLatencyLayout& L, long long recv, int rank, int epoch,
-                                                   DispatchShared& sh) {
-    if (warp_id() != 0) return false;
-    token_slots(topk_idx, t, num_topk, L.num_experts, L.num_max_tokens, hist, sh.expert, sh.slot);
-    __syncwarp();
+// Dispatch, warp 0, once the message's stores are issued and a block barrier passed (and its puts complete): per
+// kept (t, k) (slots from token_slots, in sh) its index entry on the expert's rank, epoch << 32 | t in one 8-byte
+// store, each after a system-scope release by its lane (covering the block's message stores, ordered before it by
+// the barrier). The entry is the row's only signal: a receiver that acquires it with the call's epoch may read the
+// message. Entries of destinations without an NVLink mapping are NVSHMEM puts, after the message's puts completed.
+__device__ __forceinline__ void send_index_entries(int t, int num_topk, char* base,
+                                                   const unsigned long long* peer_bases, const LowLatencyLayout& L,
+                                                   long long recv, int rank, int epoch, const DispatchShared& sh) {
     const int lane = lane_id();
-    if (lane >= num_topk || sh.slot[lane] < 0) return false;
+    if (warp_id() != 0 || lane >= num_topk || sh.slot[lane] < 0) return;
     const int e = sh.expert[lane], pe = e / L.num_local;
     const long long offset = recv + L.dispatch_recv_index(e % L.num_local, rank, sh.slot[lane]);
     const long long entry = ((long long)epoch << 32) | (unsigned)t;
     char* direct = reinterpret_cast<char*>(peer_bases[pe]);
     if (direct != nullptr) {
-        *reinterpret_cast<long long*>(direct + offset) = entry;
-        return false;
+        fence_acq_rel_sys();
+        st_relaxed_sys(reinterpret_cast<long long*>(direct + offset), entry);
+    } else {
+        nvshmem_longlong_p(reinterpret_cast<long long*>(base + offset), entry, pe);
     }
-    nvshmem_longlong_p(reinterpret_cast<long long*>(base + offset), entry, pe);
-    return true;
 }
 
 // Block 0, thread 0, at the start of a send phase: the buffers must alternate between send phases. The host
@@ -284,7 +283,7 @@ __device__ __forceinline__ int dispatch_msg_int4(bool use_fp8, int hidden) {
     return use_fp8 ? (16 + hidden + hidden / 32) / 16 : (16 + 2 * hidden) / 16;
 }
 
-// A token's message after its 16-byte header (the header's flag is written after the row): the FP8 bytes and
+// A token's message after its 16-byte header (unused): the FP8 bytes and
 // float scales, or the BF16 row, element by element to emit(byte offset in the message, value) for value int4,
 // uint2 or float. `first` is x_row[threadIdx.x] (loaded early by the caller, ahead of a barrier).
 // hidden % 512 == 0 for FP8: whole warps iterate together, 16 lanes per 128-channel group.
@@ -321,7 +320,7 @@ __device__ __forceinline__ void encode_token(int4 first, const int4* x_row, int 
 
 // The counts go out first (every block has them in hist_all): expert e's count from this rank is
 // min(hist_all[e], M), at its owner's dispatch_count(e % L, rank) as epoch << 32 | count in one 8-byte store.
-// They order nothing: a receiver waits for each row's index entry and message flag to carry the epoch too.
+// They order nothing: a receiver waits for each row's index entry to carry the epoch too.
 __device__ __forceinline__ void send_counts(const int* hist_all, char* base, const unsigned long long* peer_bases,
                                             const LowLatencyLayout& L, int buffer_idx, int rank, int epoch) {
     if (lane_id() != 0) return;
@@ -364,7 +363,7 @@ __device__ __forceinline__ void send_message(const int4* x, const TopkT* topk_id
 }
 
 // Dispatch, the destinations without an NVLink mapping: the message from this rank's send slot by NVSHMEM puts,
-// the warps split evenly over them, each warp one part of the row after the 16-byte header (whose flag follows
+// the warps split evenly over them, each warp one part of the row after the 16-byte header (the entries follow
 // once the puts are complete: each warp quiets its own). Kept out of line: only the put path calls it, and
 // inlined its NVSHMEM code would take registers from the 1024-thread kernel's common path.
 __device__ __noinline__ void put_message(char* base, const char* send_msg, long long recv_msg, int msg_int4,
@@ -382,8 +381,7 @@ __device__ __noinline__ void put_message(char* base, const char* send_msg, long 
 }
 
 // Dispatch send. The block's first token goes out before the histograms (its destinations do not depend on the
-// slots; blocks without a token build them at once); then per token its index entries, one block barrier, one
-// system-scope release and its flags.
+// slots); then per token its slots, one block barrier, and its index entries, each after a system-scope release.
 template <bool kUseFP8, typename TopkT>
 __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_tokens, int num_topk, bool round_scale,
                               char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
@@ -404,33 +402,23 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
         if (t != (int)blockIdx.x)
             send_message<kUseFP8>(x, topk_idx, t, num_tokens, num_topk, round_scale,
                                   base + L.send_offset(buffer_idx), recv, peer_bases, L, rank, sh, stamps);
-        const bool index_put = send_index_entries(topk_idx, t, num_topk, hist, base, peer_bases, L, recv, rank,
-                                                  dispatch_epoch(workspace, buffer_idx), sh);
-        __syncthreads();  // every store of the message and its entries is issued (bar.sync orders them before
-                          // thread 0's release)
+        if (warp_id() == 0)  // the slots of t's entries (hist: the rows before t)
+            token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot);
+        __syncthreads();  // every store of the message is issued (bar.sync orders them before the entries'
+                          // releases); the slots are visible
         stamp(stamps, kStampSendEncoded);
         if (sh.num_put > 0) {  // uniform
             put_message(base, base + L.send_offset(buffer_idx) + (long long)t * L.msg_bytes,
                         recv + L.dispatch_recv_msg(rank, t), dispatch_msg_int4(kUseFP8, L.hidden), sh);
-            if (index_put) nvshmem_quiet();  // (an entry is put only where the message is: num_put > 0)
             __syncthreads();  // every put of this token is complete
         }
-        // The message's flag: the call's epoch, after one system-scope release that covers the block's index
-        // entries and row stores (ordered before it by the barriers above).
-        if (threadIdx.x == 0) {
-            const int epoch = dispatch_epoch(workspace, buffer_idx);
-            fence_acq_rel_sys();
-            stamp(stamps, kStampSendFenced);
-            for (int j = 0; j < sh.num_store; ++j) st_relaxed_sys(reinterpret_cast<int*>(sh.target[j]), epoch);
-            for (int d = 0; d < sh.num_put; ++d)
-                nvshmem_int_p(reinterpret_cast<int*>(base + recv + L.dispatch_recv_msg(rank, t)), epoch, sh.put_dest[d]);
-        }
+        send_index_entries(t, num_topk, base, peer_bases, L, recv, rank, dispatch_epoch(workspace, buffer_idx), sh);
         if (t + (int)gridDim.x < num_tokens) {  // the next token's slots count the rows before it
             advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
         }
         __syncthreads();  // sh is reused by the next token
     }
-    stamp(stamps, kStampSendWritten);  // thread 0 is past the last token's flags
+    stamp(stamps, kStampSendWritten);  // thread 0 is past the last token's first index entry
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
@@ -512,27 +500,19 @@ __device__ __forceinline__ bool read_counts(const long long* counts, int n, int 
     return !rs.failed;
 }
 
-// One row of the global (local expert, source, slot) order, by lane 0 of a warp: wait until its index entry and
-// then the flag of the message it names carry the call's epoch (older dispatches' entries and flags carry older
-// epochs; the combine's area does not overlap them); the flag is acquired at system scope. Returns the source
-// token, or -1 on a timeout.
+// One row of the global (local expert, source, slot) order, by lane 0 of a warp: wait until its index entry carries
+// the call's epoch (older dispatches' entries carry older epochs; the combine's area does not overlap them),
+// acquired at system scope: the sender released its message before writing the entry. Returns the source token,
+// or -1 on a timeout.
 __device__ __forceinline__ int wait_row(int row, int pair, int s, const int* prefix, const char* recv, int epoch,
                                         const LowLatencyLayout& L, const DeviceCtx* ctx) {
     const int e = pair / L.num_ranks;
     const long long* entry = reinterpret_cast<const long long*>(recv + L.dispatch_recv_index(e, s, row - prefix[pair]));
-    int seen = 0;  // the epoch last seen: the entry's, then the flag's
     long long v = 0;
     const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
-                               [&] {
-                                   v = ld_volatile(entry);
-                                   seen = (int)(v >> 32);
-                                   if (seen != epoch) return false;
-                                   seen = ld_acquire_sys(reinterpret_cast<const int*>(
-                                       recv + L.dispatch_recv_msg(s, (int)(v & 0xffffffff))));
-                                   return seen == epoch;
-                               },
+                               [&] { return (int)((v = ld_acquire_sys(entry)) >> 32) == epoch; },
                                [&](long long& head, long long& tail, long long& expected) {
-                                   head = seen;
+                                   head = v >> 32;
                                    tail = row - prefix[pair];
                                    expected = epoch;
                                });
@@ -551,7 +531,7 @@ __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* pr
                                                    int* packed_recv_src_info, bool use_ue8m0,
                                                    const LowLatencyLayout& L, const DeviceCtx* ctx,
                                                    long long* stamps) {
-    constexpr int kInFlight = 4, kMaxParts = 8;
+    constexpr int kInFlight = 3, kMaxParts = 8;
     const int rows = hi - lo, R = L.num_ranks, rows_per_expert = R * L.num_max_tokens, lane = lane_id();
     if (rows <= 0) return true;
     const int parts = max(1, min(kMaxParts, kLLWarps / rows));
@@ -564,7 +544,7 @@ __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* pr
         int token = 0;
         if (lane == 0) token = wait_row(row, pair, s, prefix, recv, epoch, L, ctx);
         token = __shfl_sync(0xffffffffu, token, 0);
-        __syncwarp();  // the message's bytes are read after lane 0's acquire of its flag
+        __syncwarp();  // the message's bytes are read after lane 0's acquire of its entry
         if (token < 0) return false;  // uniform over the warp
         if (u == 0) stamp(stamps, kStampRecvFirstData);  // thread 0: the block's first row is in
         const int out_row = e * rows_per_expert + (row - prefix[e * R]);
@@ -782,13 +762,19 @@ __device__ __forceinline__ void load_partial(const char* row, int hidden, int c,
     }
 }
 
+// The blocks that share one role of the combine: this block is number `index` of `count` (all blocks of the
+// launch, or one side of the split in combine()).
+struct Blocks {
+    int index, count;
+};
+
 // (A) blocks b < R: the meta for rank b (not for this rank itself).
 template <typename TopkT>
 __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                                   char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
-                                  int buffer_idx, const DeviceCtx* ctx) {
+                                  int buffer_idx, const DeviceCtx* ctx, Blocks blocks) {
     const int rank = ctx->rank;
-    for (int r = blockIdx.x; r < L.num_ranks; r += gridDim.x) {
+    for (int r = blocks.index; r < L.num_ranks; r += blocks.count) {
         if (r == rank) continue;  // (B) reads this rank's own top-k from the arguments
         const long long dst = L.recv_offset(buffer_idx) + L.combine_meta_in(rank);
         char* direct = reinterpret_cast<char*>(peer_bases[r]);
@@ -813,19 +799,19 @@ __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weigh
     }
 }
 
-// (B), one owner s: the partial sums of its tokens t = blockIdx.x + j * gridDim.x (T tokens, K entries each:
+// (B), one owner s: the partial sums of its tokens t = index + j * count (T tokens, K entries each:
 // `experts` / `weights` are the owner's meta, or this rank's own arguments when s is this rank).
 template <typename IdT, typename WeightT>
 __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, const WeightT* weights, int T, int K,
                                                      const int4* rows, const long long* layout_range, char* base,
                                                      const unsigned long long* peer_bases, const LowLatencyLayout& L,
                                                      int buffer_idx, const DeviceCtx* ctx, int* hist,
-                                                     CombineShared& sh, long long* stamps) {
+                                                     CombineShared& sh, Blocks blocks, long long* stamps) {
     const int rank = ctx->rank, R = L.num_ranks, M = L.num_max_tokens, E = L.num_experts;
     const int row_int4 = L.hidden / 8;  // bf16 input row: chunks of 8 values
     char* recv = base + L.recv_offset(buffer_idx);
-    if ((int)blockIdx.x < T) build_histograms(experts, T, K, E, blockIdx.x, hist, static_cast<int*>(nullptr));
-    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    if (blocks.index < T) build_histograms(experts, T, K, E, blocks.index, hist, static_cast<int*>(nullptr));
+    for (int t = blocks.index; t < T; t += blocks.count) {
         // warp 0: the token's K entries (one load each, staged), their slots, then the kept ones (expert on
         // this rank, slot < M) compacted in k order into row/weight
         if (warp_id() == 0) {
@@ -837,7 +823,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
             compact_local_entries(sh, K, rank, s, L, layout_range, weights + (long long)t * K);
         }
         __syncthreads();
-        advance_histogram(experts, t, min(t + (int)gridDim.x, T), K, E, hist);
+        advance_histogram(experts, t, min(t + blocks.count, T), K, E, hist);
         if (sh.num_kept > 0) {  // uniform
             char* direct = reinterpret_cast<char*>(peer_bases[s]);
             const long long dst = L.recv_offset(buffer_idx) + L.combine_partial_in(rank, t);
@@ -868,11 +854,11 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
 // the meta travels: each row is read once, by a partial sum, and after the caller's own work since the dispatch
 // they would otherwise come from HBM one dependent round trip at a time.
 __device__ __forceinline__ void prefetch_expert_rows(const int4* rows, const long long* layout_range,
-                                                     const LowLatencyLayout& L) {
+                                                     const LowLatencyLayout& L, Blocks blocks) {
     constexpr long long kChunk = 32 << 10;  // bytes per prefetch instruction
     if (warp_id() != (int)(blockDim.x / kWarpSize) - 1) return;
     const long long row_bytes = 2LL * L.hidden, rows_per_expert = (long long)L.num_ranks * L.num_max_tokens;
-    for (int e = blockIdx.x; e < L.num_local; e += gridDim.x) {
+    for (int e = blocks.index; e < L.num_local; e += blocks.count) {
         const long long last = layout_range[(long long)e * L.num_ranks + L.num_ranks - 1];
         const long long bytes = ((last >> 32) + (last & 0xffffffff)) * row_bytes;
         const char* begin = reinterpret_cast<const char*>(rows) + e * rows_per_expert * row_bytes;
@@ -892,15 +878,15 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
                                                int num_topk, char* base, const unsigned long long* peer_bases,
                                                const LowLatencyLayout& L, int buffer_idx, int* meta_readers,
                                                const DeviceCtx* ctx, int* hist, CombineShared& sh,
-                                               bool own_in_recv, long long* stamps) {
+                                               bool own_in_recv, Blocks blocks, long long* stamps) {
     const int rank = ctx->rank, R = L.num_ranks;
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
-    prefetch_expert_rows(rows, layout_range, L);
+    prefetch_expert_rows(rows, layout_range, L, blocks);
     if (!own_in_recv)
         combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, rows, layout_range, base, peer_bases,
-                             L, buffer_idx, ctx, hist, sh, stamps);
+                             L, buffer_idx, ctx, hist, sh, blocks, stamps);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
     for (int i = 1; i < R; ++i) {
         const int s = (rank + i) % R;
@@ -916,8 +902,8 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
                                        });
             sh.value = ok ? v : 0;
             if (!ok) sh.failed = 1;
-            // consumed once every block has read it (the readers' acquires precede their adds)
-            else if (atomicAdd(meta_readers + s, 1) == (int)gridDim.x - 1) {
+            // consumed once every block of this role has read it (the readers' acquires precede their adds)
+            else if (atomicAdd(meta_readers + s, 1) == blocks.count - 1) {
                 meta_readers[s] = 0;
                 *flag = 0;
             }
@@ -930,7 +916,7 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
         const char* meta = recv + L.combine_meta_in(s);
         combine_reduce_owner(s, reinterpret_cast<const volatile int*>(meta),
                              reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, rows,
-                             layout_range, base, peer_bases, L, buffer_idx, ctx, hist, sh, stamps);
+                             layout_range, base, peer_bases, L, buffer_idx, ctx, hist, sh, blocks, stamps);
     }
 }
 
@@ -939,12 +925,12 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
                              const float* topk_weights, int num_tokens, int num_topk, char* base,
                              const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
                              int* workspace, const DeviceCtx* ctx, int* hist, CombineShared& sh, bool own_in_recv,
-                             long long* stamps) {
+                             Blocks blocks, long long* stamps) {
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
-    combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L, buffer_idx, ctx);
+    combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L, buffer_idx, ctx, blocks);
     combine_reduce(x, zero_copy, layout_range, topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L,
-                   buffer_idx, workspace + kWsMetaReaders, ctx, hist, sh, own_in_recv, stamps);
+                   buffer_idx, workspace + kWsMetaReaders, ctx, hist, sh, own_in_recv, blocks, stamps);
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
@@ -955,14 +941,14 @@ template <typename TopkT>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
                              const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                              char* base, const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx, int* hist,
-                             CombineShared& sh, bool own_in_recv, long long* stamps) {
+                             CombineShared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
     const int rank = ctx->rank, R = L.num_ranks, E = L.num_experts, row_int4 = L.hidden / 8;
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
-    build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, static_cast<int*>(nullptr));
-    for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    build_histograms(topk_idx, num_tokens, num_topk, E, blocks.index, hist, static_cast<int*>(nullptr));
+    for (int t = blocks.index; t < num_tokens; t += blocks.count) {
         token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot);
         if (own_in_recv && warp_id() == 0) {
             __syncwarp();
@@ -984,7 +970,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                 store_partial(own, L.hidden, c, p);
             }
         }
-        if (t == (int)blockIdx.x) stamp(stamps, kStampRecvPrepared);  // (thread 0's part of) the own partial
+        if (t == blocks.index) stamp(stamps, kStampRecvPrepared);  // (thread 0's part of) the own partial
         if ((int)threadIdx.x < R) {
             const int r = threadIdx.x;
             if (sh.has[r] && !(own_in_recv && r == rank)) {
@@ -1001,9 +987,9 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
             }
         }
         __syncthreads();
-        if (t == (int)blockIdx.x) stamp(stamps, kStampRecvFirstData);  // the first token's partials are in
+        if (t == blocks.index) stamp(stamps, kStampRecvFirstData);  // the first token's partials are in
         if (sh.failed) return;  // uniform: every thread read it after the barrier
-        advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
+        advance_histogram(topk_idx, t, min(t + blocks.count, num_tokens), num_topk, E, hist);
         for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             for (int r = 0; r < R; ++r) {
@@ -1037,13 +1023,32 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     if (threadIdx.x == 0) sh.failed = 0;
     __syncthreads();
     const bool own_in_recv = (phases & kPhaseSend) && (phases & kPhaseRecv);
+    if (own_in_recv && gridDim.x >= 2) {
+        // One launch, both phases: the blocks split into an expert side ((A) and (B): the meta, the remote owners'
+        // partials) and an owner side ((C): the own partials, then the sums), which run at the same time, so the
+        // owner's own work overlaps the partials' NVLink traffic instead of following it. The owner side gets 1/R
+        // of the blocks (its own partials are 1/R of all partials); it only waits once its own work is done.
+        const int owner_blocks = max(1, (int)gridDim.x / ctx->num_ranks), expert_blocks = gridDim.x - owner_blocks;
+        if ((int)blockIdx.x < expert_blocks) {
+            combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, b, peer_bases,
+                         L, buffer_idx, workspace, ctx, hist, sh, true, Blocks{(int)blockIdx.x, expert_blocks},
+                         stamps);
+        } else {
+            stamp(stamps, kStampSendStart);  // (the block's start: phase_breakdown's origin is the earliest)
+            combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, b,
+                         L, buffer_idx, ctx, hist, sh, true, Blocks{(int)blockIdx.x - expert_blocks, owner_blocks},
+                         stamps);
+        }
+        return;
+    }
+    const Blocks all{(int)blockIdx.x, (int)gridDim.x};
     if (phases & kPhaseSend)
         combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, b, peer_bases, L,
-                     buffer_idx, workspace, ctx, hist, sh, own_in_recv, stamps);
+                     buffer_idx, workspace, ctx, hist, sh, own_in_recv, all, stamps);
     __syncthreads();
     if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
         combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, b, L,
-                     buffer_idx, ctx, hist, sh, own_in_recv, stamps);
+                     buffer_idx, ctx, hist, sh, own_in_recv, all, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """GPU-less checks of the low-latency GPU path's pure-Python logic: layout sizes vs the DeepEP size hint,
 NVSHMEM environment defaults, the teardown decision of LowLatencyState.destroy; and a numpy model of the
-dispatch's wire scheme in low_latency.cu (messages once per destination rank at [src][token] with the epoch flag
-in their header, the index table [L][R][M] of epoch << 32 | token entries, the per-expert counts tagged with the
+dispatch's wire scheme in low_latency.cu (messages once per destination rank at [src][token], then the index
+table [L][R][M] of epoch << 32 | token entries, the row's only signal, the per-expert counts tagged with the
 epoch, the receive's even split of all rows over the blocks) on the layout's byte offsets, over stale bytes of
 older epochs, checked against the reference.
 The model is written from the kernel's description, not run from it: it checks the scheme, not the CUDA code."""
@@ -148,9 +148,10 @@ def _get64(region, at):
 
 def _send_model(rank, x_cast, scales, topk_idx, M, E, R, recv, signals, lay, log, epoch):
     """One source rank's dispatch send as low_latency.cu does it: first per expert its count (epoch << 32 |
-    min(hist_all[e], M)) at the owner's [local expert][source]; then per token the slots of its kept (t, k)
-    (histogram of the rows before it), the distinct destination ranks (first k first), the index entries
-    (epoch << 32 | t), the row once per destination rank, then the message's flag (the epoch) in its header."""
+    min(hist_all[e], M)) at the owner's [local expert][source]; then per token the row once per distinct
+    destination rank (owners of its valid experts, first k first: known before the slots), then the slots of its
+    kept (t, k) (histogram of the rows before it) and their index entries (epoch << 32 | t), written after the row
+    (each after a release): the entry is the row's only signal."""
     L, H = E // R, x_cast.shape[1]
     hist_all = np.zeros(E, np.int64)
     for e in topk_idx.ravel():
@@ -166,15 +167,15 @@ def _send_model(rank, x_cast, scales, topk_idx, M, E, R, recv, signals, lay, log
                 slot = hist[e] + sum(1 for j in range(k) if row[j] == e)
                 if slot < M:
                     kept.append((int(e), int(slot)))
-        dests = list(dict.fromkeys(e // L for e, _ in kept))  # __match_any_sync: distinct, in order of first k
-        for e, slot in kept:
-            _put64(recv[e // L], lay["dispatch_index_offset"] + ((e % L * R + rank) * M + slot) * 8, (epoch << 32) | t)
+        # token_targets: distinct owners of the valid experts, in order of first k (__match_any_sync)
+        dests = list(dict.fromkeys(int(e) // L for e in row if 0 <= e < E))
         for r in dests:
             at = (rank * M + t) * lay["msg_bytes"]
             recv[r][at + 16:at + 16 + H] = x_cast[t]
             recv[r][at + 16 + H:at + 16 + H + 4 * (H // 128)] = scales[t].astype(np.float32).view(np.uint8)
-            recv[r][at:at + 4] = np.array([epoch], np.int32).view(np.uint8)  # the flag, after the row
             log.append((rank, r, t))
+        for e, slot in kept:  # after the row: the entry is its signal
+            _put64(recv[e // L], lay["dispatch_index_offset"] + ((e % L * R + rank) * M + slot) * 8, (epoch << 32) | t)
         for e in row:
             if 0 <= e < E:
                 hist[e] += 1
@@ -183,8 +184,8 @@ def _send_model(rank, x_cast, scales, topk_idx, M, E, R, recv, signals, lay, log
 def _recv_model(rank, M, E, R, H, recv, signals, lay, use_ue8m0, epoch, blocks):
     """The dispatch receive of `rank` as dispatch_recv splits it: every block reads all counts (checking their
     epoch) and their prefix over (local expert, source); block b takes global rows [b*N/G, (b+1)*N/G), finds each
-    row's pair by binary search (pair_of_row), checks that its index entry and its message's flag carry the epoch,
-    and copies it to its expert's position."""
+    row's pair by binary search (pair_of_row), checks that its index entry carries the epoch, and copies the message
+    it names to its expert's position."""
     import bisect
     L, S = E // R, H // 128
     n = L * R
@@ -214,7 +215,6 @@ def _recv_model(rank, M, E, R, H, recv, signals, lay, use_ue8m0, epoch, blocks):
             assert 0 <= t < M
             m = (s * M + t) * lay["msg_bytes"]
             msg = recv[rank][m:m + lay["msg_bytes"]]
-            assert int(msg[:4].view(np.int32)[0]) == epoch
             pos = row - prefix[e * R]
             recv_x[e, pos] = msg[16:16 + H]
             sc = msg[16 + H:16 + H + 4 * S].view(np.float32)
