@@ -276,11 +276,6 @@ __device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.b
 // Every committed store is complete (written to global memory).
 __device__ __forceinline__ void tma_store_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
-// `bytes` (a multiple of 16, 16-byte aligned) of global memory into the L2 in the background (no completion to wait
-// for: a hint that turns later loads' HBM round trips into L2 hits).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* gmem, int bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
-}
 
 constexpr int kTmaChunkBytes = 8192;  // per warp (dynamic shared memory); mirrors cuda_backend._TMA_BYTES_PER_WARP
 

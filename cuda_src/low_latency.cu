@@ -202,6 +202,8 @@ struct DispatchShared {
                                    // (num_store of them), then this rank's send slot when num_put > 0 (the puts'
                                    // symmetric source)
     int num_target, num_store, num_put;
+    unsigned long long peer[kLLMaxRanks];  // peer_bases, staged by warp 0 at the start (no global load per use)
+    int epoch;                             // the call's epoch, staged likewise
 };
 
 // Dispatch, warp 0: the token's distinct destination ranks (owners of its valid experts, in the order of their
@@ -211,8 +213,7 @@ struct DispatchShared {
 // `recv_msg`: the message's offset in a recv region; `send_msg`: this rank's send slot of the token.
 template <typename TopkT>
 __device__ __forceinline__ void token_targets(const TopkT* topk_idx, int t, int num_topk, int num_experts,
-                                              int num_local, const unsigned long long* peer_bases, long long recv_msg,
-                                              char* send_msg, DispatchShared& sh) {
+                                              int num_local, long long recv_msg, char* send_msg, DispatchShared& sh) {
     if (warp_id() != 0) return;
     const int lane = lane_id();
     const long long e = lane < num_topk ? (long long)topk_idx[(long long)t * num_topk + lane] : -1;
@@ -220,7 +221,8 @@ __device__ __forceinline__ void token_targets(const TopkT* topk_idx, int t, int 
     const int dst = valid ? (int)(e / num_local) : -1 - lane;  // lanes without an expert: a key of their own
     const unsigned same = __match_any_sync(0xffffffffu, dst);
     const bool first = valid && __ffs(same) - 1 == lane;
-    char* direct = first ? reinterpret_cast<char*>(peer_bases[dst]) : nullptr;
+    __syncwarp();  // sh.peer, staged by this warp (stage_send_shared)
+    char* direct = first ? reinterpret_cast<char*>(sh.peer[dst]) : nullptr;
     const unsigned stores = __ballot_sync(0xffffffffu, first && direct != nullptr);
     const unsigned puts = __ballot_sync(0xffffffffu, first && direct == nullptr);
     const unsigned below = (1u << lane) - 1u;
@@ -240,15 +242,14 @@ __device__ __forceinline__ void token_targets(const TopkT* topk_idx, int t, int 
 // store, each after a system-scope release by its lane (covering the block's message stores, ordered before it by
 // the barrier). The entry is the row's only signal: a receiver that acquires it with the call's epoch may read the
 // message. Entries of destinations without an NVLink mapping are NVSHMEM puts, after the message's puts completed.
-__device__ __forceinline__ void send_index_entries(int t, int num_topk, char* base,
-                                                   const unsigned long long* peer_bases, const LowLatencyLayout& L,
-                                                   long long recv, int rank, int epoch, const DispatchShared& sh) {
+__device__ __forceinline__ void send_index_entries(int t, int num_topk, char* base, const LowLatencyLayout& L,
+                                                   long long recv, int rank, const DispatchShared& sh) {
     const int lane = lane_id();
     if (warp_id() != 0 || lane >= num_topk || sh.slot[lane] < 0) return;
     const int e = sh.expert[lane], pe = e / L.num_local;
     const long long offset = recv + L.dispatch_recv_index(e % L.num_local, rank, sh.slot[lane]);
-    const long long entry = ((long long)epoch << 32) | (unsigned)t;
-    char* direct = reinterpret_cast<char*>(peer_bases[pe]);
+    const long long entry = ((long long)sh.epoch << 32) | (unsigned)t;
+    char* direct = reinterpret_cast<char*>(sh.peer[pe]);
     if (direct != nullptr) {
         fence_acq_rel_sys();
         st_relaxed_sys(reinterpret_cast<long long*>(direct + offset), entry);
@@ -321,14 +322,14 @@ __device__ __forceinline__ void encode_token(int4 first, const int4* x_row, int 
 // The counts go out first (every block has them in hist_all): expert e's count from this rank is
 // min(hist_all[e], M), at its owner's dispatch_count(e % L, rank) as epoch << 32 | count in one 8-byte store.
 // They order nothing: a receiver waits for each row's index entry to carry the epoch too.
-__device__ __forceinline__ void send_counts(const int* hist_all, char* base, const unsigned long long* peer_bases,
-                                            const LowLatencyLayout& L, int buffer_idx, int rank, int epoch) {
+__device__ __forceinline__ void send_counts(const int* hist_all, char* base, const LowLatencyLayout& L,
+                                            int buffer_idx, int rank, const DispatchShared& sh) {
     if (lane_id() != 0) return;
     for (int e = blockIdx.x + gridDim.x * warp_id(); e < L.num_experts; e += gridDim.x * kLLWarps) {
         const int count = min(hist_all[e], L.num_max_tokens), pe = e / L.num_local;
         const long long offset = L.signal_offset(buffer_idx) + 8LL * L.dispatch_count(e % L.num_local, rank);
-        const long long value = ((long long)epoch << 32) | (unsigned)count;
-        char* direct = reinterpret_cast<char*>(peer_bases[pe]);
+        const long long value = ((long long)sh.epoch << 32) | (unsigned)count;
+        char* direct = reinterpret_cast<char*>(sh.peer[pe]);
         if (direct != nullptr) st_relaxed_sys(reinterpret_cast<long long*>(direct + offset), value);
         else nvshmem_longlong_p(reinterpret_cast<long long*>(base + offset), value, pe);
     }
@@ -346,13 +347,13 @@ __device__ __forceinline__ int4 load_first_chunk(const int4* x, int t, int num_t
 template <bool kUseFP8, typename TopkT>
 __device__ __forceinline__ void send_message(const int4* x, const TopkT* topk_idx, int t, int num_tokens,
                                              int num_topk, bool round_scale, char* send, long long recv,
-                                             const unsigned long long* peer_bases, const LowLatencyLayout& L,
+                                             const LowLatencyLayout& L,
                                              int rank, DispatchShared& sh, long long* stamps) {
     const int hidden_int4 = L.hidden / 8;
     // this thread's first x chunk is in flight while warp 0 works out where the token goes
     const int4 first = load_first_chunk(x, t, num_tokens, hidden_int4);
-    token_targets(topk_idx, t, num_topk, L.num_experts, L.num_local, peer_bases,
-                  recv + L.dispatch_recv_msg(rank, t), send + (long long)t * L.msg_bytes, sh);
+    token_targets(topk_idx, t, num_topk, L.num_experts, L.num_local, recv + L.dispatch_recv_msg(rank, t),
+                  send + (long long)t * L.msg_bytes, sh);
     __syncthreads();  // the targets are visible to the block
     stamp(stamps, kStampSendRouted);
     const int num_target = sh.num_target;
@@ -380,6 +381,15 @@ __device__ __noinline__ void put_message(char* base, const char* send_msg, long 
     if (lane_id() == 0) nvshmem_quiet();
 }
 
+// Dispatch send, warp 0 first: peer_bases and the call's epoch into shared memory (token_targets reads them after
+// a __syncwarp, everyone else after a block barrier): one global load each per block instead of one per use.
+__device__ __forceinline__ void stage_send_shared(const unsigned long long* peer_bases, int num_ranks,
+                                                  const int* workspace, int buffer_idx, DispatchShared& sh) {
+    if (warp_id() != 0) return;
+    for (int r = lane_id(); r < num_ranks; r += kWarpSize) sh.peer[r] = peer_bases[r];
+    if (lane_id() == 0) sh.epoch = dispatch_epoch(workspace, buffer_idx);
+}
+
 // Dispatch send. The block's first token goes out before the histograms (its destinations do not depend on the
 // slots); then per token its slots, one block barrier, and its index entries, each after a system-scope release.
 template <bool kUseFP8, typename TopkT>
@@ -390,18 +400,19 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
     const int rank = ctx->rank, E = L.num_experts;
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
+    stage_send_shared(peer_bases, L.num_ranks, workspace, buffer_idx, sh);
     const long long recv = L.recv_offset(buffer_idx);  // (the send slot is recomputed where used: registers)
     if ((int)blockIdx.x < num_tokens)
         send_message<kUseFP8>(x, topk_idx, blockIdx.x, num_tokens, num_topk, round_scale,
-                              base + L.send_offset(buffer_idx), recv, peer_bases, L, rank, sh, stamps);
+                              base + L.send_offset(buffer_idx), recv, L, rank, sh, stamps);
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
     stamp(stamps, kStampSendPrepared);  // build_histograms ends with a block barrier
-    send_counts(hist_all, base, peer_bases, L, buffer_idx, rank, dispatch_epoch(workspace, buffer_idx));
+    send_counts(hist_all, base, L, buffer_idx, rank, sh);
 
     for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
         if (t != (int)blockIdx.x)
             send_message<kUseFP8>(x, topk_idx, t, num_tokens, num_topk, round_scale,
-                                  base + L.send_offset(buffer_idx), recv, peer_bases, L, rank, sh, stamps);
+                                  base + L.send_offset(buffer_idx), recv, L, rank, sh, stamps);
         if (warp_id() == 0)  // the slots of t's entries (hist: the rows before t)
             token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot);
         __syncthreads();  // every store of the message is issued (bar.sync orders them before the entries'
@@ -412,7 +423,7 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
                         recv + L.dispatch_recv_msg(rank, t), dispatch_msg_int4(kUseFP8, L.hidden), sh);
             __syncthreads();  // every put of this token is complete
         }
-        send_index_entries(t, num_topk, base, peer_bases, L, recv, rank, dispatch_epoch(workspace, buffer_idx), sh);
+        send_index_entries(t, num_topk, base, L, recv, rank, sh);
         if (t + (int)gridDim.x < num_tokens) {  // the next token's slots count the rows before it
             advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
         }
@@ -531,7 +542,7 @@ __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* pr
                                                    int* packed_recv_src_info, bool use_ue8m0,
                                                    const LowLatencyLayout& L, const DeviceCtx* ctx,
                                                    long long* stamps) {
-    constexpr int kInFlight = 3, kMaxParts = 8;
+    constexpr int kInFlight = 4, kMaxParts = 8;
     const int rows = hi - lo, R = L.num_ranks, rows_per_expert = R * L.num_max_tokens, lane = lane_id();
     if (rows <= 0) return true;
     const int parts = max(1, min(kMaxParts, kLLWarps / rows));
@@ -671,6 +682,9 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 // The combine runs kLLCombineThreads (512) threads per block.
 // ---------------------------------------------------------------------------------------------------
 constexpr int kCombineInFlight = 4;  // expert rows loaded at once per thread
+// (B) flags the partial rows of up to this many tokens under one system-scope release: a block's next token is
+// computed and stored while its previous rows still cross NVLink, instead of after their release returned.
+constexpr int kCombinePending = 4;
 
 struct CombineShared {
     int expert[kLLMaxTopk];      // token_slots: global expert of entry k
@@ -682,6 +696,8 @@ struct CombineShared {
     int num_kept;                // compact_local_entries: kept entries on this rank
     int value;                   // (B): the owner's meta flag
     int failed;
+    int pending[kCombinePending];  // (B): tokens whose partial rows are stored but not flagged yet
+    int num_pending;
 };
 
 // Warp 0, lanes k < K, after token_slots filled sh.expert / sh.slot: the token's entries whose expert lives on
@@ -799,6 +815,24 @@ __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weigh
     }
 }
 
+// (B), owner s reached by NVLink stores: the flags (1) of the pending tokens, whose partial rows this block stored
+// (ordered before thread 0's one system-scope release by the block barriers in between). Called after a barrier.
+__device__ __forceinline__ void flush_token_flags(int s, int rank, const unsigned long long* peer_bases,
+                                                  const LowLatencyLayout& L, int buffer_idx, CombineShared& sh,
+                                                  long long* stamps) {
+    const int n = sh.num_pending;
+    if (n == 0) return;  // uniform
+    __syncthreads();  // every thread has read n before thread 0 resets it
+    if (threadIdx.x == 0) {
+        int* flags = reinterpret_cast<int*>(reinterpret_cast<char*>(peer_bases[s]) + L.signal_offset(buffer_idx));
+        fence_acq_rel_sys();
+        for (int i = 0; i < n; ++i) st_relaxed_sys(flags + L.combine_token_flag(rank, sh.pending[i]), 1);
+        sh.num_pending = 0;
+        stamp(stamps, kStampSendWritten);
+    }
+    __syncthreads();
+}
+
 // (B), one owner s: the partial sums of its tokens t = index + j * count (T tokens, K entries each:
 // `experts` / `weights` are the owner's meta, or this rank's own arguments when s is this rank).
 template <typename IdT, typename WeightT>
@@ -833,45 +867,31 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
                 partial_sum(acc, rows, sh, c, row_int4);
                 store_partial(out, L.hidden, c, acc);
             }
-            __syncthreads();  // the row is written (bar.sync orders the block's stores before the flag)
-            stamp(stamps, kStampSendEncoded);
-            if (direct == nullptr && warp_id() == 0) {
-                nvshmemx_putmem_nbi_warp(base + dst, out, (size_t)L.part_bytes, s);
-                __syncwarp();
-                if (lane_id() == 0) nvshmem_quiet();
-            }
-            if (threadIdx.x == 0) {
-                send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * L.combine_token_flag(rank, t), 1);
-                stamp(stamps, kStampSendWritten);
+            if (direct == nullptr) {  // NVSHMEM puts: the row goes now, its flag once they are complete
+                __syncthreads();  // the row is written
+                if (warp_id() == 0) {
+                    nvshmemx_putmem_nbi_warp(base + dst, out, (size_t)L.part_bytes, s);
+                    __syncwarp();
+                    if (lane_id() == 0) nvshmem_quiet();
+                }
+                if (threadIdx.x == 0)
+                    send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * L.combine_token_flag(rank, t), 1);
+            } else if (threadIdx.x == 0) {
+                sh.pending[sh.num_pending++] = t;  // flagged by flush_token_flags, with others under one release
             }
         }
-        __syncthreads();  // the entries are reused by the next token
+        __syncthreads();  // the entries are reused by the next token; the row's stores precede a flush's release
+        stamp(stamps, kStampSendEncoded);
+        if (sh.num_pending == kCombinePending) flush_token_flags(s, rank, peer_bases, L, buffer_idx, sh, stamps);
     }
-}
-
-// The rows this rank's experts produced (x [L][R*M][H] bf16; layout_range [L][R]: the last source's begin + count
-// = the expert's rows) into the L2 by bulk prefetches from the last warp of each block, in the background while
-// the meta travels: each row is read once, by a partial sum, and after the caller's own work since the dispatch
-// they would otherwise come from HBM one dependent round trip at a time.
-__device__ __forceinline__ void prefetch_expert_rows(const int4* rows, const long long* layout_range,
-                                                     const LowLatencyLayout& L, Blocks blocks) {
-    constexpr long long kChunk = 32 << 10;  // bytes per prefetch instruction
-    if (warp_id() != (int)(blockDim.x / kWarpSize) - 1) return;
-    const long long row_bytes = 2LL * L.hidden, rows_per_expert = (long long)L.num_ranks * L.num_max_tokens;
-    for (int e = blocks.index; e < L.num_local; e += blocks.count) {
-        const long long last = layout_range[(long long)e * L.num_ranks + L.num_ranks - 1];
-        const long long bytes = ((last >> 32) + (last & 0xffffffff)) * row_bytes;
-        const char* begin = reinterpret_cast<const char*>(rows) + e * rows_per_expert * row_bytes;
-        for (long long off = lane_id() * kChunk; off < bytes; off += kWarpSize * kChunk)
-            prefetch_l2_bulk(begin + off, (int)min(kChunk, bytes - off));
-    }
+    flush_token_flags(s, rank, peer_bases, L, buffer_idx, sh, stamps);
 }
 
 // (B) the partial sums of every owner's tokens: this rank's own first (its top-k are the kernel's arguments: no
 // wait), meanwhile the remote owners' meta arrives. own_in_recv (both phases in one launch): the own tokens'
 // partials are left to (C), which computes each right before waiting for the peers' (no flag, and the remote
 // owners' rows go first); a hook's receive phase runs later, when the caller may already reuse x, so there they
-// are sent here like the others. Either way the rows are prefetched into the L2 first.
+// are sent here like the others.
 template <typename TopkT>
 __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range,
                                                const TopkT* topk_idx, const float* topk_weights, int num_tokens,
@@ -883,7 +903,6 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
-    prefetch_expert_rows(rows, layout_range, L, blocks);
     if (!own_in_recv)
         combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, rows, layout_range, base, peer_bases,
                              L, buffer_idx, ctx, hist, sh, blocks, stamps);
@@ -1020,7 +1039,10 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     __shared__ CombineShared sh;
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
-    if (threadIdx.x == 0) sh.failed = 0;
+    if (threadIdx.x == 0) {
+        sh.failed = 0;
+        sh.num_pending = 0;
+    }
     __syncthreads();
     const bool own_in_recv = (phases & kPhaseSend) && (phases & kPhaseRecv);
     if (own_in_recv && gridDim.x >= 2) {

@@ -64,21 +64,19 @@ STAMP_NAMES = ("send_start", "send_prepared", "send_routed", "send_encoded", "se
                "send_end", "recv_start", "recv_prepared", "recv_first_data", "recv_end", "unused")
 
 
-def phase_breakdown(stamps, t0: int | None = None, stat=np.median) -> dict:
+def phase_breakdown(stamps, stat=np.median) -> dict:
     """Per phase of one launch, ``stat`` (the median by default; ``np.max``: the slowest block) over blocks of
     (stamp - t0) in us, and ``last_end``: the latest stamp of any block (the launch's span as its blocks see it:
-    the slowest block decides when the kernel ends, the medians do not show it).
+    the slowest block decides when the kernel ends, the medians do not show it), all relative to the earliest
+    send_start.
 
     ``stamps``: numpy int64 ``[blocks][STAMP_NAMES]`` of one call (0 = not stamped: a block without work in that
-    phase, or a phase that did not run). ``t0``: the origin in ns (default: the earliest send_start of these
-    stamps; pass the earliest over all ranks to put the ranks on one clock). Phases no block stamped are left
-    out."""
+    phase, or a phase that did not run). Phases no block stamped are left out."""
     stamps = np.asarray(stamps, dtype=np.int64)
     starts = stamps[:, 0][stamps[:, 0] > 0]
     if starts.size == 0:
         return {}
-    if t0 is None:
-        t0 = int(starts.min())
+    t0 = int(starts.min())
     out = {}
     for i, name in enumerate(STAMP_NAMES):
         column = stamps[:, i]

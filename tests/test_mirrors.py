@@ -60,8 +60,6 @@ def test_phase_breakdown_is_relative_to_the_earliest_send_start():
     assert got == {"send_start": 1.0, "send_end": 12.0, "recv_first_data": 20.0, "last_end": 20.0}
     slowest = cll.phase_breakdown(stamps, stat=np.max)
     assert slowest["send_start"] == 2.0 and slowest["send_end"] == 14.0
-    # a common origin for several ranks' stamps (the earliest start of all of them)
-    assert cll.phase_breakdown(stamps, t0=500)["send_end"] == 12.5
     stamps[2, col("recv_end")] = 30500                       # one block only, the latest stamp
     assert cll.phase_breakdown(stamps)["last_end"] == 29.5
     assert cll.phase_breakdown(np.zeros((2, len(cll.STAMP_NAMES)), dtype=np.int64)) == {}
