@@ -90,15 +90,15 @@ constexpr bool kStampsBuilt = false;
 // What each marks, per kernel (cupy_ep/bench_ll.py's report says the same):
 //   dispatch: routed = the last token's destinations known; prepared = histograms built; encoded = its bytes
 //             stored; written = thread 0 past its index entry (released); recv_prepared = the counts read and
-//             prefixed; recv_first_data = the block's first row in. (fenced: not used.)
+//             prefixed; recv_first_data = the block's first row in.
 //   combine:  prepared = the own tokens' partials flagged (hook mode); routed = the first remote owner's meta in;
 //             encoded = the last partial row stored; written = its flag sent; recv_prepared = the first token's
 //             own partial computed; recv_first_data = the first token's partials in.
-constexpr int kLLStamps = 12;
+constexpr int kLLStamps = 10;
 enum LLStamp : int {
     kStampSendStart = 0, kStampSendPrepared = 1, kStampSendRouted = 2, kStampSendEncoded = 3,
-    kStampSendFenced = 4, kStampSendWritten = 5, kStampSendEnd = 6, kStampRecvStart = 7,
-    kStampRecvPrepared = 8, kStampRecvFirstData = 9, kStampRecvEnd = 10,
+    kStampSendWritten = 4, kStampSendEnd = 5, kStampRecvStart = 6, kStampRecvPrepared = 7,
+    kStampRecvFirstData = 8, kStampRecvEnd = 9,
 };
 __device__ __forceinline__ void stamp(long long* stamps, int which) {
     if (kStampsBuilt && stamps != nullptr && threadIdx.x == 0) stamps[blockIdx.x * kLLStamps + which] = (long long)globaltimer_ns();

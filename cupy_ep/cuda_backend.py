@@ -8,7 +8,6 @@ or an ``EventOverlap`` is returned (``async_finish=True``).
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import numpy as np

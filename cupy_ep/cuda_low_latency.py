@@ -60,8 +60,8 @@ _SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv
 STAMPS_OPTION = "-DCUPY_EP_LL_STAMPS=1"
 
 # low_latency.cu LLStamp, in order
-STAMP_NAMES = ("send_start", "send_prepared", "send_routed", "send_encoded", "send_fenced", "send_written",
-               "send_end", "recv_start", "recv_prepared", "recv_first_data", "recv_end", "unused")
+STAMP_NAMES = ("send_start", "send_prepared", "send_routed", "send_encoded", "send_written", "send_end",
+               "recv_start", "recv_prepared", "recv_first_data", "recv_end")
 
 
 def phase_breakdown(stamps, stat=np.median) -> dict:
