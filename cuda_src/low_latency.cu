@@ -272,7 +272,7 @@ __device__ __forceinline__ void check_buffer_alternates(int* workspace, int buff
 
 // The running dispatch's epoch on buffer `buffer_idx` (1 + the dispatches on it whose receive phase finished): the
 // same in its send and receive launches and in every block, as only the last block to finish a receive phase
-// advances it. Read where it is used (an L1/L2 hit) rather than kept in a register across the kernel.
+// advances it. Staged in shared memory by the send phase (stage_send_shared), read once by the receive phase.
 __device__ __forceinline__ int dispatch_epoch(const int* workspace, int buffer_idx) {
     return ld_volatile(workspace + kWsEpoch + buffer_idx) + 1;
 }
@@ -343,7 +343,7 @@ __device__ __forceinline__ int4 load_first_chunk(const int4* x, int t, int num_t
 
 // Dispatch, one token's message: its targets (warp 0), then every thread casts its part of the row and stores the
 // bytes straight from registers into every mapped destination (and the send slot for puts). The stores are issued,
-// not ordered: the caller's block barrier and thread 0's release follow.
+// not ordered: the caller's block barrier and the index entries' releases follow.
 template <bool kUseFP8, typename TopkT>
 __device__ __forceinline__ void send_message(const int4* x, const TopkT* topk_idx, int t, int num_tokens,
                                              int num_topk, bool round_scale, char* send, long long recv,
