@@ -185,7 +185,7 @@ def _recv_model(rank, M, E, R, H, recv, signals, lay, use_ue8m0, epoch, blocks):
     """The dispatch receive of `rank` as dispatch_recv splits it: every block reads all counts (checking their
     epoch) and their prefix over (local expert, source); block b takes global rows [b*N/G, (b+1)*N/G), finds each
     row's pair by binary search (pair_of_row), checks that its index entry carries the epoch, and copies the message
-    it names to its expert's position."""
+    it names to its expert's position in (row, part) units as copy_rows_as_ready splits them over its 32 warps."""
     import bisect
     L, S = E // R, H // 128
     n = L * R
@@ -205,8 +205,18 @@ def _recv_model(rank, M, E, R, H, recv, signals, lay, use_ue8m0, epoch, blocks):
                              for e in range(L)], np.int64).reshape(L, R)
     count = np.array([prefix[e * R + R] - prefix[e * R] for e in range(L)], np.int32)
     total, copied = prefix[n], []
+    data_int4 = H // 16  # FP8 payload of a row in 16-byte units
     for b in range(blocks):
-        for row in range(total * b // blocks, total * (b + 1) // blocks):
+        lo, hi = total * b // blocks, total * (b + 1) // blocks
+        rows = hi - lo
+        if rows <= 0:
+            continue
+        # copy_rows_as_ready: units (row, part), a row's payload split over `parts` warps of the block's 32
+        parts = max(1, min(8, 32 // rows))
+        part_int4 = -(-data_int4 // parts)
+        for u in range(rows * parts):
+            j, part = divmod(u, parts)
+            row = lo + j
             i = bisect.bisect_right(prefix[:n], row) - 1  # pair_of_row: the largest i < n with prefix[i] <= row
             e, s = divmod(i, R)
             entry = _get64(recv[rank], lay["dispatch_index_offset"] + ((e * R + s) * M + row - prefix[i]) * 8)
@@ -216,12 +226,15 @@ def _recv_model(rank, M, E, R, H, recv, signals, lay, use_ue8m0, epoch, blocks):
             m = (s * M + t) * lay["msg_bytes"]
             msg = recv[rank][m:m + lay["msg_bytes"]]
             pos = row - prefix[e * R]
-            recv_x[e, pos] = msg[16:16 + H]
-            sc = msg[16 + H:16 + H + 4 * S].view(np.float32)
-            recv_scales[e, :, pos] = reference.pack_ue8m0(sc[None, :])[0] if use_ue8m0 else sc
-            src_info[e, pos] = t
-            copied.append(row)
-    assert copied == list(range(total))  # every row once, by exactly one block
+            begin, end = part * part_int4, min(data_int4, (part + 1) * part_int4)
+            recv_x[e, pos, 16 * begin:16 * end] = msg[16 + 16 * begin:16 + 16 * end]
+            copied += [(row, q) for q in range(begin, end)]
+            if part == 0:  # the scales and the source index
+                sc = msg[16 + H:16 + H + 4 * S].view(np.float32)
+                recv_scales[e, :, pos] = reference.pack_ue8m0(sc[None, :])[0] if use_ue8m0 else sc
+                src_info[e, pos] = t
+    # every 16 bytes of every row once, by exactly one warp of one block
+    assert sorted(copied) == [(row, q) for row in range(total) for q in range(data_int4)]
     return recv_x, recv_scales, src_info, layout_range, count
 
 
