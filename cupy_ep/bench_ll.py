@@ -362,7 +362,7 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
         out += ["", f"Phases (`--ll-stamps`): the kernels' %globaltimer stamps in us, median over "
                 f"{stamped[0]['rounds']} calls (each the last of {stamped[0].get('calls_per_round', 4)} replayed back "
                 "to back as one CUDA graph). *stat* = over the blocks of one call: *median* block or *slowest* block, "
-                "on rank 0; *rank r* = rank r's median block. Each rank's stamps are relative to its own earliest "
+                "on rank 0; *rank r* = rank r's median block (r > 0). Each rank's stamps are relative to its own earliest "
                 "block's start (the GPUs' %globaltimer clocks differ by tens of us, so the ranks cannot be put on "
                 "one clock). Dispatch: routed = the last token's destinations known; prepared = histograms built; "
                 "encoded = its bytes stored and slots known; written = thread 0 past its index entry (released: "
@@ -380,7 +380,8 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
             rows = [("median", r["phases_us"])]
             if r.get("phases_max_us"):
                 rows.append(("slowest", r["phases_max_us"]))
-            rows += [(f"rank {i}", ph) for i, ph in enumerate(r.get("phases_by_rank_us") or [])]
+            # (rank 0's own row is the median row above)
+            rows += [(f"rank {i}", ph) for i, ph in enumerate(r.get("phases_by_rank_us") or []) if i > 0]
             for stat, ph in rows:
                 out.append(f"| {r['op']} | {r['tokens']} | {l2} | {stat} | " +
                            " | ".join(_f(ph.get(n), ".1f") for n in names) + " |")

@@ -367,6 +367,7 @@ def test_ll_markdown():
     assert "| ll_dispatch | 128 | warm | median | 0.0 | 9.5 | 30.2 |" in md
     assert "| ll_dispatch | 128 | warm | slowest | 0.5 | 12.0 | 31.0 |" in md
     assert "| ll_dispatch | 128 | warm | rank 1 | 1.5 | 11.0 | 32.0 |" in md
+    assert "| rank 0 |" not in md  # the median row is rank 0's
     assert "| ll_dispatch | 128 | flushed | median | 0.0 | 11.0 | - |" in md
     assert "| ll_dispatch | 128 | flushed | slowest |" not in md
     assert "| op | T | L2 | stat | send_start | send_end | recv_end |" in md
