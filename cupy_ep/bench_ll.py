@@ -257,7 +257,7 @@ class LowLatencyBench:
                          ", ".join(f"{k} {v:.1f}" for k, v in phases_us.items()))
                 self.log(f"  {op:11s} slowest block{flushed}: " +
                          ", ".join(f"{k} {v:.1f}" for k, v in phases_max_us.items()))
-                for r, ph in enumerate(phases_by_rank_us):
+                for r, ph in enumerate(phases_by_rank_us[1:], start=1):  # (rank 0's is the median line)
                     self.log(f"  {op:11s} rank {r}{flushed}: " +
                              ", ".join(f"{k} {v:.1f}" for k, v in ph.items()))
         finally:

@@ -10,9 +10,9 @@ Decisions (research/deepep.md §1.8, §4 is the model):
 * dispatch sends each token once per destination rank (to ``[source rank][token]`` of its recv region) plus one
   8-byte index entry per (token, k) at ``[local expert][source rank][slot]``; the receiver gathers the expert's
   rows through the index (``LowLatencyLayout`` in cuda_src/buffer.cuh, :func:`cupy_ep.config.low_latency_layout`).
-  The per-expert counts go out first (known from the histogram); each row is ready once its index entry and its
-  message's flag carry the call's epoch (the buffer's dispatches so far + 1, counted on the device), so no
-  signal waits for the slowest sender block;
+  The per-expert counts go out right after the histograms; each row is ready once its index entry, written after
+  the row under a system-scope release, carries the call's epoch (the buffer's dispatches so far + 1, counted on
+  the device), so no signal waits for the slowest sender block;
 * combine pre-reduces on the expert side: the owner first sends every rank its top-k experts and weights
   (a few KB), each expert rank returns ONE partial sum per (token, rank) (its experts' weighted rows, k
   ascending, in fp32, rounded to 24 bits on the wire: :func:`cupy_ep.reference.low_latency_partial_wire`) instead
