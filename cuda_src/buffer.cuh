@@ -154,6 +154,39 @@ struct CombineLayout {
 };
 
 
+// Zero-copy dispatch (dispatch(..., zero_copy=True)), in the *receiver's* buffer: the senders store every row
+// straight into its final row here, so there is no ring and no receiver copy; the caller gets `x` as recv_x
+// (a view, valid until the next call on the buffer). Rows are in recv_x's order (source rank, then source
+// token); the small per-row outputs sit beside them and are copied into fresh arrays once all rows are in.
+//   done            rows whose stores were released to this rank, plus one per source rank (that source's
+//                   block 0 also releases its channel starts); zeroed by the notify kernels
+//   channel_starts  [kMaxNvlRanks][channels] source s's first row of channel c (recv_channel_prefix_matrix)
+// capacity: rows that fit (config.direct_dispatch_capacity); the ranks agree on it in the notify kernels.
+struct DirectDispatchLayout {
+    Buffer<int> done;            // [1]
+    Buffer<int> channel_starts;  // [kMaxNvlRanks][num_channels]
+    Buffer<int4> x;              // [capacity][hidden_int4]
+    Buffer<int> src_idx;         // [capacity]
+    Buffer<int> topk_idx;        // [capacity][topk]  local expert id or -1
+    Buffer<float> topk_weights;  // [capacity][topk]
+    Buffer<float> scales;        // [capacity][num_scales]
+    long long begin, meta_end, total_end;
+    __device__ DirectDispatchLayout(int num_channels, long long capacity, int hidden_int4, int num_topk,
+                                    int num_scales) {
+        Carver c(NotifyArea().end);
+        begin = c.offset;
+        done = Buffer<int>(c, 1);
+        channel_starts = Buffer<int>(c, (long long)kMaxNvlRanks * num_channels);
+        meta_end = c.offset;
+        x = Buffer<int4>(c, capacity * hidden_int4);
+        src_idx = Buffer<int>(c, capacity);
+        topk_idx = Buffer<int>(c, capacity * num_topk);
+        topk_weights = Buffer<float>(c, capacity * num_topk);
+        scales = Buffer<float>(c, capacity * num_scales);
+        total_end = c.offset;
+    }
+};
+
 // ---------------------------------------------------------------------------------------------------
 // Low-latency (NVSHMEM symmetric heap) layout: two buffers used alternately, signals first:
 // [sig0][sig1][send0][send1][recv0][recv1].

@@ -17,14 +17,17 @@ enum KernelId : int {
     kKernelCachedNotifyCombine = 5, kKernelCombine = 6, kKernelBarrier = 7,
     kKernelLowLatencyDispatch = 8, kKernelLowLatencyCombine = 9,
     kKernelInternodeNotifyDispatch = 10, kKernelInternodeCachedNotify = 11, kKernelInternodeDispatch = 12,
-    kKernelInternodeCombine = 13,
+    kKernelInternodeCombine = 13, kKernelDispatchDirect = 14,
 };
 // (5 was kRoleSignaller, the low-latency dispatch's count signallers, gone since its counts carry epochs)
 enum Role : int { kRoleBarrier = 0, kRoleSender = 1, kRoleReceiver = 2, kRoleNotify = 3, kRoleCallCheck = 4,
-                 kRoleBufferReuse = 6 };
+                 kRoleBufferReuse = 6, kRoleZeroCopyCapacity = 7 };
 // kRoleBufferReuse: not a wait but a low-latency call whose send phase uses the same buffer (0/1) as the
 // previous send phase of this rank (head = that buffer): a CUDA graph replaying an odd number of low-latency
 // calls. Its receivers would find the previous replay's signals still set and read data that never came.
+
+// kRoleZeroCopyCapacity: not a wait but a zero-copy dispatch whose rows do not fit a receiver's buffer (head =
+// the rows, tail = the capacity, peer = that receiver); every rank sees the same counts and stops alike.
 
 // Written once (by the first thread that times out) into host-mapped memory; the host turns it into
 // cupy_ep.CommTimeoutError. Layout mirrored by buffer.py (_RECORD_FIELDS).

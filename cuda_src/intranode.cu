@@ -68,11 +68,36 @@ __device__ __forceinline__ void zero_ints(int* p, long long n) {
 // own; any difference stops the buffer on every rank (the comparison is symmetric) with a record that the
 // host raises as CallMismatchError. Nothing of the call has touched a ring by then.
 // ---------------------------------------------------------------------------------------------------
-enum CallOp : int { kOpDispatch = 1, kOpCachedDispatch = 2, kOpCombine = 3 };
+enum CallOp : int { kOpDispatch = 1, kOpCachedDispatch = 2, kOpCombine = 3, kOpDirectDispatch = 4,
+                    kOpCachedDirectDispatch = 5 };
 
 struct CallWords {
     int w[kCallWords];
 };
+
+// A dispatch's call words; direct_capacity > 0: a zero-copy dispatch (the last word is its row capacity).
+__device__ __forceinline__ CallWords dispatch_call_words(bool cached, int num_channels, int num_slots, int hidden_int4,
+                                                         int num_topk, int num_scales, int num_experts,
+                                                         int direct_capacity) {
+    const bool direct = direct_capacity > 0;
+    const int op = cached ? (direct ? kOpCachedDirectDispatch : kOpCachedDispatch)
+                          : (direct ? kOpDirectDispatch : kOpDispatch);
+    return CallWords{{op, num_channels, num_slots, hidden_int4, num_topk, num_scales, num_experts, direct_capacity}};
+}
+
+// The dispatch meta that the notify kernels zero, as offsets [begin, end): the rings' counters, or the zero-copy
+// counter and channel starts.
+__device__ __forceinline__ void dispatch_meta_range(int num_ranks, int num_channels, int num_slots, int hidden_int4,
+                                                    int num_topk, int num_scales, int direct_capacity,
+                                                    long long& begin, long long& end) {
+    if (direct_capacity > 0) {
+        const DirectDispatchLayout d(num_channels, direct_capacity, hidden_int4, num_topk, num_scales);
+        begin = d.begin, end = d.meta_end;
+    } else {
+        const DispatchLayout d(num_channels, num_ranks, num_slots, hidden_int4, num_topk, num_scales);
+        begin = d.begin, end = d.meta_end;
+    }
+}
 
 template <int kNumRanks>
 __device__ void publish_call_words(void** buffer_ptrs, int rank, const CallWords& words) {
@@ -119,12 +144,13 @@ __global__ void notify_dispatch(const int* num_tokens_per_rank, const int* num_t
                                 int expert_alignment, int* rank_prefix_matrix, int* channel_prefix_matrix,
                                 int* host_recv_counter, int* host_expert_counters, void** buffer_ptrs,
                                 int rank, int num_slots, int hidden_int4, int num_topk, int num_scales,
-                                const DeviceCtx* ctx) {
+                                int direct_capacity, const DeviceCtx* ctx) {
     if (blockIdx.x == 0) {
         const NotifyArea notify;
         const int experts_per_rank = num_experts / kNumRanks;
         if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kKernelNotifyDispatch)) return;
-        const CallWords words{{kOpDispatch, num_channels, num_slots, hidden_int4, num_topk, num_scales, num_experts, 0}};
+        const CallWords words = dispatch_call_words(false, num_channels, num_slots, hidden_int4, num_topk, num_scales,
+                                                    num_experts, direct_capacity);
         publish_call_words<kNumRanks>(buffer_ptrs, rank, words);
         for (int i = threadIdx.x; i < kNumRanks * kNumRanks; i += blockDim.x) {
             const int peer = i / kNumRanks, dst = i % kNumRanks;
@@ -155,10 +181,25 @@ __global__ void notify_dispatch(const int* num_tokens_per_rank, const int* num_t
                 host_expert_counters[e] = (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
             }
         }
-        const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
-        zero_ints(at_offset<int>(mine, layout.begin), (layout.meta_end - layout.begin) / 4);
+        long long meta_begin, meta_end;
+        dispatch_meta_range(kNumRanks, num_channels, num_slots, hidden_int4, num_topk, num_scales, direct_capacity,
+                            meta_begin, meta_end);
+        zero_ints(at_offset<int>(mine, meta_begin), (meta_end - meta_begin) / 4);
         __threadfence_system();
         __syncthreads();
+        // A zero-copy dispatch that does not fit a receiver stops here on every rank (all see the same matrix),
+        // before the host learns its count: the host raises instead of launching the dispatch.
+        if (direct_capacity > 0 && threadIdx.x == 0) {
+            for (int dst = 0; dst < kNumRanks; ++dst) {
+                int total = 0;
+                for (int src = 0; src < kNumRanks; ++src) total += ld_volatile(&matrix[src * kNumRanks + dst]);
+                if (total > direct_capacity) {
+                    report_failure(ctx, WaitSite{kKernelNotifyDispatch, kRoleZeroCopyCapacity, -1, dst}, total,
+                                   direct_capacity, -1, 0);
+                    break;
+                }
+            }
+        }
         if (threadIdx.x == 0 && host_recv_counter != nullptr) {
             int total = 0;
             for (int src = 0; src < kNumRanks; ++src) total += ld_volatile(&matrix[src * kNumRanks + rank]);
@@ -202,11 +243,14 @@ __device__ void reset_rings(void** buffer_ptrs, int rank, long long begin, long 
 
 template <int kNumRanks>
 __global__ void cached_notify_dispatch(void** buffer_ptrs, int rank, int num_channels, int num_slots,
-                                       int hidden_int4, int num_topk, int num_scales, const DeviceCtx* ctx) {
-    const DispatchLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk, num_scales);
-    const CallWords words{{kOpCachedDispatch, num_channels, num_slots, hidden_int4, num_topk, num_scales, 0, 0}};
-    reset_rings<kNumRanks>(buffer_ptrs, rank, layout.begin, layout.meta_end, words, ctx,
-                           kKernelCachedNotifyDispatch);
+                                       int hidden_int4, int num_topk, int num_scales, int direct_capacity,
+                                       const DeviceCtx* ctx) {
+    long long meta_begin, meta_end;
+    dispatch_meta_range(kNumRanks, num_channels, num_slots, hidden_int4, num_topk, num_scales, direct_capacity,
+                        meta_begin, meta_end);
+    const CallWords words = dispatch_call_words(true, num_channels, num_slots, hidden_int4, num_topk, num_scales, 0,
+                                                direct_capacity);
+    reset_rings<kNumRanks>(buffer_ptrs, rank, meta_begin, meta_end, words, ctx, kKernelCachedNotifyDispatch);
 }
 
 // Also publishes num_tokens: a combine sender needs the token owner's count to cut its channels.
@@ -549,6 +593,189 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
 }
 
 // ---------------------------------------------------------------------------------------------------
+// dispatch_direct (zero_copy=True): grid of G blocks (any G; the ranks need not agree on it) of
+// Groups<R>::kThreads threads, every block a writer. There is no ring: a receiver's output lives in its buffer
+// (DirectDispatchLayout), and a token's row there is known before anything moves (the rank's block of rows from
+// rank_prefix_matrix, the token's place in it from is_token_in_rank), so every block copies its tokens' rows
+// straight to their final rows on every rank that gets them: one load of x, one store per destination, no flow
+// control, no receiver SMs. That is the plain copy kernel's access pattern (the benchmark's ceiling).
+// Then each block releases its rows to each destination with one counter add, waits until its own rank's
+// counter shows every row (all ranks' blocks), and copies a share of the small per-row outputs out of the
+// buffer into the caller's fresh arrays. The rows themselves stay in the buffer: recv_x is a view of it.
+// ---------------------------------------------------------------------------------------------------
+constexpr int kDirectUnroll = 4;  // 16-byte loads per lane in flight (a 7168-wide bf16 row is 7 rounds of 4)
+
+// Copy one row (n int4) to every rank in `targets` (bit d: rank d gets it at row `row` of lane d, in dst_x[d]).
+// The rows travel by shuffle, not in a per-rank register array: the kernel is at its 80-register limit.
+template <int kNumRanks>
+__device__ __forceinline__ void warp_copy_to_targets(int4* const* dst_x, int row, unsigned targets, const int4* src,
+                                                     int n) {
+    for (int i = lane_id(); i < n; i += kDirectUnroll * kWarpSize) {
+        int4 v[kDirectUnroll];
+#pragma unroll
+        for (int u = 0; u < kDirectUnroll; ++u)
+            if (i + u * kWarpSize < n) v[u] = ld_nc_v4(src + i + u * kWarpSize);
+#pragma unroll
+        for (int d = 0; d < kNumRanks; ++d) {
+            if (!((targets >> d) & 1u)) continue;
+            int4* dst = dst_x[d] + (long long)__shfl_sync(0xffffffffu, row, d) * n + i;
+#pragma unroll
+            for (int u = 0; u < kDirectUnroll; ++u)
+                if (i + u * kWarpSize < n) dst[u * kWarpSize] = v[u];
+        }
+    }
+}
+
+template <int kNumRanks, typename IdxT>
+__global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
+dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights,
+                int* recv_channel_prefix_matrix, int* send_head,
+                const int4* x, const float* x_scales, const IdxT* topk_idx, const float* topk_weights,
+                const bool* is_token_in_rank, const int* channel_prefix_matrix, const int* rank_prefix_matrix,
+                int num_tokens, int num_out_rows, int hidden_int4, int num_topk, int num_experts, int num_scales,
+                long long scale_token_stride, long long scale_hidden_stride,
+                void** buffer_ptrs, int rank, int num_channels, int capacity, const DeviceCtx* ctx) {
+    using G = Groups<kNumRanks>;
+    __shared__ int s_base[kNumRanks];        // this block's first position in its rank's block of rows on rank d
+    __shared__ int s_first_row[kNumRanks];   // the same as a row of rank d's output
+    __shared__ int4* s_dst_x[kNumRanks];     // rank d's zero-copy rows
+    if (block_aborted(ctx)) return;
+    const DirectDispatchLayout layout(num_channels, capacity, hidden_int4, num_topk, num_scales);
+    // Every rank reads the same matrix, so all ranks stop alike (no block is left waiting for skipped rows).
+    const int* totals = rank_prefix_matrix + (kNumRanks - 1) * kNumRanks;  // rows each rank receives
+    for (int d = 0; d < kNumRanks; ++d) {
+        if (totals[d] > capacity) {
+            if (blockIdx.x == 0 && threadIdx.x == 0)
+                report_failure(ctx, WaitSite{kKernelDispatchDirect, kRoleZeroCopyCapacity, -1, d}, totals[d],
+                               capacity, -1, 0);
+            return;
+        }
+    }
+
+    // This block's tokens: equal shares of whole windows of 32. Warp d < R counts the tokens of the range's first
+    // channel that lie before it (channel_prefix_matrix gives the count before that channel).
+    const int num_windows = (num_tokens + kWarpSize - 1) / kWarpSize;
+    const int per_block = (num_windows + (int)gridDim.x - 1) / (int)gridDim.x * kWarpSize;
+    const int begin = min((int)blockIdx.x * per_block, num_tokens), end = min(begin + per_block, num_tokens);
+    if (warp_id() < kNumRanks) {
+        const int d = warp_id();
+        int base = 0;
+        if (begin < end) {
+            const int per_channel = (num_tokens + num_channels - 1) / num_channels;
+            const int first_channel = begin / per_channel;
+            base = first_channel > 0 ? channel_prefix_matrix[d * num_channels + first_channel - 1] : 0;
+            for (int t = first_channel * per_channel + lane_id(); t - lane_id() < begin; t += kWarpSize)
+                base += __popc(__ballot_sync(0xffffffffu, t < begin && is_token_in_rank[(long long)t * kNumRanks + d]));
+        }
+        if (lane_id() == 0) {
+            s_base[d] = base;
+            s_first_row[d] = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + d] : 0) + base;
+            s_dst_x[d] = layout.x.on(buffer_ptrs[d]);
+        }
+    }
+    // Block 0: where each of my channels starts in every rank's block of rows from me.
+    if (blockIdx.x == 0) {
+        for (int i = threadIdx.x; i < kNumRanks * num_channels; i += blockDim.x) {
+            const int d = i / num_channels, c = i % num_channels;
+            layout.channel_starts.on(buffer_ptrs[d])[rank * num_channels + c] =
+                c > 0 ? channel_prefix_matrix[d * num_channels + c - 1] : 0;
+        }
+    }
+    __syncthreads();
+
+    // Every warp scans every window (R loads + ballots) and takes the tokens j with j % warps == its index.
+    // Lane d < R keeps rank d's numbers: the window's selection mask and the count of earlier windows.
+    const int experts_per_rank = num_experts / kNumRanks;
+    const int my_rank_lane = min(lane_id(), kNumRanks - 1);
+    int my_count = 0;
+    for (int w0 = begin; w0 < end; w0 += kWarpSize) {
+        const int t_lane = w0 + lane_id();
+        unsigned my_mask = 0;
+#pragma unroll
+        for (int d = 0; d < kNumRanks; ++d) {
+            const unsigned m = __ballot_sync(0xffffffffu, t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + d]);
+            if (lane_id() == d) my_mask = m;
+        }
+        const int j0 = w0 - begin;
+        for (int l = (warp_id() - j0 % G::kWarps + G::kWarps) % G::kWarps; l < kWarpSize && w0 + l < end;
+             l += G::kWarps) {
+            const int t = w0 + l;
+            const bool selected = lane_id() < kNumRanks && ((my_mask >> l) & 1u);
+            const int pos = my_count + __popc(my_mask & ((1u << l) - 1u));  // inside this block's share
+            const int row = s_first_row[my_rank_lane] + pos;                 // lane d: the row on rank d
+            if (send_head != nullptr && lane_id() < kNumRanks)
+                send_head[(long long)t * kNumRanks + lane_id()] = selected ? s_base[lane_id()] + pos : -1;
+            const unsigned targets = __ballot_sync(0xffffffffu, selected);
+            if (targets == 0) continue;
+            warp_copy_to_targets<kNumRanks>(s_dst_x, row, targets, x + (long long)t * hidden_int4, hidden_int4);
+#pragma unroll 1
+            for (int d = 0; d < kNumRanks; ++d) {
+                if (!((targets >> d) & 1u)) continue;
+                void* dst = buffer_ptrs[d];
+                const long long r = __shfl_sync(0xffffffffu, row, d);
+                if (send_head != nullptr && lane_id() == 0) layout.src_idx.on(dst)[r] = t;
+                if (topk_idx != nullptr) {
+                    for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+                        const long long e = (long long)topk_idx[(long long)t * num_topk + k];
+                        const long long local = e - (long long)d * experts_per_rank;
+                        const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
+                        layout.topk_idx.on(dst)[r * num_topk + k] = owned ? (int)local : -1;
+                        layout.topk_weights.on(dst)[r * num_topk + k] =
+                            owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
+                    }
+                }
+                for (int i = lane_id(); i < num_scales; i += kWarpSize)
+                    layout.scales.on(dst)[r * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
+            }
+        }
+        my_count += __popc(my_mask);
+    }
+
+    // Release this block's rows to each rank with one add (block 0 adds one more: its channel starts). The
+    // barrier orders the other threads' stores before thread d's system-scope fence.
+    __syncthreads();
+    if (threadIdx.x < kNumRanks) {
+        const int n = my_count + (blockIdx.x == 0);
+        if (n > 0) {
+            fence_acq_rel_sys();
+            atomicAdd_system(layout.done.on(buffer_ptrs[threadIdx.x]), n);
+        }
+    }
+    // Wait until every row of this rank's output is in: the rows from all ranks plus one per source's block 0.
+    void* mine = buffer_ptrs[rank];
+    const int num_recv = totals[rank];
+    bool ok = true;
+    if (threadIdx.x == 0) {
+        const int* done = layout.done.on(mine);
+        const int expected = num_recv + kNumRanks;
+        int seen = 0;
+        ok = wait_until(ctx, WaitSite{kKernelDispatchDirect, kRoleReceiver, (int)blockIdx.x, -1},
+                        [&] { return (seen = ld_acquire_sys(done)) >= expected; },
+                        [&](long long& h, long long& tl, long long& ex) { h = seen; tl = seen; ex = expected; });
+    }
+    if (!__syncthreads_and(ok)) return;
+
+    // The small outputs: this block's share of the rows, from the buffer into the caller's arrays.
+    const int rows_out = min(num_recv, num_out_rows);
+    const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    if (recv_src_idx != nullptr)
+        for (long long i = gid; i < rows_out; i += stride) recv_src_idx[i] = ld_volatile(layout.src_idx.on(mine) + i);
+    if (recv_topk_idx != nullptr) {
+        for (long long i = gid; i < (long long)num_out_rows * num_topk; i += stride) {
+            const bool real = i < (long long)rows_out * num_topk;  // rows past the real count: expert -1
+            recv_topk_idx[i] = real ? (IdxT)ld_volatile(layout.topk_idx.on(mine) + i) : (IdxT)-1;
+            if (real) recv_topk_weights[i] = ld_volatile(layout.topk_weights.on(mine) + i);
+        }
+    }
+    if (recv_x_scales != nullptr)
+        for (long long i = gid; i < (long long)rows_out * num_scales; i += stride)
+            recv_x_scales[i] = ld_volatile(layout.scales.on(mine) + i);
+    if (recv_channel_prefix_matrix != nullptr && blockIdx.x == 0)
+        for (int i = threadIdx.x; i < kNumRanks * num_channels; i += blockDim.x)
+            recv_channel_prefix_matrix[i] = ld_volatile(layout.channel_starts.on(mine) + i);
+}
+
+// ---------------------------------------------------------------------------------------------------
 // combine: grid 2C, Groups<R>::kThreads threads; its channels need not be the dispatch's: channel c is the
 // token owner's tokens [b, e) = channel_range(owner's count, C, c).
 // Even block c = sender: for every remote token owner `peer` (RemoteGroups: all warps write across NVLink),
@@ -761,14 +988,16 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
 }
 
 // Layout sums for the size test: out[0] = dispatch carve bytes, out[1] = combine carve bytes,
-// out[2] = offset where the channel area starts.
+// out[2] = offset where the channel area starts, out[3] = zero-copy dispatch carve bytes for `capacity` rows.
 __global__ void carve_probe(int num_channels, int num_ranks, int num_slots, int hidden_int4, int num_topk,
-                            int num_scales, long long* out) {
+                            int num_scales, int capacity, long long* out) {
     const DispatchLayout d(num_channels, num_ranks, num_slots, hidden_int4, num_topk, num_scales);
     const CombineLayout c(num_channels, num_ranks, num_slots, hidden_int4, num_topk);
+    const DirectDispatchLayout z(num_channels, capacity, hidden_int4, num_topk, num_scales);
     out[0] = d.total_end - d.begin;
     out[1] = c.total_end - c.begin;
     out[2] = d.begin;
+    out[3] = z.total_end - z.begin;
 }
 
 }  // namespace ep

@@ -279,7 +279,12 @@ class Bench:
                      self.hidden_bytes, self.R)
                  for sms in args.sms + [args.default_sms]
                  for get in (Buffer.get_dispatch_config, Buffer.get_combine_config)]
-        nvl = max(max(hints),
+        # room for a zero-copy dispatch of the largest batch, bf16 or FP8 (its rows stay in the buffer)
+        channels = max(dataclasses.replace(Buffer.get_dispatch_config(self.R, self.hidden_bytes), num_sms=sms)
+                       .intranode_dispatch_channels(self.R) for sms in args.sms + [args.default_sms])
+        zero_copy = max(cfgmod.direct_dispatch_bytes(channels, self.R * max_tokens, row, args.topk, scales)
+                        for row, scales in ((self.hidden_bytes, 0), (args.hidden, -(-args.hidden // 128))))
+        nvl = max(max(hints), cfgmod.NOTIFY_BYTES + zero_copy,
                   # room for the ceiling copy of the largest batch
                   cfgmod.NOTIFY_BYTES + 16 * self.R * (max_tokens * self.hidden_bytes // 16) + (1 << 20))
         t0 = time.perf_counter()
@@ -358,11 +363,12 @@ class Bench:
         layout = buf.get_dispatch_layout(idx, self.experts)
         num_per_rank_np = np.asarray(self.host(layout[0]))
 
-        def dispatch(xx, cfg, handle=None):
+        def dispatch(xx, cfg, handle=None, zero_copy=False):
             if handle is not None:
-                return buf.dispatch(xx, handle=handle, config=cfg)
+                return buf.dispatch(xx, handle=handle, config=cfg, zero_copy=zero_copy)
             return buf.dispatch(xx, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                                num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w, config=cfg)
+                                num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w, config=cfg,
+                                zero_copy=zero_copy)
 
         dcfg0 = dataclasses.replace(Buffer.get_dispatch_config(R, self.hidden_bytes), num_sms=a.default_sms)
         out = dispatch(x, dcfg0)
@@ -381,13 +387,13 @@ class Bench:
             if self.gpu and with_baselines else {}
         ceiling = {"graph": self.ceiling.get("gbps"), "steady": self.ceiling.get("gbps_steady")}
 
-        def add(op, dtype, sms, fn, row_bytes, logical_rows, nvl_rows, graph: bool):
+        def add(op, dtype, sms, fn, row_bytes, logical_rows, nvl_rows, graph: bool, zero_copy: bool = False):
             """Time ``fn`` (``time_op``) and append its record."""
             t = self.time_op(timer, fn, graph)
             key = (op.replace("cached_", ""), dtype)
             rec = make_record(dict(op=op, dtype=dtype, num_sms=sms, tokens=tokens, hidden=a.hidden, topk=a.topk,
-                                   experts=self.experts), t, row_bytes, logical_rows, nvl_rows, ceiling,
-                              {how: us.get(key) for how, us in nccl.items()})
+                                   experts=self.experts, zero_copy=zero_copy), t, row_bytes, logical_rows, nvl_rows,
+                              ceiling, {how: us.get(key) for how, us in nccl.items()})
             rec["steady_n"] = a.steady_n if t["steady"] else None
             self.records.append(rec)
             self.log(log_line(rec))
@@ -405,6 +411,11 @@ class Bench:
                     graph=True)
                 if name == "bf16":
                     recv_x, handle_bf16 = res[0], handle
+                # zero-copy: rows stored straight into the receiver's buffer (recv_x is a view of it)
+                add("dispatch", name, sms, lambda: dispatch(xx, dcfg, zero_copy=True), rb, num_recv, nvl_sent,
+                    graph=False, zero_copy=True)
+                add("cached_dispatch", name, sms, lambda: dispatch(xx, dcfg, handle, zero_copy=True), rb, num_recv,
+                    nvl_sent, graph=True, zero_copy=True)
             # DeepEP counts combine's logical bytes as recv_x's bytes
             add("combine", "bf16", sms, lambda: buf.combine(recv_x, handle_bf16, config=ccfg), row_bf16, num_recv,
                 nvl_back, graph=True)
@@ -459,6 +470,16 @@ class Bench:
                 checks.append(("recv_x_scales", got[1], ref.recv_x_scales))
             cached = self.host(dispatch(xx, cfg, handle)[0])
             checks.append(("cached recv_x", cached[0] if pick else cached, ref.recv_x))
+            zx, zidx, zw, zcounts, zhandle, _ = dispatch(xx, cfg, zero_copy=True)
+            zx = self.host(zx)  # a view of the buffer: read it before the next call
+            checks += [("zero-copy recv_x", zx[0] if pick else zx, ref.recv_x),
+                       ("zero-copy recv_topk_idx", self.host(zidx), ref.recv_topk_idx),
+                       ("zero-copy recv_topk_weights", self.host(zw), ref.recv_topk_weights),
+                       ("zero-copy send_head", self.host(zhandle[5]), self.host(handle[5]))]
+            if zcounts != ref.num_recv_tokens_per_expert_list:
+                errors.append(f"{name} zero-copy per-expert counts")
+            zc = self.host(dispatch(xx, cfg, zhandle, zero_copy=True)[0])
+            checks.append(("zero-copy cached recv_x", zc[0] if pick else zc, ref.recv_x))
             for label, g, r in checks:
                 if g.shape != r.shape or np.ascontiguousarray(g).tobytes() != np.ascontiguousarray(r).tobytes():
                     errors.append(f"{name} {label}")
@@ -475,7 +496,8 @@ class Bench:
         if any(bad):
             self.log(f"VERIFICATION FAILED: {bad}")
             comm.Abort(2)
-        self.log("  verified against cupy_ep.reference: dispatch bf16/fp8, cached dispatch, combine: OK")
+        self.log("  verified against cupy_ep.reference: dispatch bf16/fp8, cached dispatch (ring and zero-copy), "
+                 "combine: OK")
 
     def run(self):
         a = self.args
@@ -618,7 +640,7 @@ def markdown_table(doc: dict) -> str:
              "| ours/NCCL (call / graph / steady) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
-        lines.append(f"| {r['op']} | {r['dtype']} | {r['num_sms']} | {r['tokens']} | {r['time_us_median']:.1f} | "
+        lines.append(f"| {r['op']}{' zero-copy' if r.get('zero_copy') else ''} | {r['dtype']} | {r['num_sms']} | {r['tokens']} | {r['time_us_median']:.1f} | "
                      f"{f(r.get('time_us_graph'), '.1f')} | {f(r.get('time_us_steady'), '.1f')} | "
                      f"{r['logical_gbps']:.1f} | {each(r, 'nvlink_gbps', '.1f')} | "
                      f"{each(r, 'fraction_of_ceiling', '.2f', ('_graph', '_steady'))} | "
@@ -661,24 +683,26 @@ def plot(doc: dict, path: Path):
             ax.plot(*zip(*pts), marker="o", label=f"{label} ({'/'.join(hows)})")
 
     ax = axes[0]
-    for op, dtype in (("dispatch", "bf16"), ("cached_dispatch", "bf16"), ("cached_dispatch", "fp8"), ("combine", "bf16")):
-        series(ax, [r for r in res if r["op"] == op and r["dtype"] == dtype and r["tokens"] == args["tokens"]],
-               "num_sms", f"{op} {dtype}")
+    for op, dtype, zc in (("dispatch", "bf16", False), ("cached_dispatch", "bf16", False),
+                          ("cached_dispatch", "fp8", False), ("combine", "bf16", False),
+                          ("cached_dispatch", "bf16", True)):
+        series(ax, [r for r in res if r["op"] == op and r["dtype"] == dtype and r["tokens"] == args["tokens"]
+                    and bool(r.get("zero_copy")) == zc], "num_sms", f"{op} {dtype}{' zero-copy' if zc else ''}")
     if ceiling_by_sms:
         pts = sorted((int(k), v) for k, v in ceiling_by_sms.items())
         ax.plot(*zip(*pts), "k--", label=ceiling_label)
     nccl = [r for r in res if r["op"] == "dispatch" and r["dtype"] == "bf16" and r["tokens"] == args["tokens"]
-            and _nccl_gbps(r)]
+            and not r.get("zero_copy") and _nccl_gbps(r)]
     if nccl:
         ax.axhline(_nccl_gbps(nccl[0]), color="gray", ls=":", label="NCCL all-to-all (same bytes)")
     ax.set(xlabel="SMs", ylabel="NVLink-crossing GB/s per GPU", title=f"EP{doc['num_ranks']}, {args['tokens']} tokens/rank")
     ax.legend(fontsize=8)
     ax = axes[1]
-    for op in ("dispatch", "cached_dispatch", "combine"):
-        series(ax, [r for r in res if r["op"] == op and r["dtype"] == "bf16" and r["num_sms"] == args["default_sms"]],
-               "tokens", f"{op} bf16")
+    for op, zc in (("dispatch", False), ("cached_dispatch", False), ("combine", False), ("cached_dispatch", True)):
+        series(ax, [r for r in res if r["op"] == op and r["dtype"] == "bf16" and r["num_sms"] == args["default_sms"]
+                    and bool(r.get("zero_copy")) == zc], "tokens", f"{op} bf16{' zero-copy' if zc else ''}")
     pts = sorted((r["tokens"], _nccl_gbps(r)) for r in res
-                 if r["op"] == "dispatch" and r["dtype"] == "bf16" and _nccl_gbps(r)
+                 if r["op"] == "dispatch" and r["dtype"] == "bf16" and not r.get("zero_copy") and _nccl_gbps(r)
                  and r["num_sms"] == args["default_sms"])
     if pts:
         ax.plot(*zip(*pts), "k:", marker="x", label="NCCL all-to-all (same bytes)")

@@ -64,6 +64,33 @@ def combine_channel_bytes(num_channels: int, num_ranks: int, num_recv_slots: int
             + _asym(num_channels, num_ranks, q * num_topk * 4))
 
 
+def direct_dispatch_bytes(num_channels: int, capacity: int, hidden_bytes: int, num_topk: int, num_scales: int) -> int:
+    """Bytes of the zero-copy dispatch carve (buffer.cuh DirectDispatchLayout, receiver side): done counter,
+    channel starts ``[MAX_NVL_RANKS][channels]``, then ``capacity`` rows of x, src_idx, topk_idx, topk_weights
+    and scales."""
+    n = capacity
+    return (align_up(4) + align_up(4 * MAX_NVL_RANKS * num_channels) + align_up(n * hidden_bytes) + align_up(4 * n)
+            + 2 * align_up(4 * n * num_topk) + align_up(4 * n * num_scales))
+
+
+def direct_dispatch_x_offset(num_channels: int) -> int:
+    """Offset of the zero-copy rows from the end of the signals (DirectDispatchLayout.x)."""
+    return NOTIFY_BYTES + align_up(4) + align_up(4 * MAX_NVL_RANKS * num_channels)
+
+
+def direct_dispatch_capacity(num_nvl_bytes: int, num_channels: int, hidden_bytes: int, num_topk: int,
+                             num_scales: int) -> int:
+    """Rows a zero-copy dispatch can receive into a buffer of ``num_nvl_bytes`` (the largest n whose
+    :func:`direct_dispatch_bytes` fits after the notify area); 0 if none."""
+    room = num_nvl_bytes - NOTIFY_BYTES
+    per_row = hidden_bytes + 4 + 8 * num_topk + 4 * num_scales
+    n = max(0, (room - direct_dispatch_bytes(num_channels, 0, hidden_bytes, num_topk, num_scales) - 4 * ALIGN)
+            // per_row)
+    while n > 0 and direct_dispatch_bytes(num_channels, n, hidden_bytes, num_topk, num_scales) > room:
+        n -= 1
+    return min(n, 2**31 - 1)
+
+
 @dataclasses.dataclass
 class Config:
     """Launch and ring-buffer settings of the normal (high-throughput) kernels.

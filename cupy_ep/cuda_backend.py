@@ -21,17 +21,18 @@ from .event import EventOverlap
 _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
                  5: "cached_notify_combine", 6: "combine", 7: "barrier", 8: "low_latency_dispatch",
                  9: "low_latency_combine", 10: "internode_notify_dispatch", 11: "internode_cached_notify",
-                 12: "internode_dispatch", 13: "internode_combine"}
+                 12: "internode_dispatch", 13: "internode_combine", 14: "dispatch_direct"}
 _ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check",
-               6: "buffer_reuse",
+               6: "buffer_reuse", 7: "zero_copy_capacity",
                # internode.cu WarpRole
                10: "kRDMASender", 11: "kRDMASenderCoordinator", 12: "kRDMAAndNVLForwarder",
                13: "kForwarderCoordinator", 14: "kNVLReceivers", 15: "kNVLSender", 16: "kNVLAndRDMAForwarder",
                17: "kRDMAReceiver", 18: "kCoordinator", 19: "rdma_barrier", 20: "nvl_barrier", 22: "capacity"}
 # Mirror of the CallWords a notify kernel compares (intranode.cu): index -> name.
 _CALL_WORDS = ("op", "num_channels", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
-               "num_scales", "num_experts", "reserved")
-_CALL_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine"}
+               "num_scales", "num_experts", "zero_copy_capacity")
+_CALL_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "zero-copy dispatch",
+             5: "zero-copy cached dispatch"}
 # Mirror of cuda_src/common.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64).
 _RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), ("role", "<i4"),
                           ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
@@ -211,6 +212,12 @@ class CudaBuffer(Buffer):
                 raise CommError(f"rank {self.rank}: {rec['kernel']} ran on low-latency buffer {rec['head']} twice in "
                                 "a row: a CUDA graph replaying an odd number of low-latency calls (the buffer index "
                                 "is fixed at capture; capture dispatch + combine pairs, as in DeepEP)", rec)
+            if rec["role"] == "zero_copy_capacity":  # dispatch_direct: rows past a receiver's capacity
+                self._unusable_reason = f"zero-copy dispatch too large: {rec}"
+                raise CommError(f"rank {self.rank}: a zero-copy dispatch would put {rec['head']} rows into rank "
+                                f"{rec['peer']}'s buffer, which holds {rec['tail']} (num_nvl_bytes); every rank "
+                                "stopped before writing. Give Buffer more num_nvl_bytes "
+                                "(config.direct_dispatch_bytes) or dispatch without zero_copy", rec)
             if rec["role"] == "capacity":  # internode notify: num_worst_tokens smaller than what arrives
                 what = "rows received over RDMA" if rec["expected"] == 1 else "received rows"
                 self._unusable_reason = f"num_worst_tokens too small: {rec}"
@@ -353,6 +360,26 @@ class CudaBuffer(Buffer):
             raise ValueError(f"handle.recv_src_idx: must be 1-D, got shape {tuple(src_idx.shape)}")
         return rpm, cpm, rcpm, src_idx, in_rank, send_head
 
+    def _check_outside_buffer(self, a, name: str) -> None:
+        """Refuse an input that lives in this buffer's NVLink memory (a zero-copy dispatch's recv_x): the call
+        would overwrite it while reading it."""
+        raw = interop.unwrap(a)
+        ptr = int(getattr(getattr(raw, "data", None), "ptr", 0) or 0)
+        if self._nvl is not None and self._nvl.ptr <= ptr < self._nvl.ptr + self._nvl.nbytes:
+            raise ValueError(f"{name}: is a view of this buffer (a zero-copy dispatch's recv_x), which this call "
+                             "overwrites; copy it first (or compute the expert outputs into a new array)")
+
+    def _direct_recv_x(self, rows: int, hidden: int, dtype, num_channels: int):
+        """The zero-copy dispatch's recv_x: ``[rows, hidden]`` of ``dtype``, a view of this rank's buffer at
+        DirectDispatchLayout's x (buffer.cuh); it keeps the buffer object alive, not the memory's contents."""
+        import cupy
+        if rows == 0:
+            return cupy.empty((0, hidden), dtype=dtype)
+        offset = _config.SIGNAL_BYTES + _config.direct_dispatch_x_offset(num_channels)
+        nbytes = rows * hidden * cupy.dtype(dtype).itemsize
+        mem = cupy.cuda.UnownedMemory(self._nvl.ptr + offset, nbytes, self, self.device_id)
+        return cupy.ndarray((rows, hidden), dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
     def _check_nvl_bytes(self, needed: int, what: str) -> None:
         if needed > self.num_nvl_bytes:
             raise ValueError(f"num_nvl_bytes: this {what} needs at least {needed} bytes of NVLink buffer, the "
@@ -362,7 +389,7 @@ class CudaBuffer(Buffer):
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
-                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False, zero_copy: bool = False):
         """Send every token to the ranks that own its experts.
 
         Args:
@@ -374,6 +401,13 @@ class CudaBuffer(Buffer):
             expert_alignment: per-expert receive counts are rounded up to this.
             num_worst_tokens: > 0 = no CPU sync: outputs have this many rows (CUDA-graph capturable).
             config: ``Config``; default ``get_dispatch_config(R)``.
+            zero_copy: the senders store every row straight into its final row in the receiver's NVLink
+                buffer, and ``recv_x`` is a view of that buffer (no ring, no receiver copy: the fast path). The
+                view is valid until the next dispatch or combine on this buffer; copy it to keep it. It holds
+                ``config.direct_dispatch_capacity(num_nvl_bytes, ...)`` rows; more stops the buffer on every rank
+                (a CommError, at once where the count is known on the host: a dispatch that syncs; otherwise at
+                the next call). ``config.num_sms`` blocks all write; the handle is the same as without it (combine
+                and cached dispatch take either).
 
         Returns:
             ``(recv_x | (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
@@ -390,7 +424,11 @@ class CudaBuffer(Buffer):
         validate.check_expert_alignment(expert_alignment)
         validate.check_num_worst_tokens(num_worst_tokens, self.num_ranks, info.num_tokens)
         validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        zero_copy = validate.check_flag(zero_copy, "zero_copy")
+        self._check_outside_buffer(info.x, "x")
         if self._internode is not None:
+            if zero_copy:
+                raise NotImplementedError("zero_copy: only inside one NVLink domain (intranode) for now")
             with self._device:
                 return self._internode.dispatch(
                     info, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
@@ -410,12 +448,23 @@ class CudaBuffer(Buffer):
                 num_worst_tokens, R, T, self.device_id, self.check_values and not _capturing())
         S = info.num_scales
         hidden_int4 = info.hidden_bytes // 16
-        if cfg.num_max_nvl_chunked_recv_tokens < _dispatch_batch(R):
-            raise ValueError(f"config: dispatch at {R} ranks needs num_max_nvl_chunked_recv_tokens >= "
-                             f"{_dispatch_batch(R)} (the slots a sender claims at once), got "
-                             f"{cfg.num_max_nvl_chunked_recv_tokens}")
-        self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.dispatch_channel_bytes(
-            C, R, cfg.num_max_nvl_chunked_recv_tokens, info.hidden_bytes, max(num_topk, 1), S), "dispatch")
+        capacity = 0  # rows of a zero-copy output; 0: the ring dispatch
+        if zero_copy:
+            capacity = _config.direct_dispatch_capacity(self.num_nvl_bytes, C, info.hidden_bytes, max(num_topk, 1), S)
+            if capacity < max(1, num_worst_tokens):
+                raise ValueError(f"num_nvl_bytes: a zero-copy dispatch of {info.hidden_bytes}-byte rows fits {capacity} "
+                                 f"rows in this buffer ({self.num_nvl_bytes} bytes), it needs "
+                                 f"{max(1, num_worst_tokens)} (config.direct_dispatch_bytes sizes it)")
+            if cached and int(handle_raw[3].shape[0]) > capacity:
+                raise ValueError(f"handle: its dispatch received {handle_raw[3].shape[0]} rows, more than the "
+                                 f"{capacity} a zero-copy dispatch fits in num_nvl_bytes={self.num_nvl_bytes}")
+        else:
+            if cfg.num_max_nvl_chunked_recv_tokens < _dispatch_batch(R):
+                raise ValueError(f"config: dispatch at {R} ranks needs num_max_nvl_chunked_recv_tokens >= "
+                                 f"{_dispatch_batch(R)} (the slots a sender claims at once), got "
+                                 f"{cfg.num_max_nvl_chunked_recv_tokens}")
+            self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.dispatch_channel_bytes(
+                C, R, cfg.num_max_nvl_chunked_recv_tokens, info.hidden_bytes, max(num_topk, 1), S), "dispatch")
 
         kind = interop.kind_of(info.x)
         with self._device:
@@ -424,7 +473,7 @@ class CudaBuffer(Buffer):
             compute = self._begin(kind, previous_event)
             alloc_stream = self.comm_stream if allocate_on_comm_stream else compute
             layout_args = (np.int32(C), np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4),
-                           np.int32(max(num_topk, 1)), np.int32(S))
+                           np.int32(max(num_topk, 1)), np.int32(S), np.int32(capacity))
             per_expert_list = None
             if cached:
                 rpm, cpm, rcpm, src_idx, in_rank, send_head = handle_raw
@@ -448,9 +497,12 @@ class CudaBuffer(Buffer):
                               rpm, cpm, np.uint64(self._host.ptr) if sync else None,
                               np.uint64(self._host.ptr + 4) if sync else None, self._nvl.ptr_table,
                               np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
-                              np.int32(hidden_int4), np.int32(max(num_topk, 1)), np.int32(S), self._ctx))
+                              np.int32(hidden_int4), np.int32(max(num_topk, 1)), np.int32(S), np.int32(capacity),
+                              self._ctx))
                 if sync:
                     num_recv = self._wait_recv_counter()
+                    if zero_copy:
+                        self.check_health()  # notify_dispatch stopped every rank if a receiver's rows do not fit
                     per_expert_list = [int(v) for v in self._expert_counters[: num_experts // R]]
                 else:
                     num_recv = num_worst_tokens
@@ -460,20 +512,30 @@ class CudaBuffer(Buffer):
                     send_head = cupy.empty((T, R), dtype=cupy.int32)
             with alloc_stream:
                 recv_x, recv_scales, recv_idx, recv_w = interop.alloc_dispatch_outputs(
-                    num_recv, info, raw_x, raw_scales, raw_idx, num_topk)
+                    num_recv, info, raw_x, raw_scales, raw_idx, num_topk, with_x=not zero_copy)
             ctype = "long long" if idx_name == "int64" else "int"
             stride_t, stride_h = interop.scale_strides(raw_scales)
             threads = _warps(R) * 32
-            self._launch(
-                "intranode.cu", f"ep::dispatch<{R}, {ctype}>", 2 * C + num_own_blocks, threads,
-                (recv_x, recv_scales, None if cached else src_idx, recv_idx, recv_w, None if cached else rcpm,
-                 None if cached else send_head, raw_x, raw_scales, raw_idx, raw_w, in_rank,
-                 cpm, rpm, np.int32(T), np.int32(num_worst_tokens), np.int32(hidden_int4),
-                 np.int32(num_topk), np.int32(num_experts), np.int32(S), np.int64(stride_t), np.int64(stride_h),
-                 self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
-                 np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
-                 self._ctx),
-                shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
+            if zero_copy:
+                recv_x = self._direct_recv_x(min(num_recv, capacity), info.hidden, raw_x.dtype, C)
+                self._launch(
+                    "intranode.cu", f"ep::dispatch_direct<{R}, {ctype}>", cfg.num_sms, threads,
+                    (recv_scales, None if cached else src_idx, recv_idx, recv_w, None if cached else rcpm,
+                     None if cached else send_head, raw_x, raw_scales, raw_idx, raw_w, in_rank, cpm, rpm,
+                     np.int32(T), np.int32(num_recv), np.int32(hidden_int4), np.int32(num_topk),
+                     np.int32(num_experts), np.int32(S), np.int64(stride_t), np.int64(stride_h),
+                     self._nvl.ptr_table, np.int32(self.rank), np.int32(C), np.int32(capacity), self._ctx))
+            else:
+                self._launch(
+                    "intranode.cu", f"ep::dispatch<{R}, {ctype}>", 2 * C + num_own_blocks, threads,
+                    (recv_x, recv_scales, None if cached else src_idx, recv_idx, recv_w, None if cached else rcpm,
+                     None if cached else send_head, raw_x, raw_scales, raw_idx, raw_w, in_rank,
+                     cpm, rpm, np.int32(T), np.int32(num_worst_tokens), np.int32(hidden_int4),
+                     np.int32(num_topk), np.int32(num_experts), np.int32(S), np.int64(stride_t), np.int64(stride_h),
+                     self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
+                     np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
+                     self._ctx),
+                    shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
             keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, rpm, cpm, rcpm,
                     src_idx, send_head, in_rank)
             event = self._finish(compute, async_finish, keep)
@@ -515,6 +577,7 @@ class CudaBuffer(Buffer):
                 return self._internode.combine(x, handle, topk_weights, bias, config_getter, previous_event,
                                                async_finish, allocate_on_comm_stream)
         num_recv, hidden = validate.check_combine_x(x, self.device_id)
+        self._check_outside_buffer(x, "x")
         if not isinstance(handle, (tuple, list)) or len(handle) != 6:
             raise ValueError("handle: must be the 6-tuple returned by an intranode dispatch")
         # a combine cuts the tokens into its own channels: send_head does not depend on the dispatch's

@@ -190,7 +190,8 @@ class HostBuffer(Buffer):
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
-                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                 zero_copy: bool = False):
         """Send every token to the ranks that own its experts (collective).
 
         Args:
@@ -201,6 +202,8 @@ class HostBuffer(Buffer):
             topk_idx ``[T, K]`` int32/int64 and topk_weights ``[T, K] float32``: both or neither.
             expert_alignment: the per-expert receive counts are rounded up to it.
             num_worst_tokens: when > 0, outputs have this many rows and the count list is empty.
+            zero_copy: on the GPU, recv_x is a view of the buffer (see ``CudaBuffer.dispatch``); here the
+                values are the same and recv_x is a fresh array either way.
 
         Returns:
             ``(recv_x [N, H] | (recv_x, recv_x_scales [N, S] float32), recv_topk_idx [N, K] (dtype of
@@ -211,6 +214,7 @@ class HostBuffer(Buffer):
             recv_src_idx [N], is_token_in_rank [T, R] bool, send_head [T, R])``, all int32 but the bool.
         """
         self._check_usable()
+        validate.check_flag(zero_copy, "zero_copy")
         args, notes = self._agree(lambda: self._check_dispatch(
             x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
             expert_alignment, num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream))

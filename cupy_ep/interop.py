@@ -145,11 +145,12 @@ def wrap(raw, kind: Kind, name: str):
     return raw
 
 
-def alloc_dispatch_outputs(num_recv: int, info, raw_x, raw_scales, raw_idx, num_topk: int):
+def alloc_dispatch_outputs(num_recv: int, info, raw_x, raw_scales, raw_idx, num_topk: int, with_x: bool = True):
     """``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights)`` of a GPU dispatch, raw CuPy arrays on the
-    current stream (``info``: ``validate.check_x``'s result; scales / top-k None when the call has none)."""
+    current stream (``info``: ``validate.check_x``'s result; scales / top-k None when the call has none;
+    recv_x None unless ``with_x``: a zero-copy dispatch's rows stay in the buffer)."""
     import cupy
-    recv_x = cupy.empty((num_recv, info.hidden), dtype=raw_x.dtype)
+    recv_x = cupy.empty((num_recv, info.hidden), dtype=raw_x.dtype) if with_x else None
     recv_scales = cupy.empty((num_recv, info.num_scales), dtype=cupy.float32) if raw_scales is not None else None
     recv_idx = recv_w = None
     if raw_idx is not None:

@@ -205,6 +205,21 @@ def run_case(comm, buf, case: Case, seed: int = 0):
                                               bias=tuple(_to_gpu(b) for b in bias_np), config=other)
         _check(errors, "combined_x (combine on 6 SMs)", combined, ref_c)
         _check(errors, "combined_topk_weights (combine on 6 SMs)", combined_w, ref_cw)
+
+        # zero-copy: the same outputs and handle, recv_x a view of the buffer
+        zx, zidx, zw, zcounts, zhandle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w, expert_alignment=case.expert_alignment, config=dcfg, zero_copy=True)
+        check_dispatch_outputs(errors, case, zx, zidx, zw, zcounts, ref)
+        for i, name in enumerate(("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+                                  "recv_src_idx")):
+            _check(errors, f"zero-copy handle.{name}", zhandle[i], getattr(ref, name))
+        _check(errors, "zero-copy handle.send_head", zhandle[5], ref.send_head)
+        check_cached_dispatch(errors, case, buf.dispatch(x, handle=zhandle, config=dcfg, zero_copy=True), ref)
+        combined, combined_w, _ = buf.combine(_to_gpu(y_np), zhandle, topk_weights=zw,
+                                              bias=tuple(_to_gpu(b) for b in bias_np), config=ccfg)
+        _check(errors, "combined_x (zero-copy handle)", combined, ref_c)
+        _check(errors, "combined_topk_weights (zero-copy handle)", combined_w, ref_cw)
         cupy.cuda.get_current_stream().synchronize()
     buf.check_health()
     report(comm, f"{case.name}", errors)
@@ -247,6 +262,72 @@ def test_num_worst_tokens(comm, gpu_buffer):
         _check(errors, "combined_x (worst handle)", combined, ref_c)
         cupy.cuda.get_current_stream().synchronize()
     assert all_ok(comm, not errors), f"rank {rank}: {errors}"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_copy_num_worst_tokens_and_view_guard(comm, gpu_buffer):
+    """zero_copy with num_worst_tokens (no CPU sync): worst rows, the real ones as the reference's; recv_x is a
+    view of the buffer, and passing it back in (combine, dispatch) is refused before anything runs."""
+    import cupy
+    rank, R = comm.Get_rank(), comm.Get_size()
+    case = WORST_CASE
+    x_np, idx_np, w_np, num_experts = _inputs(case, rank, R)
+    worst = case.tokens * R
+    errors: list[str] = []
+    with cupy.cuda.Device(gpu_buffer.device_id):
+        x, idx, w = _to_gpu(x_np), cupy.asarray(idx_np), cupy.asarray(w_np)
+        per_rank, _, per_expert, in_rank, _ = gpu_buffer.get_dispatch_layout(idx, num_experts)
+        cfg = _config_for("dispatch", R, 12)
+        recv_x, recv_idx, recv_w, counts, handle, _ = gpu_buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w, num_worst_tokens=worst, config=cfg, zero_copy=True)
+        ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, 1, cfg.intranode_dispatch_channels(R))
+        check_worst_outputs(errors, recv_x, recv_idx, recv_w, counts, ref, worst)
+        base = gpu_buffer._nvl.ptr
+        if not base <= recv_x.data.ptr < base + gpu_buffer._nvl.nbytes:
+            errors.append("zero-copy recv_x is not a view of the buffer")
+        for label, call in (("combine", lambda: gpu_buffer.combine(recv_x, handle)),
+                            ("dispatch", lambda: gpu_buffer.dispatch(recv_x[:case.tokens], handle=handle))):
+            try:
+                call()
+                errors.append(f"{label} of the zero-copy recv_x was not refused")
+            except ValueError as e:
+                if "x: is a view of this buffer" not in str(e):
+                    errors.append(f"{label}: unexpected message {e}")
+        cupy.cuda.get_current_stream().synchronize()
+    gpu_buffer.check_health()
+    report(comm, "zero_copy worst", errors)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_copy_capacity_stops_every_rank(comm):
+    """A zero-copy dispatch larger than a receiver's buffer stops on every rank with a CommError naming the
+    capacity, and writes nothing (a buffer sized for 64 rows, 300 tokens per rank)."""
+    import cupy
+    from cupy_ep.errors import CommError
+    rank, R = comm.Get_rank(), comm.Get_size()
+    case = Case("capacity", 300, 2048, 4, 8, 12)
+    x_np, idx_np, w_np, num_experts = _inputs(case, rank, R)
+    cfg = _config_for("dispatch", R, 12)
+    C = cfg.intranode_dispatch_channels(R)
+    nbytes = cfgmod.NOTIFY_BYTES + cfgmod.direct_dispatch_bytes(C, 64, case.hidden * 2, case.topk, 0)
+    errors: list[str] = []
+    buf = cupy_ep.Buffer(comm, num_nvl_bytes=cfgmod.align_up(nbytes), backend="cuda", timeout_s=30)
+    try:
+        with cupy.cuda.Device(buf.device_id):
+            x, idx, w = _to_gpu(x_np), cupy.asarray(idx_np), cupy.asarray(w_np)
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+            try:
+                buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                             num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, config=cfg,
+                             zero_copy=True)
+                errors.append("no error")
+            except CommError as e:
+                if "zero-copy dispatch would put" not in str(e):
+                    errors.append(f"unexpected message: {e}")
+    finally:
+        buf.destroy()
+    report(comm, "zero_copy capacity", errors)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -301,14 +382,16 @@ def test_carve_matches_python_size_arithmetic(comm, gpu_buffer):
     R = comm.Get_size()
     with cupy.cuda.Device(gpu_buffer.device_id):
         k = jit.get_kernel("intranode.cu", "ep::carve_probe")
-        for (C, Q, hb, topk, scales) in [(12, 256, 14336, 8, 56), (2, 64, 16, 1, 0), (33, 100, 32768, 32, 128)]:
-            out = cupy.zeros(3, dtype=cupy.int64)
+        for (C, Q, hb, topk, scales, cap) in [(12, 256, 14336, 8, 56, 8192), (2, 64, 16, 1, 0, 3),
+                                              (33, 100, 32768, 32, 128, 1000)]:
+            out = cupy.zeros(4, dtype=cupy.int64)
             k((1,), (1,), (np.int32(C), np.int32(R), np.int32(Q), np.int32(hb // 16), np.int32(topk),
-                           np.int32(scales), out))
+                           np.int32(scales), np.int32(cap), out))
             got = out.get().tolist()
             want = [cfgmod.dispatch_channel_bytes(C, R, Q, hb, topk, scales),
                     cfgmod.combine_channel_bytes(C, R, Q, hb, topk),
-                    cfgmod.SIGNAL_BYTES + cfgmod.NOTIFY_BYTES]
+                    cfgmod.SIGNAL_BYTES + cfgmod.NOTIFY_BYTES,
+                    cfgmod.direct_dispatch_bytes(C, cap, hb, topk, scales)]
             if got != want:
                 errors.append(f"C={C} Q={Q} hidden_bytes={hb}: device {got} vs python {want}")
     assert all_ok(comm, not errors), errors

@@ -1,0 +1,91 @@
+"""GPU-less checks of the zero-copy dispatch (intranode.cu dispatch_direct): a numpy model of where each block
+puts each token's row (block shares of whole windows of 32 tokens, the count before a share from
+channel_prefix_matrix plus a scan of the share's first channel, warps taking tokens j % warps), checked against
+the reference's send_head and rank_prefix_matrix: every row of every receiver written exactly once, at the
+reference's position; the completion count the receivers wait for; and the carve's Python mirror.
+The model is written from the kernel's description, not run from it: it checks the scheme, not the CUDA code."""
+import numpy as np
+import pytest
+
+from cupy_ep import config, reference
+
+WARPS = 24  # Groups<R>::kWarps at R = 2, 3, 4, 6, 8
+
+
+def model_rows(in_rank: np.ndarray, num_channels: int, num_blocks: int, rank_offsets: np.ndarray):
+    """``(rows [T, R] (-1: not sent), send_head [T, R], releases [R])`` as dispatch_direct computes them on one
+    source rank; ``rank_offsets[d]``: the first row of this source's block in rank d's output."""
+    T, R = in_rank.shape
+    cpm = np.cumsum(reference.local_channel_counts(in_rank, num_channels), axis=1)  # inclusive, [R, C]
+    rows = np.full((T, R), -1, dtype=np.int64)
+    send_head = np.full((T, R), -1, dtype=np.int64)
+    releases = np.zeros(R, dtype=np.int64)
+    num_windows = -(-T // 32)
+    per_block = -(-num_windows // num_blocks) * 32
+    for b in range(num_blocks):
+        begin, end = min(b * per_block, T), min(b * per_block + per_block, T)
+        base = np.zeros(R, dtype=np.int64)
+        if begin < end:
+            per_channel = -(-T // num_channels)
+            first = begin // per_channel
+            for d in range(R):
+                base[d] = (cpm[d, first - 1] if first > 0 else 0) + in_rank[first * per_channel:begin, d].sum()
+        counts = np.zeros(R, dtype=np.int64)
+        for w0 in range(begin, end, 32):
+            masks = in_rank[w0:min(w0 + 32, end)]
+            j0 = w0 - begin
+            for warp in range(WARPS):
+                for lane in range((warp - j0 % WARPS) % WARPS, min(32, end - w0), WARPS):
+                    t = w0 + lane
+                    for d in range(R):
+                        pos = counts[d] + masks[:lane, d].sum()
+                        if masks[lane, d]:
+                            assert send_head[t, d] == -1, "a token handled twice"
+                            send_head[t, d] = base[d] + pos
+                            rows[t, d] = rank_offsets[d] + base[d] + pos
+            counts += masks.sum(axis=0)
+        releases += counts + (b == 0)
+    return rows, send_head, releases
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 8])
+@pytest.mark.parametrize("tokens,channels,blocks", [(4096, 9, 24), (4096, 9, 8), (777, 4, 32), (5, 9, 24),
+                                                    (0, 9, 24), (300, 1, 1), (1000, 12, 7)])
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+def test_every_row_written_once_at_the_reference_position(num_ranks, tokens, channels, blocks, density):
+    rng = np.random.default_rng(tokens * 31 + num_ranks * 7 + blocks)
+    in_rank = [rng.random((0 if (s == 1 and tokens == 777) else tokens, num_ranks)) < density
+               for s in range(num_ranks)]
+    sent = [m.sum(axis=0) for m in in_rank]
+    rpm = reference.rank_prefix_matrix(sent)
+    written = [np.zeros(int(rpm[-1, d]), dtype=np.int64) for d in range(num_ranks)]
+    waited = np.zeros(num_ranks, dtype=np.int64)
+    for s in range(num_ranks):
+        offsets = rpm[s - 1] if s > 0 else np.zeros(num_ranks, dtype=np.int64)
+        rows, send_head, releases = model_rows(in_rank[s], channels, blocks, offsets)
+        # send_head: the row inside d's block of rows from s = the count of s's earlier tokens sent to d
+        want = np.where(in_rank[s], np.cumsum(in_rank[s], axis=0) - 1, -1)
+        np.testing.assert_array_equal(send_head, want)
+        for d in range(num_ranks):
+            got = rows[:, d][rows[:, d] >= 0]
+            np.add.at(written[d], got, 1)
+        waited += releases
+    for d in range(num_ranks):
+        assert (written[d] == 1).all(), f"rank {d}: rows written {np.unique(written[d])} times"
+        # what rank d's blocks wait for: every row, plus one per source (its block 0's channel starts)
+        assert waited[d] == rpm[-1, d] + num_ranks
+
+
+@pytest.mark.parametrize("channels,capacity,hidden_bytes,topk,scales", [(9, 8192, 14336, 8, 0), (1, 1, 16, 1, 0),
+                                                                        (33, 1000, 7168, 32, 56)])
+def test_direct_carve_and_capacity(channels, capacity, hidden_bytes, topk, scales):
+    got = config.direct_dispatch_bytes(channels, capacity, hidden_bytes, topk, scales)
+    a = config.align_up
+    assert got == (a(4) + a(4 * config.MAX_NVL_RANKS * channels) + a(capacity * hidden_bytes) + a(4 * capacity)
+                   + 2 * a(4 * capacity * topk) + a(4 * capacity * scales))
+    assert config.direct_dispatch_x_offset(channels) == config.NOTIFY_BYTES + a(4) + a(32 * channels)
+    nvl = config.NOTIFY_BYTES + got
+    cap = config.direct_dispatch_capacity(nvl, channels, hidden_bytes, topk, scales)
+    assert cap >= capacity - 4  # the 128-byte rounding of five arrays may cost a few rows
+    assert config.NOTIFY_BYTES + config.direct_dispatch_bytes(channels, cap, hidden_bytes, topk, scales) <= nvl
+    assert config.direct_dispatch_capacity(config.NOTIFY_BYTES + 100, channels, hidden_bytes, topk, scales) == 0
