@@ -634,7 +634,8 @@ dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, fl
                 const bool* is_token_in_rank, const int* channel_prefix_matrix, const int* rank_prefix_matrix,
                 int num_tokens, int num_out_rows, int hidden_int4, int num_topk, int num_experts, int num_scales,
                 long long scale_token_stride, long long scale_hidden_stride,
-                void** buffer_ptrs, int rank, int num_channels, int capacity, const DeviceCtx* ctx) {
+                void** buffer_ptrs, int rank, int num_channels, int capacity, int num_local_blocks,
+                const DeviceCtx* ctx) {
     using G = Groups<kNumRanks>;
     __shared__ int s_base[kNumRanks];        // this block's first position in its rank's block of rows on rank d
     __shared__ int s_first_row[kNumRanks];   // the same as a row of rank d's output
@@ -652,20 +653,30 @@ dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, fl
         }
     }
 
-    // This block's tokens: equal shares of whole windows of 32. Warp d < R counts the tokens of the range's first
-    // channel that lie before it (channel_prefix_matrix gives the count before that channel).
+    // Roles: with num_local_blocks > 0 the last num_local_blocks blocks copy only the rows this rank keeps (local
+    // HBM copies) and the others only the rows for its peers (NVLink stores); 0: every block writes both.
+    const bool split = num_local_blocks > 0 && num_local_blocks < (int)gridDim.x && kNumRanks > 1;
+    const bool local_role = split && (int)blockIdx.x >= (int)gridDim.x - num_local_blocks;
+    const int role_blocks = !split ? (int)gridDim.x : local_role ? num_local_blocks : (int)gridDim.x - num_local_blocks;
+    const int role_index = local_role ? (int)blockIdx.x - ((int)gridDim.x - num_local_blocks) : (int)blockIdx.x;
+    const unsigned role_targets = !split ? 0xffffffffu : local_role ? (1u << rank) : ~(1u << rank);
+    // This block's tokens: equal shares of whole windows of 32 among its role's blocks. Warp d < R counts the
+    // tokens of the range's first channel that lie before it (channel_prefix_matrix: the count before it).
     const int num_windows = (num_tokens + kWarpSize - 1) / kWarpSize;
-    const int per_block = (num_windows + (int)gridDim.x - 1) / (int)gridDim.x * kWarpSize;
-    const int begin = min((int)blockIdx.x * per_block, num_tokens), end = min(begin + per_block, num_tokens);
+    const int per_block = (num_windows + role_blocks - 1) / role_blocks * kWarpSize;
+    const int begin = min(role_index * per_block, num_tokens), end = min(begin + per_block, num_tokens);
     if (warp_id() < kNumRanks) {
         const int d = warp_id();
         int base = 0;
         if (begin < end) {
             const int per_channel = (num_tokens + num_channels - 1) / num_channels;
             const int first_channel = begin / per_channel;
-            base = first_channel > 0 ? channel_prefix_matrix[d * num_channels + first_channel - 1] : 0;
-            for (int t = first_channel * per_channel + lane_id(); t - lane_id() < begin; t += kWarpSize)
-                base += __popc(__ballot_sync(0xffffffffu, t < begin && is_token_in_rank[(long long)t * kNumRanks + d]));
+            // independent loads (no ballot chain): up to a channel of tokens costs one load latency, not one per 32
+            int before = 0;
+#pragma unroll 8
+            for (int t = first_channel * per_channel + lane_id(); t < begin; t += kWarpSize)
+                before += is_token_in_rank[(long long)t * kNumRanks + d];
+            base = warp_reduce_sum(before) + (first_channel > 0 ? channel_prefix_matrix[d * num_channels + first_channel - 1] : 0);
         }
         if (lane_id() == 0) {
             s_base[d] = base;
@@ -703,9 +714,9 @@ dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, fl
             const bool selected = lane_id() < kNumRanks && ((my_mask >> l) & 1u);
             const int pos = my_count + __popc(my_mask & ((1u << l) - 1u));  // inside this block's share
             const int row = s_first_row[my_rank_lane] + pos;                 // lane d: the row on rank d
-            if (send_head != nullptr && lane_id() < kNumRanks)
+            if (send_head != nullptr && lane_id() < kNumRanks && ((role_targets >> lane_id()) & 1u))
                 send_head[(long long)t * kNumRanks + lane_id()] = selected ? s_base[lane_id()] + pos : -1;
-            const unsigned targets = __ballot_sync(0xffffffffu, selected);
+            const unsigned targets = __ballot_sync(0xffffffffu, selected) & role_targets;
             if (targets == 0) continue;
             warp_copy_to_targets<kNumRanks>(s_dst_x, row, targets, x + (long long)t * hidden_int4, hidden_int4);
 #pragma unroll 1
@@ -735,7 +746,7 @@ dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, fl
     // barrier orders the other threads' stores before thread d's system-scope fence.
     __syncthreads();
     if (threadIdx.x < kNumRanks) {
-        const int n = my_count + (blockIdx.x == 0);
+        const int n = ((role_targets >> threadIdx.x) & 1u ? my_count : 0) + (blockIdx.x == 0);
         if (n > 0) {
             fence_acq_rel_sys();
             atomicAdd_system(layout.done.on(buffer_ptrs[threadIdx.x]), n);

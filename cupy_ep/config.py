@@ -155,6 +155,19 @@ class Config:
         """Channels of an intranode dispatch (the handle's prefix matrices are ``[R, channels]``)."""
         return self.intranode_dispatch_split(num_ranks)[0]
 
+    def zero_copy_local_blocks(self, num_ranks: int) -> int:
+        """Blocks of a zero-copy dispatch (``num_sms`` in all) that copy only the rank's own rows (local HBM
+        copies); the others store only the peers' rows (NVLink). 0: every block does both.
+
+        Measured at R = 2, 4096 x 7168 bf16 (benchmarks/experiments/zero_copy_s11/): the own rows need about 8
+        SMs to keep pace with the NVLink stores, and the NVLink stores about 8 (steady: 16 SMs 204 us both
+        ways -> 193 us with 8 + 8; 24 SMs 216 -> 196 with 16 + 8; with 16 : 4 or 24 : 6 the own rows were the
+        slower side, 330 and 231 us). Below 16 SMs a split leaves either side short, so every block does both.
+        Other rank counts: not measured, every block does both."""
+        if num_ranks != 2 or self.num_sms < 16:
+            return 0
+        return min(8, self.num_sms // 2)
+
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of ``num_nvl_bytes`` that dispatch and combine with this config need.
 
