@@ -187,6 +187,30 @@ struct DirectDispatchLayout {
     }
 };
 
+// Zero-copy combine (combine(..., zero_copy=True)), in the *token owner's* buffer: expert rank r stores the rows
+// it sends back to this rank at [r][j], j = the row's index in r's block of rows from this rank (= the
+// owner's send_head[t][r]), and releases every `rows_per_flag` rows (config.DIRECT_COMBINE_ROWS_PER_FLAG) with
+// one flag. The owner reduces a token once the flags of its rows are set: no ring, no flow control.
+//   flags  [capacity][num_ranks]  flag [k][r]: rows [k * rows_per_flag, (k + 1) * rows_per_flag) from rank r are
+//          in; cached_notify_combine zeroes the ones a call can use (a prefix: k < the owner's token count)
+// capacity: rows per source rank (config.direct_combine_capacity); the ranks agree on it in the notify.
+struct DirectCombineLayout {
+    Buffer<int> flags;          // [capacity][num_ranks] (room for one flag per row)
+    Buffer<int4> x;             // [num_ranks][capacity][hidden_int4]
+    Buffer<float> topk_weights; // [num_ranks][capacity][topk]
+    long long begin, meta_end, total_end, capacity;
+    __device__ DirectCombineLayout(int num_ranks, long long capacity_, int hidden_int4, int num_topk)
+        : capacity(capacity_) {
+        Carver c(NotifyArea().end);
+        begin = c.offset;
+        flags = Buffer<int>(c, num_ranks * capacity);
+        meta_end = c.offset;
+        x = Buffer<int4>(c, num_ranks * capacity * hidden_int4);
+        topk_weights = Buffer<float>(c, num_ranks * capacity * num_topk);
+        total_end = c.offset;
+    }
+};
+
 // ---------------------------------------------------------------------------------------------------
 // Low-latency (NVSHMEM symmetric heap) layout: two buffers used alternately, signals first:
 // [sig0][sig1][send0][send1][recv0][recv1].

@@ -17,7 +17,7 @@ enum KernelId : int {
     kKernelCachedNotifyCombine = 5, kKernelCombine = 6, kKernelBarrier = 7,
     kKernelLowLatencyDispatch = 8, kKernelLowLatencyCombine = 9,
     kKernelInternodeNotifyDispatch = 10, kKernelInternodeCachedNotify = 11, kKernelInternodeDispatch = 12,
-    kKernelInternodeCombine = 13, kKernelDispatchDirect = 14,
+    kKernelInternodeCombine = 13, kKernelDispatchDirect = 14, kKernelCombineDirect = 15,
 };
 // (5 was kRoleSignaller, the low-latency dispatch's count signallers, gone since its counts carry epochs)
 enum Role : int { kRoleBarrier = 0, kRoleSender = 1, kRoleReceiver = 2, kRoleNotify = 3, kRoleCallCheck = 4,

@@ -6,8 +6,10 @@
 //   cached_notify_dispatch  reuse a handle: only reset the rings
 //   dispatch              channels = SM pairs (even block sends channel c, odd block receives it), plus
 //                         blocks that copy the rank's own rows
+//   dispatch_direct       zero-copy dispatch: rows stored straight into the receivers' outputs in their buffers
 //   cached_notify_combine reset the combine rings, publish the token count
 //   combine               reverse direction, reduced on the token's owner (channels of its own)
+//   combine_direct        zero-copy combine: rows stored straight into the owners' buffers, reduced as they land
 //   carve_probe           writes the layout sums (tests compare them with cupy_ep/config.py)
 //
 // Flow control per (channel, peer) ring: the producer waits until Q - (tail - head) >= chunk, writes
@@ -69,7 +71,7 @@ __device__ __forceinline__ void zero_ints(int* p, long long n) {
 // host raises as CallMismatchError. Nothing of the call has touched a ring by then.
 // ---------------------------------------------------------------------------------------------------
 enum CallOp : int { kOpDispatch = 1, kOpCachedDispatch = 2, kOpCombine = 3, kOpDirectDispatch = 4,
-                    kOpCachedDirectDispatch = 5 };
+                    kOpCachedDirectDispatch = 5, kOpDirectCombine = 6 };
 
 struct CallWords {
     int w[kCallWords];
@@ -254,13 +256,25 @@ __global__ void cached_notify_dispatch(void** buffer_ptrs, int rank, int num_cha
 }
 
 // Also publishes num_tokens: a combine sender needs the token owner's count to cut its channels.
+// direct_capacity > 0: a zero-copy combine; instead of the rings' counters it zeroes the flags that rows sent to
+// this rank can use (each rank sends at most num_tokens rows back to it).
 template <int kNumRanks>
 __global__ void cached_notify_combine(void** buffer_ptrs, int rank, int num_channels, int num_slots,
-                                      int hidden_int4, int num_topk, int num_tokens, const DeviceCtx* ctx) {
-    const CombineLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk);
-    const CallWords words{{kOpCombine, num_channels, num_slots, hidden_int4, num_topk, 0, 0, 0}};
-    reset_rings<kNumRanks>(buffer_ptrs, rank, layout.begin, layout.meta_end, words, ctx,
-                           kKernelCachedNotifyCombine, num_tokens);
+                                      int hidden_int4, int num_topk, int num_tokens, int direct_capacity,
+                                      const DeviceCtx* ctx) {
+    long long meta_begin, meta_end;
+    if (direct_capacity > 0) {
+        const DirectCombineLayout layout(kNumRanks, direct_capacity, hidden_int4, num_topk);
+        meta_begin = layout.begin;
+        meta_end = layout.begin + min((long long)num_tokens, layout.capacity) * kNumRanks * 4;
+    } else {
+        const CombineLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk);
+        meta_begin = layout.begin, meta_end = layout.meta_end;
+    }
+    const CallWords words{{direct_capacity > 0 ? kOpDirectCombine : kOpCombine, num_channels, num_slots, hidden_int4,
+                           num_topk, 0, 0, direct_capacity}};
+    reset_rings<kNumRanks>(buffer_ptrs, rank, meta_begin, meta_end, words, ctx, kKernelCachedNotifyCombine,
+                           num_tokens);
 }
 
 // Senders copy rows of this rank's own input into a peer's ring with 6 loads per lane in flight (the most the
@@ -816,6 +830,36 @@ __device__ __forceinline__ int warp_lower_bound(const int* a, int n, int key) {
     return lo + __popc(__ballot_sync(0xffffffffu, lo + lane_id() < hi && a[lo + lane_id()] < key));
 }
 
+// One token's sum by one warp: srcs[0 .. num_src) are the rows to add, in order; 0 + each in fp32, rounded once to
+// bf16 into out (every lane returns when it is stored). The rows stream through the warp's shared buffer in column
+// chunks: lane 0 bulk-loads one chunk of every source, all lanes wait on the mbarrier, then reduce the chunk from
+// shared memory (register loads left the reduction latency bound: 29 against 56 GB/s of traffic per SM). Rows a
+// peer wrote need lane 0's fence_proxy_async() after they were acquired.
+__device__ __forceinline__ void warp_sum_rows(TmaCopier& tma, const int4* const volatile* srcs, int num_src, int4* out,
+                                              int hidden_int4) {
+    const int chunk_int4 = kTmaChunkBytes / 16 / max(num_src, 1);
+    const int4* stage = static_cast<const int4*>(tma.buf);
+    for (int c0 = 0; c0 < hidden_int4; c0 += chunk_int4) {
+        const int n = min(chunk_int4, hidden_int4 - c0);
+        if (lane_id() == 0) {
+            mbarrier_expect_tx(tma.bar, n * 16 * num_src);
+            for (int q = 0; q < num_src; ++q)
+                tma_load(static_cast<int4*>(tma.buf) + q * chunk_int4, srcs[q] + c0, n * 16, tma.bar);
+        }
+        mbarrier_wait(tma.bar, tma.phase);
+        tma.phase ^= 1;
+        for (int i = lane_id(); i < n; i += kWarpSize) {
+            float acc[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+            for (int q = 0; q < num_src; ++q) accumulate_bf16x8(acc, stage[q * chunk_int4 + i]);
+            out[c0 + i] = make_int4((int)pack_bf16x2(acc[0], acc[1]), (int)pack_bf16x2(acc[2], acc[3]),
+                                    (int)pack_bf16x2(acc[4], acc[5]), (int)pack_bf16x2(acc[6], acc[7]));
+        }
+        __syncwarp();  // every lane has read the buffer before lane 0 refills it
+    }
+}
+
 template <int kNumRanks>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
 combine(int4* combined_x, float* combined_topk_weights, const int4* x, const float* topk_weights,
@@ -831,6 +875,7 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
     __shared__ int s_abort[kNumRanks];
     __shared__ int s_need[kNumRanks];
     __shared__ int s_slot[Groups<kNumRanks>::kWarps][kNumRanks];
+    __shared__ const int4* s_src[Groups<kNumRanks>::kWarps][kNumRanks + 2];  // receiver warp: its token's sources
     __shared__ int s_heads[Groups<kNumRanks>::kWarps * kCombineTokensPerWarp][kNumRanks];  // receiver: the batch's send_head
     __shared__ unsigned long long s_tma_bar[G::kWarps];
     extern __shared__ __align__(128) unsigned char s_tma_buf[];  // receiver: kTmaChunkBytes per warp
@@ -934,47 +979,18 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
                     slot[lane_id()] = h < 0 ? -1 : lane_id() == rank ? own_row_begin + h : h % num_slots;
                 }
                 __syncwarp();
-                // The token's sources in reduction order (bias0, bias1, then every rank holding it, ascending)
-                // stream through this warp's shared buffer in column chunks: lane 0 bulk-loads one chunk of
-                // every source, all lanes wait on the mbarrier, then reduce the chunk from shared memory.
-                int num_src = (bias0 != nullptr) + (bias1 != nullptr);
-#pragma unroll
-                for (int r = 0; r < kNumRanks; ++r) num_src += slot[r] >= 0;
-                const int chunk_int4 = kTmaChunkBytes / 16 / max(num_src, 1);
-                const int4* stage = static_cast<const int4*>(tma.buf);
-                int4* out = combined_x + (long long)t * hidden_int4;
-                for (int c0 = 0; c0 < hidden_int4; c0 += chunk_int4) {
-                    const int n = min(chunk_int4, hidden_int4 - c0);
-                    if (lane_id() == 0) {
-                        mbarrier_expect_tx(tma.bar, n * 16 * num_src);
-                        int4* dst = static_cast<int4*>(tma.buf);
-                        if (bias0 != nullptr) {
-                            tma_load(dst, bias0 + (long long)t * hidden_int4 + c0, n * 16, tma.bar);
-                            dst += chunk_int4;
-                        }
-                        if (bias1 != nullptr) {
-                            tma_load(dst, bias1 + (long long)t * hidden_int4 + c0, n * 16, tma.bar);
-                            dst += chunk_int4;
-                        }
-                        for (int r = 0; r < kNumRanks; ++r) {
-                            if (slot[r] < 0) continue;
-                            const int4* row = (r == rank ? x : layout.x.on(mine, channel, r)) + (long long)slot[r] * hidden_int4;
-                            tma_load(dst, row + c0, n * 16, tma.bar);
-                            dst += chunk_int4;
-                        }
-                    }
-                    mbarrier_wait(tma.bar, tma.phase);
-                    tma.phase ^= 1;
-                    for (int i = lane_id(); i < n; i += kWarpSize) {
-                        float acc[8];
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-                        for (int q = 0; q < num_src; ++q) accumulate_bf16x8(acc, stage[q * chunk_int4 + i]);
-                        out[c0 + i] = make_int4((int)pack_bf16x2(acc[0], acc[1]), (int)pack_bf16x2(acc[2], acc[3]),
-                                                (int)pack_bf16x2(acc[4], acc[5]), (int)pack_bf16x2(acc[6], acc[7]));
-                    }
-                    __syncwarp();  // every lane has read the buffer before lane 0 refills it
+                // The token's sources in reduction order: bias0, bias1, then every rank holding it, ascending.
+                const int4* volatile* srcs = s_src[warp_id()];
+                int num_src = 0;
+                if (lane_id() == 0) {
+                    if (bias0 != nullptr) srcs[num_src++] = bias0 + (long long)t * hidden_int4;
+                    if (bias1 != nullptr) srcs[num_src++] = bias1 + (long long)t * hidden_int4;
+                    for (int r = 0; r < kNumRanks; ++r)
+                        if (slot[r] >= 0)
+                            srcs[num_src++] = (r == rank ? x : layout.x.on(mine, channel, r)) + (long long)slot[r] * hidden_int4;
                 }
+                num_src = __shfl_sync(0xffffffffu, num_src, 0);
+                warp_sum_rows(tma, srcs, num_src, combined_x + (long long)t * hidden_int4, hidden_int4);
                 if (combined_topk_weights != nullptr) {
                     for (int k = lane_id(); k < num_topk; k += kWarpSize) {
                         float w = 0.0f;
@@ -998,17 +1014,143 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
     }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// combine_direct (zero_copy=True): grid of G blocks of Groups<R>::kThreads threads; the first num_sender_blocks
+// store, the others reduce. There is no ring: a row's place in its owner's buffer is known to both sides (the
+// owner's send_head is the row's index in the expert rank's block of rows from that owner), so
+//   senders:  every warp takes chunks of rows_per_flag rows of this rank's x, for each owner in turn, and
+//             stores them (and their top-k weights) at their place in the owner's buffer, then releases the
+//             chunk with one flag; no flow control, nothing to wait for;
+//   reducers: every warp takes tokens of this rank: lane r waits for the flag of the token's row from rank r
+//             (the own rank's row is read from x), then the warp sums 0 + bias0 + bias1 + the rows in
+//             ascending rank order in fp32 and rounds once to bf16 (the ring combine's arithmetic, bit for bit).
+// The senders and reducers are different SMs, so the reductions run while the rows land.
+// ---------------------------------------------------------------------------------------------------
+template <int kNumRanks>
+__global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
+combine_direct(int4* combined_x, float* combined_topk_weights, const int4* x, const float* topk_weights,
+               const int4* bias0, const int4* bias1, const int* rank_prefix_matrix, const int* send_head,
+               int num_tokens, int hidden_int4, int num_topk, void** buffer_ptrs, int rank, int capacity,
+               int rows_per_flag, int num_sender_blocks, const DeviceCtx* ctx) {
+    using G = Groups<kNumRanks>;
+    __shared__ int s_row[G::kWarps][kNumRanks];  // reducer warp: its token's row from each rank (-1: none)
+    __shared__ const int4* s_src[G::kWarps][kNumRanks + 2];  // reducer warp: its token's sources, in order
+    __shared__ unsigned long long s_tma_bar[G::kWarps];
+    extern __shared__ __align__(128) unsigned char s_tma_buf[];  // reducers: kTmaChunkBytes per warp
+    if (block_aborted(ctx)) return;
+    const DirectCombineLayout layout(kNumRanks, capacity, hidden_int4, num_topk);
+    // Every block of rows (expert rank, owner) must fit; every rank reads the same matrix and stops alike.
+    for (int i = 0; i < kNumRanks * kNumRanks; ++i) {
+        const int rows = rank_prefix_matrix[i] - (i >= kNumRanks ? rank_prefix_matrix[i - kNumRanks] : 0);
+        if (rows > capacity) {
+            if (blockIdx.x == 0 && threadIdx.x == 0)
+                report_failure(ctx, WaitSite{kKernelCombineDirect, kRoleZeroCopyCapacity, -1, i % kNumRanks}, rows,
+                               capacity, -1, 0);
+            return;
+        }
+    }
+
+    if ((int)blockIdx.x < num_sender_blocks) {
+        const int warp = (int)blockIdx.x * G::kWarps + warp_id(), num_warps = num_sender_blocks * G::kWarps;
+        int chunk_base = 0;  // chunks of the owners before this one (the warps deal all owners' chunks in turn)
+        for (int step = 1; step < kNumRanks; ++step) {
+            const int owner = (rank + step) % kNumRanks;
+            const int first = owner > 0 ? rank_prefix_matrix[(owner - 1) * kNumRanks + rank] : 0;
+            const int num_rows = rank_prefix_matrix[owner * kNumRanks + rank] - first;
+            const int num_chunks = (num_rows + rows_per_flag - 1) / rows_per_flag;
+            void* dst = buffer_ptrs[owner];
+            int4* rows = layout.x.on(dst) + (long long)rank * capacity * hidden_int4;
+            float* weights = layout.topk_weights.on(dst) + (long long)rank * capacity * num_topk;
+            int* flags = layout.flags.on(dst) + rank;  // flag k at k * kNumRanks
+            for (int k = ((warp - chunk_base) % num_warps + num_warps) % num_warps; k < num_chunks; k += num_warps) {
+                const int j_end = min((k + 1) * rows_per_flag, num_rows);
+                for (int j = k * rows_per_flag; j < j_end; ++j) {
+                    warp_copy<false, kSendUnroll>(rows + (long long)j * hidden_int4,
+                                                  x + (long long)(first + j) * hidden_int4, hidden_int4);
+                    if (topk_weights != nullptr)
+                        for (int i = lane_id(); i < num_topk; i += kWarpSize)
+                            weights[(long long)j * num_topk + i] = topk_weights[(long long)(first + j) * num_topk + i];
+                }
+                __syncwarp();  // the lanes' stores are ordered before lane 0's release
+                if (lane_id() == 0) st_release_sys(flags + (long long)k * kNumRanks, 1);
+            }
+            chunk_base += num_chunks;
+        }
+        return;
+    }
+
+    // Reducers: all reducer warps walk the tokens together (token t goes to reducer warp t % their count), in
+    // the order the senders' chunks land (row order), so no reducer waits for rows that come last while others
+    // idle (contiguous shares per block measured 494 us against 260 for the ring combine at 24 SMs).
+    const int num_reducer_warps = ((int)gridDim.x - num_sender_blocks) * G::kWarps;
+    const int reducer_warp = ((int)blockIdx.x - num_sender_blocks) * G::kWarps + warp_id();
+    const int own_first = rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0;
+    void* mine = buffer_ptrs[rank];
+    const int4* inbox = layout.x.on(mine);
+    const float* inbox_weights = layout.topk_weights.on(mine);
+    TmaCopier tma;  // only its buffer and mbarrier: the reduction needs the data in registers
+    tma.init(s_tma_buf + warp_id() * kTmaChunkBytes, &s_tma_bar[warp_id()]);
+    for (int t = reducer_warp; t < num_tokens; t += num_reducer_warps) {
+        bool ok = true;
+        if (lane_id() < kNumRanks) {
+            const int r = lane_id();
+            int row = send_head[(long long)t * kNumRanks + r];
+            if (row >= 0 && r != rank) {
+                const int* flag = layout.flags.on(mine) + (long long)(row / rows_per_flag) * kNumRanks + r;
+                ok = wait_until(ctx, WaitSite{kKernelCombineDirect, kRoleReceiver, t, r},
+                                [&] { return ld_acquire_sys(flag) != 0; },
+                                [&](long long& h, long long& tl, long long& ex) { h = row; tl = 0; ex = 1; });
+            }
+            s_row[warp_id()][r] = row;
+        }
+        if (!__all_sync(0xffffffffu, ok)) return;  // the buffer is stopped; no block barrier follows
+        const volatile int* rows = s_row[warp_id()];
+        const int4* volatile* srcs = s_src[warp_id()];  // 0 + bias0 + bias1 + the ranks' rows, ascending
+        int num_src = 0;
+        if (lane_id() == 0) {
+            fence_proxy_async();  // the bulk loads read what the peers wrote (acquired above)
+            if (bias0 != nullptr) srcs[num_src++] = bias0 + (long long)t * hidden_int4;
+            if (bias1 != nullptr) srcs[num_src++] = bias1 + (long long)t * hidden_int4;
+            for (int r = 0; r < kNumRanks; ++r) {
+                const int row = rows[r];
+                if (row >= 0)
+                    srcs[num_src++] = r == rank ? x + (long long)(own_first + row) * hidden_int4
+                                                : inbox + ((long long)r * capacity + row) * hidden_int4;
+            }
+        }
+        num_src = __shfl_sync(0xffffffffu, num_src, 0);
+        warp_sum_rows(tma, srcs, num_src, combined_x + (long long)t * hidden_int4, hidden_int4);
+        if (combined_topk_weights != nullptr) {
+            for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+                float w = 0.0f;
+#pragma unroll
+                for (int r = 0; r < kNumRanks; ++r) {
+                    const int row = rows[r];
+                    if (row < 0) continue;
+                    w += r == rank ? topk_weights[(long long)(own_first + row) * num_topk + k]
+                                   : ld_volatile(inbox_weights + ((long long)r * capacity + row) * num_topk + k);
+                }
+                combined_topk_weights[(long long)t * num_topk + k] = w;
+            }
+        }
+        __syncwarp();  // the lanes are done with s_row before the next token overwrites it
+    }
+}
+
 // Layout sums for the size test: out[0] = dispatch carve bytes, out[1] = combine carve bytes,
-// out[2] = offset where the channel area starts, out[3] = zero-copy dispatch carve bytes for `capacity` rows.
+// out[2] = offset where the channel area starts, out[3] = zero-copy dispatch carve bytes for `capacity` rows,
+// out[4] = zero-copy combine carve bytes for `capacity` rows per rank.
 __global__ void carve_probe(int num_channels, int num_ranks, int num_slots, int hidden_int4, int num_topk,
                             int num_scales, int capacity, long long* out) {
     const DispatchLayout d(num_channels, num_ranks, num_slots, hidden_int4, num_topk, num_scales);
     const CombineLayout c(num_channels, num_ranks, num_slots, hidden_int4, num_topk);
     const DirectDispatchLayout z(num_channels, capacity, hidden_int4, num_topk, num_scales);
+    const DirectCombineLayout zc(num_ranks, capacity, hidden_int4, num_topk);
     out[0] = d.total_end - d.begin;
     out[1] = c.total_end - c.begin;
     out[2] = d.begin;
     out[3] = z.total_end - z.begin;
+    out[4] = zc.total_end - zc.begin;
 }
 
 }  // namespace ep

@@ -284,6 +284,7 @@ class Bench:
                        .intranode_dispatch_channels(self.R) for sms in args.sms + [args.default_sms])
         zero_copy = max(cfgmod.direct_dispatch_bytes(channels, self.R * max_tokens, row, args.topk, scales)
                         for row, scales in ((self.hidden_bytes, 0), (args.hidden, -(-args.hidden // 128))))
+        zero_copy = max(zero_copy, cfgmod.direct_combine_bytes(self.R, max_tokens, self.hidden_bytes, args.topk))
         nvl = max(max(hints), cfgmod.NOTIFY_BYTES + zero_copy,
                   # room for the ceiling copy of the largest batch
                   cfgmod.NOTIFY_BYTES + 16 * self.R * (max_tokens * self.hidden_bytes // 16) + (1 << 20))
@@ -419,6 +420,8 @@ class Bench:
             # DeepEP counts combine's logical bytes as recv_x's bytes
             add("combine", "bf16", sms, lambda: buf.combine(recv_x, handle_bf16, config=ccfg), row_bf16, num_recv,
                 nvl_back, graph=True)
+            add("combine", "bf16", sms, lambda: buf.combine(recv_x, handle_bf16, config=ccfg, zero_copy=True),
+                row_bf16, num_recv, nvl_back, graph=True, zero_copy=True)
         del out
 
     def time_op(self, timer, fn, graph: bool) -> dict:
@@ -486,18 +489,19 @@ class Bench:
             if counts != ref.num_recv_tokens_per_expert_list:
                 errors.append(f"{name} per-expert counts")
             if pick == 0:
-                combined, _, _ = self.buf.combine(recv_x, handle)
                 all_recv = comm.allgather(ref.recv_x)
                 all_in_rank = comm.allgather(ref.is_token_in_rank)
                 ref_c, _ = reference.combine(all_recv, all_in_rank, rank)
-                if self.host(combined).tobytes() != ref_c.tobytes():
-                    errors.append("combine")
+                for zc in (False, True):
+                    combined, _, _ = self.buf.combine(recv_x, handle, zero_copy=zc)
+                    if self.host(combined).tobytes() != ref_c.tobytes():
+                        errors.append(f"combine{' zero-copy' if zc else ''}")
         bad = comm.allgather(errors)
         if any(bad):
             self.log(f"VERIFICATION FAILED: {bad}")
             comm.Abort(2)
-        self.log("  verified against cupy_ep.reference: dispatch bf16/fp8, cached dispatch (ring and zero-copy), "
-                 "combine: OK")
+        self.log("  verified against cupy_ep.reference: dispatch bf16/fp8, cached dispatch, combine (ring and "
+                 "zero-copy each): OK")
 
     def run(self):
         a = self.args
@@ -685,7 +689,7 @@ def plot(doc: dict, path: Path):
     ax = axes[0]
     for op, dtype, zc in (("dispatch", "bf16", False), ("cached_dispatch", "bf16", False),
                           ("cached_dispatch", "fp8", False), ("combine", "bf16", False),
-                          ("cached_dispatch", "bf16", True)):
+                          ("cached_dispatch", "bf16", True), ("combine", "bf16", True)):
         series(ax, [r for r in res if r["op"] == op and r["dtype"] == dtype and r["tokens"] == args["tokens"]
                     and bool(r.get("zero_copy")) == zc], "num_sms", f"{op} {dtype}{' zero-copy' if zc else ''}")
     if ceiling_by_sms:
@@ -698,7 +702,8 @@ def plot(doc: dict, path: Path):
     ax.set(xlabel="SMs", ylabel="NVLink-crossing GB/s per GPU", title=f"EP{doc['num_ranks']}, {args['tokens']} tokens/rank")
     ax.legend(fontsize=8)
     ax = axes[1]
-    for op, zc in (("dispatch", False), ("cached_dispatch", False), ("combine", False), ("cached_dispatch", True)):
+    for op, zc in (("dispatch", False), ("cached_dispatch", False), ("combine", False), ("cached_dispatch", True),
+                   ("combine", True)):
         series(ax, [r for r in res if r["op"] == op and r["dtype"] == "bf16" and r["num_sms"] == args["default_sms"]
                     and bool(r.get("zero_copy")) == zc], "tokens", f"{op} bf16{' zero-copy' if zc else ''}")
     pts = sorted((r["tokens"], _nccl_gbps(r)) for r in res

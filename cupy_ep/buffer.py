@@ -129,6 +129,22 @@ class Buffer:
         return max(Buffer.get_dispatch_config(num_ranks, hidden_bytes).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
                    Buffer.get_combine_config(num_ranks, hidden_bytes).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
 
+    @staticmethod
+    def get_zero_copy_nvl_size_hint(num_max_tokens_per_rank: int, hidden_bytes: int, num_ranks: int,
+                                    num_topk: int = 8) -> int:
+        """``num_nvl_bytes`` for zero-copy dispatch and combine (``zero_copy=True``) of up to
+        ``num_max_tokens_per_rank`` tokens on every rank: a dispatch may receive all ranks' tokens, a combine
+        receives each of the owner's tokens once per rank. ``hidden_bytes`` as in
+        :meth:`get_nvl_buffer_size_hint` (BF16 rows; FP8 rows with their scales are smaller). At least the
+        ring hint of the default configs."""
+        t, r = num_max_tokens_per_rank, num_ranks
+        scales = -(-(hidden_bytes // 2) // 128)
+        zero_copy = max(_config.direct_dispatch_bytes(256, r * t, hidden_bytes, num_topk, 0),
+                        _config.direct_dispatch_bytes(256, r * t, hidden_bytes // 2, num_topk, scales),
+                        _config.direct_combine_bytes(r, t, hidden_bytes, num_topk))
+        return max(_config.align_up(_config.NOTIFY_BYTES + zero_copy),
+                   Buffer.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+
     # ---- lifetime -----------------------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._destroyed:

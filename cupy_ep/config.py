@@ -84,11 +84,40 @@ def direct_dispatch_capacity(num_nvl_bytes: int, num_channels: int, hidden_bytes
     :func:`direct_dispatch_bytes` fits after the notify area); 0 if none."""
     room = num_nvl_bytes - NOTIFY_BYTES
     per_row = hidden_bytes + 4 + 8 * num_topk + 4 * num_scales
-    n = max(0, (room - direct_dispatch_bytes(num_channels, 0, hidden_bytes, num_topk, num_scales) - 4 * ALIGN)
-            // per_row)
-    while n > 0 and direct_dispatch_bytes(num_channels, n, hidden_bytes, num_topk, num_scales) > room:
+    n = max(0, (room - direct_dispatch_bytes(num_channels, 0, hidden_bytes, num_topk, num_scales)) // per_row)
+    return _largest_fitting(n, room, lambda m: direct_dispatch_bytes(num_channels, m, hidden_bytes, num_topk,
+                                                                      num_scales))
+
+
+def _largest_fitting(guess: int, room: int, size) -> int:
+    """The largest n >= 0 with size(n) <= room (size grows with n), searched from ``guess``; capped at 2^31 - 1."""
+    n = guess
+    while n > 0 and size(n) > room:
         n -= 1
-    return min(n, 2**31 - 1)
+    while size(n + 1) <= room and n < 2**31 - 1:
+        n += 1
+    return n
+
+
+# Rows a zero-copy combine sender warp stores before releasing them with one flag (combine_direct's rows_per_flag):
+# small, so the rows land in the order the owners reduce them (benchmarks/experiments/zero_copy_s11/).
+DIRECT_COMBINE_ROWS_PER_FLAG = 2
+
+
+def direct_combine_bytes(num_ranks: int, capacity: int, hidden_bytes: int, num_topk: int) -> int:
+    """Bytes of the zero-copy combine carve (buffer.cuh DirectCombineLayout, token-owner side): flags
+    ``[capacity][R]``, then ``capacity`` rows per source rank of x and top-k weights."""
+    return (align_up(4 * num_ranks * capacity) + align_up(num_ranks * capacity * hidden_bytes)
+            + align_up(4 * num_ranks * capacity * num_topk))
+
+
+def direct_combine_capacity(num_nvl_bytes: int, num_ranks: int, hidden_bytes: int, num_topk: int) -> int:
+    """Rows per source rank that a zero-copy combine fits in a buffer of ``num_nvl_bytes`` (a token owner
+    needs its token count); 0 if none."""
+    room = num_nvl_bytes - NOTIFY_BYTES
+    per_row = num_ranks * (hidden_bytes + 4 * num_topk + 4)
+    return _largest_fitting(max(0, room // per_row), room,
+                            lambda m: direct_combine_bytes(num_ranks, m, hidden_bytes, num_topk))
 
 
 @dataclasses.dataclass
@@ -167,6 +196,15 @@ class Config:
         if num_ranks != 2 or self.num_sms < 16:
             return 0
         return min(8, self.num_sms // 2)
+
+    def zero_copy_combine_senders(self, num_ranks: int) -> int:
+        """Blocks of a zero-copy combine (``num_sms`` in all) that store rows into the owners' buffers; the
+        others reduce (each token reads two rows and writes one). ``min(9, 3 * num_sms // 8)``, at least one:
+        measured at R = 2, 4096 x 7168 (benchmarks/experiments/zero_copy_s11/, steady, 2 rows per flag): 24 SMs
+        with 7 / 8 / 9 senders 241 / 216 / 211 us, 16 SMs with 6: 272 us, 32 SMs with 8 / 10: 215 / 216 us."""
+        if num_ranks == 1:
+            return 0
+        return max(1, min(9, 3 * self.num_sms // 8))
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of ``num_nvl_bytes`` that dispatch and combine with this config need.

@@ -21,7 +21,7 @@ from .event import EventOverlap
 _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
                  5: "cached_notify_combine", 6: "combine", 7: "barrier", 8: "low_latency_dispatch",
                  9: "low_latency_combine", 10: "internode_notify_dispatch", 11: "internode_cached_notify",
-                 12: "internode_dispatch", 13: "internode_combine", 14: "dispatch_direct"}
+                 12: "internode_dispatch", 13: "internode_combine", 14: "dispatch_direct", 15: "combine_direct"}
 _ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check",
                6: "buffer_reuse", 7: "zero_copy_capacity",
                # internode.cu WarpRole
@@ -32,7 +32,7 @@ _ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_c
 _CALL_WORDS = ("op", "num_channels", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
                "num_scales", "num_experts", "zero_copy_capacity")
 _CALL_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "zero-copy dispatch",
-             5: "zero-copy cached dispatch"}
+             5: "zero-copy cached dispatch", 6: "zero-copy combine"}
 # Mirror of cuda_src/common.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64).
 _RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), ("role", "<i4"),
                           ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
@@ -553,7 +553,7 @@ class CudaBuffer(Buffer):
     # ---- combine ------------------------------------------------------------------------------------
     @_on_device
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
-                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                async_finish: bool = False, allocate_on_comm_stream: bool = False, zero_copy: bool = False):
         """Send expert outputs back to the tokens' owners and sum them there.
 
         Args:
@@ -561,6 +561,11 @@ class CudaBuffer(Buffer):
             handle: the dispatch handle (not modified).
             topk_weights: ``[N, K]`` float32 or None; summed per token like x.
             bias: None, a ``[T, H]`` bf16 array, or a pair; added first.
+            zero_copy: the expert ranks store the rows straight into the owners' NVLink buffers and the owners
+                reduce them as they land (no ring: the fast path). The buffer must hold the owner's tokens from
+                every rank: ``config.direct_combine_capacity(num_nvl_bytes, R, 2 * H, K)`` rows per rank, at least
+                T (``config.direct_combine_bytes`` sizes it). ``config.num_sms`` blocks:
+                ``config.zero_copy_combine_senders(R)`` store, the rest reduce. Same result, bit for bit.
 
         Returns:
             ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, EventOverlap)``: an fp32
@@ -569,6 +574,9 @@ class CudaBuffer(Buffer):
         import cupy
         self._check_usable()
         if self._internode is not None:
+            if zero_copy:
+                raise NotImplementedError("zero_copy: only inside one NVLink domain (intranode) for now")
+
             def config_getter(num_channels):
                 cfg = self._resolve_config(config, "combine", 2 * int(x.shape[1]) if getattr(x, "ndim", 0) == 2 else None,
                                            num_channels)
@@ -579,6 +587,7 @@ class CudaBuffer(Buffer):
                                                async_finish, allocate_on_comm_stream)
         num_recv, hidden = validate.check_combine_x(x, self.device_id)
         self._check_outside_buffer(x, "x")
+        zero_copy = validate.check_flag(zero_copy, "zero_copy")
         if not isinstance(handle, (tuple, list)) or len(handle) != 6:
             raise ValueError("handle: must be the 6-tuple returned by an intranode dispatch")
         # a combine cuts the tokens into its own channels: send_head does not depend on the dispatch's
@@ -592,14 +601,22 @@ class CudaBuffer(Buffer):
             raise ValueError(f"x: has {num_recv} rows but the handle's dispatch received {src_idx.shape[0]}")
         num_topk = validate.check_combine_topk_weights(topk_weights, num_recv, self.device_id) or 1
         biases = validate.check_bias(bias, num_tokens, hidden, self.device_id)
-        batch = _warps(R) * _COMBINE_TOKENS_PER_WARP
-        if cfg.num_max_nvl_chunked_recv_tokens - cfg.num_max_nvl_chunked_send_tokens < batch:
-            raise ValueError(f"config: combine needs num_max_nvl_chunked_recv_tokens - num_max_nvl_chunked_send_tokens"
-                             f" >= {batch} (the receiver's batch), got {cfg.num_max_nvl_chunked_recv_tokens} - "
-                             f"{cfg.num_max_nvl_chunked_send_tokens}")
         hidden_int4 = hidden * 2 // 16
-        self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.combine_channel_bytes(
-            C, R, cfg.num_max_nvl_chunked_recv_tokens, hidden * 2, num_topk), "combine")
+        capacity = 0  # rows per source rank of a zero-copy combine; 0: the ring combine
+        if zero_copy:
+            capacity = _config.direct_combine_capacity(self.num_nvl_bytes, R, hidden * 2, num_topk)
+            if capacity < max(1, num_tokens):
+                raise ValueError(f"num_nvl_bytes: a zero-copy combine of {hidden * 2}-byte rows fits {capacity} rows per "
+                                 f"rank in this buffer ({self.num_nvl_bytes} bytes), this rank's {num_tokens} tokens "
+                                 "need as many (config.direct_combine_bytes sizes it)")
+        else:
+            batch = _warps(R) * _COMBINE_TOKENS_PER_WARP
+            if cfg.num_max_nvl_chunked_recv_tokens - cfg.num_max_nvl_chunked_send_tokens < batch:
+                raise ValueError(f"config: combine needs num_max_nvl_chunked_recv_tokens - "
+                                 f"num_max_nvl_chunked_send_tokens >= {batch} (the receiver's batch), got "
+                                 f"{cfg.num_max_nvl_chunked_recv_tokens} - {cfg.num_max_nvl_chunked_send_tokens}")
+            self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.combine_channel_bytes(
+                C, R, cfg.num_max_nvl_chunked_recv_tokens, hidden * 2, num_topk), "combine")
 
         kind = interop.kind_of(x)
         with self._device:
@@ -613,12 +630,21 @@ class CudaBuffer(Buffer):
             self._launch("intranode.cu", f"ep::cached_notify_combine<{R}>", 1, _NOTIFY_THREADS,
                          (self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
                           np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4), np.int32(num_topk),
-                          np.int32(num_tokens), self._ctx))
-            self._launch("intranode.cu", f"ep::combine<{R}>", 2 * C, _warps(R) * 32,
-                         (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, src_idx, send_head, np.int32(num_tokens),
-                          np.int32(hidden_int4), np.int32(num_topk), self._nvl.ptr_table, np.int32(self.rank),
-                          np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
-                          self._ctx), shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
+                          np.int32(num_tokens), np.int32(capacity), self._ctx))
+            if zero_copy:
+                self._launch("intranode.cu", f"ep::combine_direct<{R}>", cfg.num_sms, _warps(R) * 32,
+                             (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, send_head, np.int32(num_tokens),
+                              np.int32(hidden_int4), np.int32(num_topk), self._nvl.ptr_table, np.int32(self.rank),
+                              np.int32(capacity), np.int32(_config.DIRECT_COMBINE_ROWS_PER_FLAG),
+                              np.int32(cfg.zero_copy_combine_senders(R)), self._ctx),
+                             shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
+            else:
+                self._launch("intranode.cu", f"ep::combine<{R}>", 2 * C, _warps(R) * 32,
+                             (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, src_idx, send_head,
+                              np.int32(num_tokens), np.int32(hidden_int4), np.int32(num_topk), self._nvl.ptr_table,
+                              np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_send_tokens),
+                              np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx),
+                             shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
             event = self._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, src_idx, send_head))
         return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
 

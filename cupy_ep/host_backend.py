@@ -356,7 +356,8 @@ class HostBuffer(Buffer):
 
     # ---- combine ------------------------------------------------------------------------------------
     def combine(self, x, handle, topk_weights=None, bias=None, config: Config | None = None,
-                previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                zero_copy: bool = False):
         """Send the expert outputs back to the token owners and sum them (collective).
 
         Args:
@@ -364,12 +365,15 @@ class HostBuffer(Buffer):
             handle: the handle dispatch returned (not modified).
             topk_weights: ``[N, K] float32`` or None; summed the same way.
             bias: None, a bf16 ``[T, H]`` array, or a pair of them (either may be None).
+            zero_copy: on the GPU, rows go straight into the owners' buffers (see ``CudaBuffer.combine``); the
+                result is the same, bit for bit, and here nothing changes.
 
         Returns:
             ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, EventOverlap)``:
             fp32 ``0 + bias0 + bias1 + contributions in ascending source-rank order``, rounded to bf16 once.
         """
         self._check_usable()
+        validate.check_flag(zero_copy, "zero_copy")
         (kind, x_raw, w_raw, biases, raw_handle), _ = self._agree(lambda: self._check_combine(
             x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream))
         rank_prefix, itr = raw_handle[0], raw_handle[4]

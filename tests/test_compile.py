@@ -13,7 +13,8 @@ def intranode_names():
         names += [f"ep::barrier<{r}>", f"ep::notify_dispatch<{r}>", f"ep::cached_notify_dispatch<{r}>",
                   f"ep::cached_notify_combine<{r}>", f"ep::combine<{r}>",
                   f"ep::dispatch<{r}, long long>", f"ep::dispatch<{r}, int>",
-                  f"ep::dispatch_direct<{r}, long long>", f"ep::dispatch_direct<{r}, int>"]
+                  f"ep::dispatch_direct<{r}, long long>", f"ep::dispatch_direct<{r}, int>",
+                  f"ep::combine_direct<{r}>"]
     return names
 
 

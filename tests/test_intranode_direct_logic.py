@@ -86,6 +86,30 @@ def test_direct_carve_and_capacity(channels, capacity, hidden_bytes, topk, scale
     assert config.direct_dispatch_x_offset(channels) == config.NOTIFY_BYTES + a(4) + a(32 * channels)
     nvl = config.NOTIFY_BYTES + got
     cap = config.direct_dispatch_capacity(nvl, channels, hidden_bytes, topk, scales)
-    assert cap >= capacity - 4  # the 128-byte rounding of five arrays may cost a few rows
+    assert cap >= capacity  # exactly the largest that fits
     assert config.NOTIFY_BYTES + config.direct_dispatch_bytes(channels, cap, hidden_bytes, topk, scales) <= nvl
+    assert config.NOTIFY_BYTES + config.direct_dispatch_bytes(channels, cap + 1, hidden_bytes, topk, scales) > nvl
     assert config.direct_dispatch_capacity(config.NOTIFY_BYTES + 100, channels, hidden_bytes, topk, scales) == 0
+
+
+@pytest.mark.parametrize("ranks,capacity,hidden_bytes,topk", [(2, 4096, 14336, 8), (8, 1, 16, 1), (3, 1000, 7168, 32)])
+def test_direct_combine_carve_and_capacity(ranks, capacity, hidden_bytes, topk):
+    got = config.direct_combine_bytes(ranks, capacity, hidden_bytes, topk)
+    a = config.align_up
+    assert got == a(4 * ranks * capacity) + a(ranks * capacity * hidden_bytes) + a(4 * ranks * capacity * topk)
+    nvl = config.NOTIFY_BYTES + got
+    cap = config.direct_combine_capacity(nvl, ranks, hidden_bytes, topk)
+    assert cap >= capacity and config.NOTIFY_BYTES + config.direct_combine_bytes(ranks, cap + 1, hidden_bytes, topk) > nvl
+    assert config.direct_combine_capacity(config.NOTIFY_BYTES, ranks, hidden_bytes, topk) == 0
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_zero_copy_size_hint_fits_the_largest_calls(ranks):
+    from cupy_ep import Buffer, Config
+    T, hb, K = 4096, 14336, 8
+    nvl = Buffer.get_zero_copy_nvl_size_hint(T, hb, ranks, K)
+    for sms in (8, 24, 64, 132):
+        C = Config(num_sms=sms).intranode_dispatch_channels(ranks)
+        assert config.direct_dispatch_capacity(nvl, C, hb, K, 0) >= ranks * T
+        assert config.direct_dispatch_capacity(nvl, C, hb // 2, K, hb // 2 // 128) >= ranks * T
+    assert config.direct_combine_capacity(nvl, ranks, hb, K) >= T

@@ -220,6 +220,18 @@ def run_case(comm, buf, case: Case, seed: int = 0):
                                               bias=tuple(_to_gpu(b) for b in bias_np), config=ccfg)
         _check(errors, "combined_x (zero-copy handle)", combined, ref_c)
         _check(errors, "combined_topk_weights (zero-copy handle)", combined_w, ref_cw)
+        # zero-copy combine: rows stored straight into the owners' buffers, the same sums bit for bit
+        for sms in (case.num_sms, 6):
+            combined, combined_w, _ = buf.combine(_to_gpu(y_np), handle, topk_weights=recv_w,
+                                                  bias=tuple(_to_gpu(b) for b in bias_np),
+                                                  config=dataclasses.replace(ccfg, num_sms=sms), zero_copy=True)
+            _check(errors, f"zero-copy combined_x ({sms} SMs)", combined, ref_c)
+            _check(errors, f"zero-copy combined_topk_weights ({sms} SMs)", combined_w, ref_cw)
+        combined, combined_w, _ = buf.combine(_to_gpu(y_np), handle, config=ccfg, zero_copy=True)
+        ref_plain, _ = reference_combine(comm, y_np, ref.is_token_in_rank)
+        _check(errors, "zero-copy combined_x (no weights, no bias)", combined, ref_plain)
+        if combined_w is not None:
+            errors.append("zero-copy combine without topk_weights must return None weights")
         cupy.cuda.get_current_stream().synchronize()
     buf.check_health()
     report(comm, f"{case.name}", errors)
@@ -260,6 +272,9 @@ def test_num_worst_tokens(comm, gpu_buffer):
         combined, _, _ = gpu_buffer.combine(_to_gpu(y_np), handle, config=_config_for("combine", R, 12))
         ref_c, _ = reference_combine(comm, y_np[:n], ref.is_token_in_rank)
         _check(errors, "combined_x (worst handle)", combined, ref_c)
+        combined, _, _ = gpu_buffer.combine(_to_gpu(y_np), handle, config=_config_for("combine", R, 12),
+                                            zero_copy=True)
+        _check(errors, "zero-copy combined_x (worst handle)", combined, ref_c)
         cupy.cuda.get_current_stream().synchronize()
     assert all_ok(comm, not errors), f"rank {rank}: {errors}"
 
@@ -384,14 +399,15 @@ def test_carve_matches_python_size_arithmetic(comm, gpu_buffer):
         k = jit.get_kernel("intranode.cu", "ep::carve_probe")
         for (C, Q, hb, topk, scales, cap) in [(12, 256, 14336, 8, 56, 8192), (2, 64, 16, 1, 0, 3),
                                               (33, 100, 32768, 32, 128, 1000)]:
-            out = cupy.zeros(4, dtype=cupy.int64)
+            out = cupy.zeros(5, dtype=cupy.int64)
             k((1,), (1,), (np.int32(C), np.int32(R), np.int32(Q), np.int32(hb // 16), np.int32(topk),
                            np.int32(scales), np.int32(cap), out))
             got = out.get().tolist()
             want = [cfgmod.dispatch_channel_bytes(C, R, Q, hb, topk, scales),
                     cfgmod.combine_channel_bytes(C, R, Q, hb, topk),
                     cfgmod.SIGNAL_BYTES + cfgmod.NOTIFY_BYTES,
-                    cfgmod.direct_dispatch_bytes(C, cap, hb, topk, scales)]
+                    cfgmod.direct_dispatch_bytes(C, cap, hb, topk, scales),
+                    cfgmod.direct_combine_bytes(R, cap, hb, topk)]
             if got != want:
                 errors.append(f"C={C} Q={Q} hidden_bytes={hb}: device {got} vs python {want}")
     assert all_ok(comm, not errors), errors
