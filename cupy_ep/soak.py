@@ -7,7 +7,9 @@ can be replayed alone with ``--start``. Each iteration's outputs are checksummed
 iteration and a random tenth of the others are compared bit for bit with ``cupy_ep.reference``. The first
 mismatch stops all ranks with a non-zero exit and the seed/iteration to replay.
 
-``--mode low-latency`` runs the low-latency dispatch/combine soak instead (:mod:`cupy_ep.soak_ll`).
+``--zero-copy`` makes every dispatch and combine zero-copy (the rows stay in the buffer: each iteration copies
+recv_x out before the next call overwrites it, as a user would). ``--mode low-latency`` runs the low-latency
+dispatch/combine soak instead (:mod:`cupy_ep.soak_ll`).
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--check-every", type=int, default=50)
     p.add_argument("--num-sms", type=int, default=12)
     p.add_argument("--backend", choices=["cuda", "host"], default=None)
+    p.add_argument("--zero-copy", action="store_true", help="zero-copy dispatch and combine (normal mode)")
     soak_ll.add_arguments(p)
     args = p.parse_args(argv)
 
@@ -73,7 +76,11 @@ def main(argv=None) -> int:
         args.max_tokens = 1024
     rank, R = comm.Get_rank(), comm.Get_size()
     cfg = Config(args.num_sms, 8, 256)
-    buf = Buffer(comm, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(7168 * 2, R), backend=args.backend)
+    nvl = cfg.get_nvl_buffer_size_hint(7168 * 2, R)
+    if args.zero_copy:
+        nvl = max(nvl, Buffer.get_zero_copy_nvl_size_hint(args.max_tokens, 7168 * 2, R, 8))
+    buf = Buffer(comm, num_nvl_bytes=nvl, backend=args.backend)
+    zc = args.zero_copy
     gpu = buf.backend == "cuda"
     if gpu:
         import cupy
@@ -137,14 +144,17 @@ def main(argv=None) -> int:
         layout = buf.get_dispatch_layout(dev(idx), E)
         recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
             dx, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
-            topk_idx=dev(idx), topk_weights=dev(w), config=cfg)
+            topk_idx=dev(idx), topk_weights=dev(w), config=cfg, zero_copy=zc)
         data = recv_x[0] if shape["fp8"] else recv_x
-        cached = buf.dispatch(dx, handle=handle, config=cfg)[0]  # must equal the non-cached rows bit for bit
+        if zc:
+            data = data.copy()  # a view of the buffer: the next call overwrites it
+        cached = buf.dispatch(dx, handle=handle, config=cfg, zero_copy=zc)[0]  # must equal the rows bit for bit
+        cached_digest = digest(cached[0] if shape["fp8"] else cached)
         dy = random_rows(gen, (int(data.shape[0]), H), "bf16")
-        combined, combined_w, _ = buf.combine(dy, handle, topk_weights=recv_w, config=cfg)
+        combined, combined_w, _ = buf.combine(dy, handle, topk_weights=recv_w, config=cfg, zero_copy=zc)
         outputs = [data, recv_x[1] if shape["fp8"] else None, recv_idx, recv_w, combined, combined_w]
         crc = digest(*outputs)
-        if digest(cached[0] if shape["fp8"] else cached) != digest(data):
+        if cached_digest != digest(data):
             print(f"[rank {rank}] cached dispatch differs from dispatch at iteration {it}", flush=True)
             shape["check"] = True  # the reference comparison below names the culprit; then stop
             cached_mismatch = True
@@ -181,7 +191,8 @@ def main(argv=None) -> int:
     buf.destroy()
     if rank == 0:
         print(f"cupy_ep.soak: {args.iters} iterations from {args.start} (seed {args.seed}, backend "
-              f"{buf.backend}, {R} ranks): 0 mismatches, {checked} compared with the reference")
+              f"{buf.backend}, {R} ranks{', zero-copy' if zc else ''}): 0 mismatches, {checked} compared with the "
+              "reference")
     return 0
 
 
