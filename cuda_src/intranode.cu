@@ -620,11 +620,14 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
 constexpr int kDirectUnroll = 4;  // 16-byte loads per lane in flight (a 7168-wide bf16 row is 7 rounds of 4)
 
 // Copy one row (n int4) to every rank in `targets` (bit d: rank d gets it at row `row` of lane d, in dst_x[d]).
-// The rows travel by shuffle, not in a per-rank register array: the kernel is at its 80-register limit.
+// The rows travel by shuffle, not in a per-rank register array: the kernel is at its 80-register limit. So the
+// loop runs the same rounds on every lane (a lane past the row's end is masked, it still shuffles): a lane-strided
+// loop left the lanes past a short row's end out of the shuffle and hung (hidden 128: 16 int4).
 template <int kNumRanks>
 __device__ __forceinline__ void warp_copy_to_targets(int4* const* dst_x, int row, unsigned targets, const int4* src,
                                                      int n) {
-    for (int i = lane_id(); i < n; i += kDirectUnroll * kWarpSize) {
+    for (int i0 = 0; i0 < n; i0 += kDirectUnroll * kWarpSize) {
+        const int i = i0 + lane_id();
         int4 v[kDirectUnroll];
 #pragma unroll
         for (int u = 0; u < kDirectUnroll; ++u)

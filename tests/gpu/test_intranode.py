@@ -45,6 +45,10 @@ CASES = [
     Case("4sms_large", 2048, 7168, 8, 32, 4, max_ranks=2),
     Case("alignment128", 1024, 4096, 8, 32, 24, expert_alignment=128),
     Case("fp8_hidden4096_int32", 700, 4096, 8, 16, 12, dtype="fp8", idx="int32", mask_prob=0.1),
+    # rows that are not a multiple of a warp's 128 x 16 bytes (hidden 128: 16 int4, fewer than the lanes)
+    Case("hidden128", 183, 128, 6, 32, 12),
+    Case("hidden320_fp8_24sms", 300, 320, 4, 8, 24, dtype="fp8"),
+    Case("hidden2112", 257, 2112, 8, 16, 24),
 ]
 
 
