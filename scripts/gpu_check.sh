@@ -12,7 +12,8 @@
 #   internode   tests/gpu/test_internode.py at 2 ranks (2 nodes x 1 GPU) and 4 ranks (2 nodes x 2, IPC transport)
 #   bench       python -m cupy_ep.bench --out $OUT_DIR at 2 ranks
 #   llbench     python -m cupy_ep.bench --mode low-latency --out $OUT_DIR at 2 ranks
-#   soak        python -m cupy_ep.soak (SOAK_ITERS, default 10000) at 2 ranks
+#   soak        python -m cupy_ep.soak (SOAK_ITERS, default 10000) at 2 ranks, then --zero-copy at 12 and 24 SMs
+#               (SOAK_ZC_ITERS, default 2000 each)
 #   sanitize    scripts/sanitize.sh: compute-sanitizer memcheck/racecheck/synccheck/initcheck at 2 ranks
 # Every step's output goes to $OUT_DIR/<step>.log (OUT_DIR=${OUT:-./out}). A failed step is recorded and
 # the next one runs; the script ends with a table of step -> rc and counts, and exits 1 if any step failed.
@@ -103,6 +104,11 @@ if want llbench; then
 fi
 if want soak; then
     ep_mpirun_argv 2 "$EP_PYTHON" -m cupy_ep.soak --iters "${SOAK_ITERS:-10000}" && ep_plain_step soak "${EP_ARGV[@]}"
+    # zero-copy dispatch/combine: every block does both at 12 SMs, the own rows have blocks of their own at 24
+    for sms in 12 24; do
+        ep_mpirun_argv 2 "$EP_PYTHON" -m cupy_ep.soak --zero-copy --num-sms "$sms" --iters "${SOAK_ZC_ITERS:-2000}" \
+            && ep_plain_step "soak_zero_copy_$sms" "${EP_ARGV[@]}"
+    done
 fi
 want sanitize && ep_plain_step sanitize bash scripts/sanitize.sh
 

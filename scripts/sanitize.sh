@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, synccheck, initcheck) at 2 ranks, one process per GPU, each rank under
-# the sanitizer. Per tool, two soak runs of a few iterations: normal mode (layout, dispatch, cached dispatch,
-# combine) and low-latency mode (low_latency_dispatch / low_latency_combine, NVSHMEM).
-#   bash scripts/sanitize.sh            # logs in $OUT (or ./out)/sanitize_<tool>.log and sanitize_<tool>_ll.log
+# the sanitizer. Per tool, three soak runs of a few iterations: normal mode (layout, dispatch, cached dispatch,
+# combine), the same zero-copy (24 SMs: the own rows on blocks of their own) and low-latency mode
+# (low_latency_dispatch / low_latency_combine, NVSHMEM).
+#   bash scripts/sanitize.sh            # logs in $OUT (or ./out)/sanitize_<tool>{,_zc,_ll}.log
 # Env: SANITIZE_TOOLS (default all four), SANITIZE_ITERS (default 3).
 # The low-latency run needs NVSHMEM_DISABLE_NVLS=1 and NVSHMEM_REMOTE_TRANSPORT=none in the environment (one
 # node, P2P only), as the GPU machine sets them: _env.sh exports the first, cupy_ep sets the second by default
@@ -17,10 +18,13 @@ OUT_DIR="${OUT:-./out}"
 mkdir -p "$OUT_DIR"
 rc=0
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
-    for mode in normal low-latency; do
+    for mode in normal zero-copy low-latency; do
         if [[ $mode == normal ]]; then
             log="$OUT_DIR/sanitize_$tool.log"
             soak_args=(--max-tokens 256)
+        elif [[ $mode == zero-copy ]]; then
+            log="$OUT_DIR/sanitize_${tool}_zc.log"
+            soak_args=(--max-tokens 256 --zero-copy --num-sms 24)
         else
             log="$OUT_DIR/sanitize_${tool}_ll.log"
             soak_args=(--mode low-latency)
