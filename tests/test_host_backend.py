@@ -208,6 +208,29 @@ def test_repeated_calls_on_one_buffer(comm, host_buffer):
     assert all_ok(comm, not bad), bad
 
 
+def test_zero_copy_flag_same_answers_and_checked(comm, host_buffer):
+    """``zero_copy=True`` (a GPU fast path) gives the same values on the host backend, and a non-bool is refused
+    on every rank before anything collective."""
+    rank, num_ranks = comm.Get_rank(), comm.Get_size()
+    rng = np.random.default_rng([11, rank])
+    inp = make_inputs(rng, 40, 64, 3, 4 * num_ranks, num_ranks)
+    layout = host_buffer.get_dispatch_layout(inp.topk_idx, 4 * num_ranks)
+    kwargs = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                  topk_idx=inp.topk_idx, topk_weights=inp.topk_weights)
+    plain = host_buffer.dispatch(inp.x, **kwargs)
+    zc = host_buffer.dispatch(inp.x, zero_copy=True, **kwargs)
+    ok = all(same_bytes(a, b) for a, b in zip(plain[:3], zc[:3]))
+    ok &= same_bytes(host_buffer.combine(plain[0], plain[4])[0], host_buffer.combine(zc[0], zc[4], zero_copy=True)[0])
+    for call in (lambda: host_buffer.dispatch(inp.x, zero_copy="yes", **kwargs),
+                 lambda: host_buffer.combine(plain[0], plain[4], zero_copy=1)):
+        try:
+            call()
+            ok = False
+        except TypeError as e:
+            ok &= "zero_copy" in str(e)
+    assert all_ok(comm, ok)
+
+
 def test_bf16_round_trip_is_exact(comm, host_buffer):
     """Tokens routed to exactly one rank come back bit-identical (one contribution, exact in fp32)."""
     rank, num_ranks = comm.Get_rank(), comm.Get_size()

@@ -113,3 +113,39 @@ def test_zero_copy_size_hint_fits_the_largest_calls(ranks):
         assert config.direct_dispatch_capacity(nvl, C, hb, K, 0) >= ranks * T
         assert config.direct_dispatch_capacity(nvl, C, hb // 2, K, hb // 2 // 128) >= ranks * T
     assert config.direct_combine_capacity(nvl, ranks, hb, K) >= T
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 8])
+@pytest.mark.parametrize("tokens,senders,rows_per_flag", [(4096, 9, 2), (777, 3, 8), (5, 1, 2), (0, 2, 1),
+                                                          (300, 8, 3)])
+def test_combine_direct_flags_cover_every_row_once(num_ranks, tokens, senders, rows_per_flag):
+    """combine_direct's scheme: the sender warps deal every owner's chunks of rows_per_flag rows exactly once; the
+    flag a reducer waits for (row // rows_per_flag at [chunk][rank]) is the one the chunk holding that row
+    released, and lies in the prefix cached_notify_combine zeroed (the owner's token count x R flags)."""
+    rng = np.random.default_rng(tokens + 13 * num_ranks + senders)
+    in_rank = [rng.random((tokens, num_ranks)) < 0.7 for _ in range(num_ranks)]  # owner s's routing
+    rpm = reference.rank_prefix_matrix([m.sum(axis=0) for m in in_rank])
+    num_warps = senders * WARPS
+    for expert_rank in range(num_ranks):
+        released = {}  # (owner, flag index) -> rows it covers
+        chunk_base = 0
+        for step in range(1, num_ranks):
+            owner = (expert_rank + step) % num_ranks
+            first = rpm[owner - 1, expert_rank] if owner > 0 else 0
+            num_rows = int(rpm[owner, expert_rank] - first)
+            num_chunks = -(-num_rows // rows_per_flag)
+            taken = []
+            for warp in range(num_warps):
+                taken += range((warp - chunk_base) % num_warps, num_chunks, num_warps)
+            assert sorted(taken) == list(range(num_chunks)), "every chunk dealt exactly once"
+            for k in taken:
+                flag = k * num_ranks + expert_rank
+                assert flag < tokens * num_ranks, "a flag outside the zeroed prefix"
+                released[(owner, flag)] = set(range(k * rows_per_flag, min((k + 1) * rows_per_flag, num_rows)))
+            chunk_base += num_chunks
+        for owner in range(num_ranks):
+            if owner == expert_rank:
+                continue
+            send_head = np.where(in_rank[owner], np.cumsum(in_rank[owner], axis=0) - 1, -1)[:, expert_rank]
+            for j in send_head[send_head >= 0]:
+                assert j in released[(owner, (j // rows_per_flag) * num_ranks + expert_rank)]
