@@ -212,12 +212,13 @@ class CudaBuffer(Buffer):
                 raise CommError(f"rank {self.rank}: {rec['kernel']} ran on low-latency buffer {rec['head']} twice in "
                                 "a row: a CUDA graph replaying an odd number of low-latency calls (the buffer index "
                                 "is fixed at capture; capture dispatch + combine pairs, as in DeepEP)", rec)
-            if rec["role"] == "zero_copy_capacity":  # dispatch_direct: rows past a receiver's capacity
-                self._unusable_reason = f"zero-copy dispatch too large: {rec}"
-                raise CommError(f"rank {self.rank}: a zero-copy dispatch would put {rec['head']} rows into rank "
+            if rec["role"] == "zero_copy_capacity":  # zero-copy rows past a receiver's capacity
+                what = "combine" if rec["kernel"] == "combine_direct" else "dispatch"
+                self._unusable_reason = f"zero-copy {what} too large: {rec}"
+                raise CommError(f"rank {self.rank}: a zero-copy {what} would put {rec['head']} rows into rank "
                                 f"{rec['peer']}'s buffer, which holds {rec['tail']} (num_nvl_bytes); every rank "
                                 "stopped before writing. Give Buffer more num_nvl_bytes "
-                                "(config.direct_dispatch_bytes) or dispatch without zero_copy", rec)
+                                "(Buffer.get_zero_copy_nvl_size_hint) or call without zero_copy", rec)
             if rec["role"] == "capacity":  # internode notify: num_worst_tokens smaller than what arrives
                 what = "rows received over RDMA" if rec["expected"] == 1 else "received rows"
                 self._unusable_reason = f"num_worst_tokens too small: {rec}"
@@ -454,7 +455,7 @@ class CudaBuffer(Buffer):
             if capacity < max(1, num_worst_tokens):
                 raise ValueError(f"num_nvl_bytes: a zero-copy dispatch of {info.hidden_bytes}-byte rows fits {capacity} "
                                  f"rows in this buffer ({self.num_nvl_bytes} bytes), it needs "
-                                 f"{max(1, num_worst_tokens)} (config.direct_dispatch_bytes sizes it)")
+                                 f"{max(1, num_worst_tokens)} (Buffer.get_zero_copy_nvl_size_hint sizes it)")
             if cached and int(handle_raw[3].shape[0]) > capacity:
                 raise ValueError(f"handle: its dispatch received {handle_raw[3].shape[0]} rows, more than the "
                                  f"{capacity} a zero-copy dispatch fits in num_nvl_bytes={self.num_nvl_bytes}")
@@ -608,7 +609,7 @@ class CudaBuffer(Buffer):
             if capacity < max(1, num_tokens):
                 raise ValueError(f"num_nvl_bytes: a zero-copy combine of {hidden * 2}-byte rows fits {capacity} rows per "
                                  f"rank in this buffer ({self.num_nvl_bytes} bytes), this rank's {num_tokens} tokens "
-                                 "need as many (config.direct_combine_bytes sizes it)")
+                                 "need as many (Buffer.get_zero_copy_nvl_size_hint sizes it)")
         else:
             batch = _warps(R) * _COMBINE_TOKENS_PER_WARP
             if cfg.num_max_nvl_chunked_recv_tokens - cfg.num_max_nvl_chunked_send_tokens < batch:
