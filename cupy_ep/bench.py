@@ -279,13 +279,9 @@ class Bench:
                      self.hidden_bytes, self.R)
                  for sms in args.sms + [args.default_sms]
                  for get in (Buffer.get_dispatch_config, Buffer.get_combine_config)]
-        # room for a zero-copy dispatch of the largest batch, bf16 or FP8 (its rows stay in the buffer)
-        channels = max(dataclasses.replace(Buffer.get_dispatch_config(self.R, self.hidden_bytes), num_sms=sms)
-                       .intranode_dispatch_channels(self.R) for sms in args.sms + [args.default_sms])
-        zero_copy = max(cfgmod.direct_dispatch_bytes(channels, self.R * max_tokens, row, args.topk, scales)
-                        for row, scales in ((self.hidden_bytes, 0), (args.hidden, -(-args.hidden // 128))))
-        zero_copy = max(zero_copy, cfgmod.direct_combine_bytes(self.R, max_tokens, self.hidden_bytes, args.topk))
-        nvl = max(max(hints), cfgmod.NOTIFY_BYTES + zero_copy,
+        nvl = max(max(hints),
+                  # room for zero-copy calls of the largest batch (their rows stay in the buffer)
+                  Buffer.get_zero_copy_nvl_size_hint(max_tokens, self.hidden_bytes, self.R, args.topk),
                   # room for the ceiling copy of the largest batch
                   cfgmod.NOTIFY_BYTES + 16 * self.R * (max_tokens * self.hidden_bytes // 16) + (1 << 20))
         t0 = time.perf_counter()
