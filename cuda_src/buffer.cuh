@@ -89,12 +89,22 @@ struct SymBuffer {
 // this call is (op, channels, ring slots, row size...), compared by every rank before any ring is used.
 // num_tokens[src]: the source's token count, published by cached_notify_combine (a combine's sender needs
 // the token owner's count to find the owner's channel ranges).
+// The entry handshake of the zero-copy kernels (intranode.cu, open_direct_call / wait_direct_call):
+//   entry[src]                     the epoch of src's latest zero-copy call on this buffer (written by src)
+//   entry_words[parity][src][kCallWords]  what src says that call is (parity = epoch & 1: a peer can be one
+//                                  call ahead, and its next words must not overwrite the ones being compared)
+//   entry_epoch, entry_arrivals    local: the zero-copy calls begun on this buffer, and the blocks of the current
+//                                  call that have read that count (the last one advances it)
 constexpr int kCallWords = 8;
 struct NotifyArea {
     Buffer<int> rank_matrix;     // [kMaxNvlRanks * kMaxNvlRanks]
     Buffer<int> expert_counts;   // [kMaxNvlRanks][kMaxLocalExperts]
     Buffer<int> call_words;      // [kMaxNvlRanks][kCallWords]
     Buffer<int> num_tokens;      // [kMaxNvlRanks]
+    Buffer<int> entry;           // [kMaxNvlRanks]
+    Buffer<int> entry_words;     // [2][kMaxNvlRanks][kCallWords]
+    Buffer<int> entry_epoch;     // [1]
+    Buffer<int> entry_arrivals;  // [1]
     long long end;
     __device__ NotifyArea() {
         Carver c(kSignalBytes);
@@ -102,6 +112,10 @@ struct NotifyArea {
         expert_counts = Buffer<int>(c, (long long)kMaxNvlRanks * kMaxLocalExperts);
         call_words = Buffer<int>(c, kMaxNvlRanks * kCallWords);
         num_tokens = Buffer<int>(c, kMaxNvlRanks);
+        entry = Buffer<int>(c, kMaxNvlRanks);
+        entry_words = Buffer<int>(c, 2 * kMaxNvlRanks * kCallWords);
+        entry_epoch = Buffer<int>(c, 1);
+        entry_arrivals = Buffer<int>(c, 1);
         end = c.offset;
     }
 };
@@ -159,9 +173,11 @@ struct CombineLayout {
 // (a view, valid until the next call on the buffer). Rows are in recv_x's order (source rank, then source
 // token); the small per-row outputs sit beside them and are copied into fresh arrays once all rows are in.
 //   done            rows whose stores were released to this rank, plus one per source rank (that source's
-//                   block 0 also releases its channel starts); zeroed by the notify kernels
+//                   block 0 also releases its channel starts); zeroed by notify_dispatch, or in a cached call by
+//                   dispatch_direct's own block 0 before it lets the ranks in (open_direct_call)
 //   channel_starts  [kMaxNvlRanks][channels] source s's first row of channel c (recv_channel_prefix_matrix)
-// capacity: rows that fit (config.direct_dispatch_capacity); the ranks agree on it in the notify kernels.
+// capacity: rows that fit (config.direct_dispatch_capacity); the ranks agree on it in notify_dispatch or in the
+// entry handshake.
 struct DirectDispatchLayout {
     Buffer<int> done;            // [1]
     Buffer<int> channel_starts;  // [kMaxNvlRanks][num_channels]
@@ -192,8 +208,9 @@ struct DirectDispatchLayout {
 // owner's send_head[t][r]), and releases every `rows_per_flag` rows (config.DIRECT_COMBINE_ROWS_PER_FLAG) with
 // one flag. The owner reduces a token once the flags of its rows are set: no ring, no flow control.
 //   flags  [capacity][num_ranks]  flag [k][r]: rows [k * rows_per_flag, (k + 1) * rows_per_flag) from rank r are
-//          in; cached_notify_combine zeroes the ones a call can use (a prefix: k < the owner's token count)
-// capacity: rows per source rank (config.direct_combine_capacity); the ranks agree on it in the notify.
+//          in; combine_direct's block 0 zeroes the ones a call can use (a prefix: k < the owner's token count)
+//          before it lets the ranks in (open_direct_call)
+// capacity: rows per source rank (config.direct_combine_capacity); the ranks agree on it in the entry handshake.
 struct DirectCombineLayout {
     Buffer<int> flags;          // [capacity][num_ranks] (room for one flag per row)
     Buffer<int4> x;             // [num_ranks][capacity][hidden_int4]

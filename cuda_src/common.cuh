@@ -21,7 +21,9 @@ enum KernelId : int {
 };
 // (5 was kRoleSignaller, the low-latency dispatch's count signallers, gone since its counts carry epochs)
 enum Role : int { kRoleBarrier = 0, kRoleSender = 1, kRoleReceiver = 2, kRoleNotify = 3, kRoleCallCheck = 4,
-                 kRoleBufferReuse = 6, kRoleZeroCopyCapacity = 7 };
+                 kRoleBufferReuse = 6, kRoleZeroCopyCapacity = 7, kRoleEntry = 8 };
+// kRoleEntry: a zero-copy kernel waiting for a peer to enter the same call (head = the epoch seen, expected =
+// this call's epoch): the peer runs another operation, or is late by the timeout.
 // kRoleBufferReuse: not a wait but a low-latency call whose send phase uses the same buffer (0/1) as the
 // previous send phase of this rank (head = that buffer): a CUDA graph replaying an odd number of low-latency
 // calls. Its receivers would find the previous replay's signals still set and read data that never came.

@@ -134,6 +134,82 @@ __device__ __forceinline__ bool block_aborted(const DeviceCtx* ctx) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Entry handshake of the zero-copy kernels: half a round trip inside the kernel instead of a notify kernel
+// with two barriers before it. A zero-copy kernel stores into a buffer only once every rank has entered the
+// same call: entering means that rank's earlier kernels on the buffer have finished (stream order), so
+// nothing of an earlier call (a ring's late head update, a count still arriving) meets this call's stores.
+//   open (every block, before its own set-up work): read the call's epoch; block 0 zeroes the meta that the
+//        ranks will count into in this rank's buffer, writes this call's words into every rank's
+//        entry_words[parity][my rank], then releases entry[my rank] = epoch to every rank (this one too);
+//   wait (every block, before its first store): entry[s] has reached the epoch for every rank s, and s's
+//        words equal ours (any difference stops the buffer on every rank, as check_call_words does).
+// The epoch counts the zero-copy calls begun on the buffer (entry_epoch: the block that reads it last advances
+// it), so it is the same on every rank, in every replay of a CUDA graph. A peer is at most one call ahead (its
+// next call needs rows or flags from this one), hence entry_words by the epoch's parity.
+// ---------------------------------------------------------------------------------------------------
+template <int kNumRanks>
+__device__ int open_direct_call(void** buffer_ptrs, int rank, const CallWords& words, long long zero_begin,
+                                long long zero_end) {
+    const NotifyArea notify;
+    void* mine = buffer_ptrs[rank];
+    __shared__ int s_epoch;
+    if (threadIdx.x == 0) {
+        const int epoch = ld_volatile(notify.entry_epoch.on(mine)) + 1;
+        s_epoch = epoch;
+        __threadfence();  // the read above comes before this block's arrival, so before the last one's update
+        int* arrivals = notify.entry_arrivals.on(mine);
+        if (atomicAdd(arrivals, 1) == (int)gridDim.x - 1) {
+            st_volatile(arrivals, 0);
+            st_volatile(notify.entry_epoch.on(mine), epoch);
+        }
+    }
+    __syncthreads();
+    const int epoch = s_epoch;
+    if (blockIdx.x == 0) {
+        zero_ints(at_offset<int>(mine, zero_begin), (zero_end - zero_begin) / 4);
+        const int row = ((epoch & 1) * kMaxNvlRanks + rank) * kCallWords;
+        if (threadIdx.x < kNumRanks) {
+            int* theirs = notify.entry_words.on(buffer_ptrs[threadIdx.x]) + row;
+#pragma unroll
+            for (int k = 0; k < kCallWords; ++k) theirs[k] = words.w[k];  // constant indices: words stay in registers
+        }
+        __syncthreads();
+        if (threadIdx.x < kNumRanks) {
+            fence_acq_rel_sys();  // the block's zeroes and words before the entry
+            st_release_sys(notify.entry.on(buffer_ptrs[threadIdx.x]) + rank, epoch);
+        }
+    }
+    return epoch;
+}
+
+// False (for the whole block) on a timeout or a disagreement.
+template <int kNumRanks>
+__device__ bool wait_direct_call(void** buffer_ptrs, int rank, const CallWords& words, int epoch,
+                                 const DeviceCtx* ctx, int kernel) {
+    bool ok = true;
+    if (threadIdx.x < kNumRanks) {
+        const int s = threadIdx.x;
+        const NotifyArea notify;
+        const int* entry = notify.entry.on(buffer_ptrs[rank]) + s;
+        int seen = 0;
+        ok = wait_until(ctx, WaitSite{kernel, kRoleEntry, -1, s}, [&] { return (seen = ld_acquire_sys(entry)) - epoch >= 0; },
+                        [&](long long& h, long long& tl, long long& ex) { h = seen; tl = seen; ex = epoch; });
+        const int* theirs = notify.entry_words.on(buffer_ptrs[rank]) + ((epoch & 1) * kMaxNvlRanks + s) * kCallWords;
+        int bad = -1, mine_w = 0, their_w = 0;  // the first word that differs
+#pragma unroll
+        for (int k = kCallWords - 1; k >= 0; --k) {
+            const int w = ld_volatile(&theirs[k]);
+            if (ok && w != words.w[k]) bad = k, mine_w = words.w[k], their_w = w;
+        }
+        if (bad >= 0) {
+            ok = false;
+            report_failure(ctx, WaitSite{kernel, kRoleCallCheck, -1, s}, mine_w, their_w, bad, 0);
+        }
+    }
+    return __syncthreads_and(ok) != 0;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // notify_dispatch: grid 1 + R blocks of 128 threads.
 // Block 0: barrier; write my row of token counts and my per-expert counts into every peer; barrier;
 //   prefix over sources -> rank_prefix_matrix; aligned per-expert sums and the receive count -> host;
@@ -243,37 +319,25 @@ __device__ void reset_rings(void** buffer_ptrs, int rank, long long begin, long 
     check_call_words<kNumRanks>(buffer_ptrs, rank, words, ctx, kernel);
 }
 
+// Ring dispatches only: a zero-copy cached dispatch enters by its own handshake (open_direct_call).
 template <int kNumRanks>
 __global__ void cached_notify_dispatch(void** buffer_ptrs, int rank, int num_channels, int num_slots,
-                                       int hidden_int4, int num_topk, int num_scales, int direct_capacity,
-                                       const DeviceCtx* ctx) {
+                                       int hidden_int4, int num_topk, int num_scales, const DeviceCtx* ctx) {
     long long meta_begin, meta_end;
-    dispatch_meta_range(kNumRanks, num_channels, num_slots, hidden_int4, num_topk, num_scales, direct_capacity,
-                        meta_begin, meta_end);
-    const CallWords words = dispatch_call_words(true, num_channels, num_slots, hidden_int4, num_topk, num_scales, 0,
-                                                direct_capacity);
+    dispatch_meta_range(kNumRanks, num_channels, num_slots, hidden_int4, num_topk, num_scales, 0, meta_begin,
+                        meta_end);
+    const CallWords words = dispatch_call_words(true, num_channels, num_slots, hidden_int4, num_topk, num_scales, 0, 0);
     reset_rings<kNumRanks>(buffer_ptrs, rank, meta_begin, meta_end, words, ctx, kKernelCachedNotifyDispatch);
 }
 
 // Also publishes num_tokens: a combine sender needs the token owner's count to cut its channels.
-// direct_capacity > 0: a zero-copy combine; instead of the rings' counters it zeroes the flags that rows sent to
-// this rank can use (each rank sends at most num_tokens rows back to it).
+// Ring combines only: a zero-copy combine enters by its own handshake (open_direct_call).
 template <int kNumRanks>
 __global__ void cached_notify_combine(void** buffer_ptrs, int rank, int num_channels, int num_slots,
-                                      int hidden_int4, int num_topk, int num_tokens, int direct_capacity,
-                                      const DeviceCtx* ctx) {
-    long long meta_begin, meta_end;
-    if (direct_capacity > 0) {
-        const DirectCombineLayout layout(kNumRanks, direct_capacity, hidden_int4, num_topk);
-        meta_begin = layout.begin;
-        meta_end = layout.begin + min((long long)num_tokens, layout.capacity) * kNumRanks * 4;
-    } else {
-        const CombineLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk);
-        meta_begin = layout.begin, meta_end = layout.meta_end;
-    }
-    const CallWords words{{direct_capacity > 0 ? kOpDirectCombine : kOpCombine, num_channels, num_slots, hidden_int4,
-                           num_topk, 0, 0, direct_capacity}};
-    reset_rings<kNumRanks>(buffer_ptrs, rank, meta_begin, meta_end, words, ctx, kKernelCachedNotifyCombine,
+                                      int hidden_int4, int num_topk, int num_tokens, const DeviceCtx* ctx) {
+    const CombineLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk);
+    const CallWords words{{kOpCombine, num_channels, num_slots, hidden_int4, num_topk, 0, 0, 0}};
+    reset_rings<kNumRanks>(buffer_ptrs, rank, layout.begin, layout.meta_end, words, ctx, kKernelCachedNotifyCombine,
                            num_tokens);
 }
 
@@ -651,7 +715,7 @@ dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, fl
                 const bool* is_token_in_rank, const int* channel_prefix_matrix, const int* rank_prefix_matrix,
                 int num_tokens, int num_out_rows, int hidden_int4, int num_topk, int num_experts, int num_scales,
                 long long scale_token_stride, long long scale_hidden_stride,
-                void** buffer_ptrs, int rank, int num_channels, int capacity, int num_local_blocks,
+                void** buffer_ptrs, int rank, int num_channels, int capacity, int num_local_blocks, int enter,
                 const DeviceCtx* ctx) {
     using G = Groups<kNumRanks>;
     __shared__ int s_base[kNumRanks];        // this block's first position in its rank's block of rows on rank d
@@ -669,6 +733,10 @@ dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, fl
             return;
         }
     }
+    // enter: a cached call opens by the entry handshake (no notify kernel before it); its wait comes after the
+    // set-up below, which reads only this rank's inputs. Otherwise notify_dispatch met the ranks and zeroed the meta.
+    const CallWords words = dispatch_call_words(true, num_channels, 0, hidden_int4, num_topk, num_scales, 0, capacity);
+    const int epoch = enter ? open_direct_call<kNumRanks>(buffer_ptrs, rank, words, layout.begin, layout.meta_end) : 0;
 
     // Roles: with num_local_blocks > 0 the last num_local_blocks blocks copy only the rows this rank keeps (local
     // HBM copies) and the others only the rows for its peers (NVLink stores); 0: every block writes both.
@@ -701,6 +769,8 @@ dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, fl
             s_dst_x[d] = layout.x.on(buffer_ptrs[d]);
         }
     }
+    __syncthreads();
+    if (enter && !wait_direct_call<kNumRanks>(buffer_ptrs, rank, words, epoch, ctx, kKernelDispatchDirect)) return;
     // Block 0: where each of my channels starts in every rank's block of rows from me.
     if (blockIdx.x == 0) {
         for (int i = threadIdx.x; i < kNumRanks * num_channels; i += blockDim.x) {
@@ -709,7 +779,6 @@ dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, fl
                 c > 0 ? channel_prefix_matrix[d * num_channels + c - 1] : 0;
         }
     }
-    __syncthreads();
 
     // Every warp scans every window (R loads + ballots) and takes the tokens j with j % warps == its index.
     // Lane d < R keeps rank d's numbers: the window's selection mask and the count of earlier windows.
@@ -1052,6 +1121,12 @@ combine_direct(int4* combined_x, float* combined_topk_weights, const int4* x, co
             return;
         }
     }
+    // The entry handshake (no notify kernel before it): block 0 zeroes the flags that rows sent to this rank can
+    // use (each rank sends at most num_tokens rows back to it, one flag per rows_per_flag).
+    const CallWords words{{kOpDirectCombine, 0, 0, hidden_int4, num_topk, 0, 0, capacity}};
+    const int epoch = open_direct_call<kNumRanks>(buffer_ptrs, rank, words, layout.begin,
+                                                  layout.begin + min((long long)num_tokens, layout.capacity) * kNumRanks * 4);
+    if (!wait_direct_call<kNumRanks>(buffer_ptrs, rank, words, epoch, ctx, kKernelCombineDirect)) return;
 
     if ((int)blockIdx.x < num_sender_blocks) {
         const int warp = (int)blockIdx.x * G::kWarps + warp_id(), num_warps = num_sender_blocks * G::kWarps;

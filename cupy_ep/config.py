@@ -35,7 +35,9 @@ def align_up(value: int, alignment: int = ALIGN) -> int:
 # rank matrix, per-expert counts, call words, and every rank's token count (the combine's channel split),
 # each int array rounded up to ALIGN bytes as buffer.cuh's Carver does
 NOTIFY_BYTES = sum(align_up(4 * n) for n in (MAX_NVL_RANKS * MAX_NVL_RANKS, MAX_NVL_RANKS * MAX_LOCAL_EXPERTS,
-                                             MAX_NVL_RANKS * CALL_WORDS, MAX_NVL_RANKS))
+                                             MAX_NVL_RANKS * CALL_WORDS, MAX_NVL_RANKS,
+                                             # the zero-copy entry handshake: entry, entry_words, epoch, arrivals
+                                             MAX_NVL_RANKS, 2 * MAX_NVL_RANKS * CALL_WORDS, 1, 1))
 
 
 def _asym(num_channels: int, num_ranks: int, bytes_per_slice: int) -> int:

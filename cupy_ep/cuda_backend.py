@@ -23,7 +23,7 @@ _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_noti
                  9: "low_latency_combine", 10: "internode_notify_dispatch", 11: "internode_cached_notify",
                  12: "internode_dispatch", 13: "internode_combine", 14: "dispatch_direct", 15: "combine_direct"}
 _ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check",
-               6: "buffer_reuse", 7: "zero_copy_capacity",
+               6: "buffer_reuse", 7: "zero_copy_capacity", 8: "entry",
                # internode.cu WarpRole
                10: "kRDMASender", 11: "kRDMASenderCoordinator", 12: "kRDMAAndNVLForwarder",
                13: "kForwarderCoordinator", 14: "kNVLReceivers", 15: "kNVLSender", 16: "kNVLAndRDMAForwarder",
@@ -226,6 +226,11 @@ class CudaBuffer(Buffer):
                                        f"{rec['head']} {what} of this dispatch; the buffer stopped before writing "
                                        "out of bounds (T * num_ranks is always enough)", rec)
             self._unusable_reason = f"a device wait timed out: {rec}"
+            if rec["role"] == "entry":  # a zero-copy kernel's handshake: the peer never entered this call
+                raise CommTimeoutError(f"rank {self.rank}: {rec['kernel']} waited {self.timeout_s} s for rank "
+                                       f"{rec['peer']} to enter the same zero-copy call (it made another call, "
+                                       "or did not call); every rank must make the same calls in the same order",
+                                       rec)
             raise CommTimeoutError(f"rank {self.rank}: device wait timed out after {self.timeout_s} s", rec)
 
     def _check_usable(self) -> None:
@@ -473,14 +478,15 @@ class CudaBuffer(Buffer):
             raw_scales = interop.unwrap(info.scales)
             compute = self._begin(kind, previous_event)
             alloc_stream = self.comm_stream if allocate_on_comm_stream else compute
-            layout_args = (np.int32(C), np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4),
-                           np.int32(max(num_topk, 1)), np.int32(S), np.int32(capacity))
             per_expert_list = None
             if cached:
                 rpm, cpm, rcpm, src_idx, in_rank, send_head = handle_raw
                 num_recv = int(src_idx.shape[0])
-                self._launch("intranode.cu", f"ep::cached_notify_dispatch<{R}>", 1, _NOTIFY_THREADS,
-                             (self._nvl.ptr_table, np.int32(self.rank)) + layout_args + (self._ctx,))
+                if not zero_copy:  # a zero-copy dispatch_direct meets the ranks itself (its entry handshake)
+                    self._launch("intranode.cu", f"ep::cached_notify_dispatch<{R}>", 1, _NOTIFY_THREADS,
+                                 (self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
+                                  np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4),
+                                  np.int32(max(num_topk, 1)), np.int32(S), self._ctx))
                 raw_idx = raw_w = None
             else:
                 in_rank = interop.unwrap(is_token_in_rank)
@@ -526,7 +532,7 @@ class CudaBuffer(Buffer):
                      np.int32(T), np.int32(num_recv), np.int32(hidden_int4), np.int32(num_topk),
                      np.int32(num_experts), np.int32(S), np.int64(stride_t), np.int64(stride_h),
                      self._nvl.ptr_table, np.int32(self.rank), np.int32(C), np.int32(capacity),
-                     np.int32(cfg.zero_copy_local_blocks(R)), self._ctx))
+                     np.int32(cfg.zero_copy_local_blocks(R)), np.int32(cached), self._ctx))
             else:
                 self._launch(
                     "intranode.cu", f"ep::dispatch<{R}, {ctype}>", 2 * C + num_own_blocks, threads,
@@ -628,11 +634,7 @@ class CudaBuffer(Buffer):
             with (self.comm_stream if allocate_on_comm_stream else compute):
                 out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
                 out_w = cupy.empty((num_tokens, num_topk), dtype=cupy.float32) if raw_w is not None else None
-            self._launch("intranode.cu", f"ep::cached_notify_combine<{R}>", 1, _NOTIFY_THREADS,
-                         (self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
-                          np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4), np.int32(num_topk),
-                          np.int32(num_tokens), np.int32(capacity), self._ctx))
-            if zero_copy:
+            if zero_copy:  # combine_direct meets the ranks itself (its entry handshake): no notify kernel
                 self._launch("intranode.cu", f"ep::combine_direct<{R}>", cfg.num_sms, _warps(R) * 32,
                              (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, send_head, np.int32(num_tokens),
                               np.int32(hidden_int4), np.int32(num_topk), self._nvl.ptr_table, np.int32(self.rank),
@@ -640,6 +642,10 @@ class CudaBuffer(Buffer):
                               np.int32(cfg.zero_copy_combine_senders(R)), self._ctx),
                              shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
             else:
+                self._launch("intranode.cu", f"ep::cached_notify_combine<{R}>", 1, _NOTIFY_THREADS,
+                             (self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
+                              np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4),
+                              np.int32(num_topk), np.int32(num_tokens), self._ctx))
                 self._launch("intranode.cu", f"ep::combine<{R}>", 2 * C, _warps(R) * 32,
                              (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, src_idx, send_head,
                               np.int32(num_tokens), np.int32(hidden_int4), np.int32(num_topk), self._nvl.ptr_table,

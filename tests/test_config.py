@@ -106,12 +106,14 @@ def test_size_hint_literal_deepseek_v3_shape(no_tuned_file):
     # combine carve  = 2*384 + 80*256*14336 + 80*256*32*4                          = 296,223,488
     # NOTIFY_BYTES = (8*8 rank matrix + 8*1024 expert counts + 8*8 call words) * 4
     #                + align128(8 token counts * 4)                                = 33,408
-    # hint = align128(NOTIFY_BYTES 33,408 + 303,515,136)                            = 303,548,544
-    assert cfg.NOTIFY_BYTES == 33408
+    #                + the zero-copy entry handshake: align128(8 entries * 4) 128
+    #                  + 2*8*8 entry words * 4 = 512 + epoch 128 + arrivals 128     = 34,304
+    # hint = align128(NOTIFY_BYTES 34,304 + 303,515,136)                            = 303,549,440
+    assert cfg.NOTIFY_BYTES == 34304
     assert cfg.dispatch_channel_bytes(10, 8, 256, 14336, 32, 56) == 303_515_136
     assert cfg.combine_channel_bytes(10, 8, 256, 14336, 32) == 296_223_488
-    assert Config().get_nvl_buffer_size_hint(14336, 8) == 303_548_544
-    assert Buffer.get_nvl_buffer_size_hint(14336, 8) == 303_548_544
+    assert Config().get_nvl_buffer_size_hint(14336, 8) == 303_549_440
+    assert Buffer.get_nvl_buffer_size_hint(14336, 8) == 303_549_440
 
 
 @pytest.mark.parametrize("num_sms, recv_tokens", [(2, 7), (20, 256), (24, 512), (32, 100)])

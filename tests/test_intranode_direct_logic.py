@@ -121,7 +121,7 @@ def test_zero_copy_size_hint_fits_the_largest_calls(ranks):
 def test_combine_direct_flags_cover_every_row_once(num_ranks, tokens, senders, rows_per_flag):
     """combine_direct's scheme: the sender warps deal every owner's chunks of rows_per_flag rows exactly once; the
     flag a reducer waits for (row // rows_per_flag at [chunk][rank]) is the one the chunk holding that row
-    released, and lies in the prefix cached_notify_combine zeroed (the owner's token count x R flags)."""
+    released, and lies in the prefix combine_direct's block 0 zeroed (the owner's token count x R flags)."""
     rng = np.random.default_rng(tokens + 13 * num_ranks + senders)
     in_rank = [rng.random((tokens, num_ranks)) < 0.7 for _ in range(num_ranks)]  # owner s's routing
     rpm = reference.rank_prefix_matrix([m.sum(axis=0) for m in in_rank])

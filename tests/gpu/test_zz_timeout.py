@@ -60,15 +60,16 @@ def test_a_buffer_can_be_recreated(comm):
             buf.destroy()
     assert all_ok(comm, ok)
 
-def _expect_timeout(rank, what, fn, kernels):
-    """Run fn; True iff it raised CommTimeoutError in bounded time naming one of ``kernels``."""
+def _expect_timeout(rank, what, fn, kernels, roles=None):
+    """Run fn; True iff it raised CommTimeoutError in bounded time naming one of ``kernels`` (and of ``roles``)."""
     start = time.monotonic()
     try:
         fn()
     except CommTimeoutError as e:
         elapsed = time.monotonic() - start
         print(f"rank {rank}: {what}: CommTimeoutError after {elapsed:.1f} s: {e.record}", flush=True)
-        return elapsed < TIMEOUT_S + 10 and e.record.get("kernel") in kernels and e.record.get("rank") == rank
+        return (elapsed < TIMEOUT_S + 10 and e.record.get("kernel") in kernels and e.record.get("rank") == rank
+                and (roles is None or e.record.get("role") in roles))
     except Exception:
         print(f"rank {rank}: {what}: unexpected exception", flush=True)
         traceback.print_exc()
@@ -145,6 +146,66 @@ def test_rank_with_another_call_is_refused(comm, what):
     try:
         if ok:
             ok = refused_after_failure(rank, lambda: _dispatch(buf, x, idx, w, layout), "the mismatch")
+    finally:
+        buf.destroy()
+    assert all_ok(comm, ok)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ring_combine_against_zero_copy_combine_times_out(comm):
+    """The zero-copy kernels meet the ranks by a handshake inside the kernel (no notify kernel): a rank that makes
+    a ring combine while the others make a zero-copy combine never enters theirs. Every rank raises
+    CommTimeoutError in bounded time: combine_direct's entry wait, or the ring notify's barrier."""
+    import cupy
+    rank = comm.Get_rank()
+    buf, x, idx, w, layout = _setup(comm)
+    ok = True
+    try:
+        recv_x, _, _, _, handle, _ = _dispatch(buf, x, idx, w, layout)
+        zero_copy = rank != SKIPPER
+
+        def combine_and_check():
+            buf.combine(recv_x, handle, zero_copy=zero_copy)
+            with cupy.cuda.Device(buf.device_id):
+                cupy.cuda.runtime.deviceSynchronize()
+            buf.check_health()
+        if zero_copy:
+            ok = _expect_timeout(rank, "zero-copy combine", combine_and_check, ("combine_direct",), ("entry",))
+        else:
+            ok = _expect_timeout(rank, "ring combine", combine_and_check, ("cached_notify_combine",))
+        ok = refused_after_failure(rank, lambda: _dispatch(buf, x, idx, w, layout)) and ok
+    finally:
+        buf.destroy()
+    assert all_ok(comm, ok)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_copy_cached_dispatch_with_another_hidden_is_refused(comm):
+    """One rank makes its cached zero-copy dispatch with another hidden size: the entry handshake compares the
+    call words, so every rank raises CallMismatchError naming hidden_int4 before a row is stored."""
+    import cupy
+    from cupy_ep import CallMismatchError
+    rank = comm.Get_rank()
+    buf, x, idx, w, layout = _setup(comm)
+    ok = True
+    try:
+        handle = _dispatch(buf, x, idx, w, layout)[4]
+        with cupy.cuda.Device(buf.device_id):
+            if rank == SKIPPER:
+                x = cupy.ascontiguousarray(x[:, :2048])
+            start = time.monotonic()
+            try:
+                buf.dispatch(x, handle=handle, zero_copy=True)
+                cupy.cuda.runtime.deviceSynchronize()
+                buf.check_health()
+                ok = False
+                print(f"rank {rank}: no exception", flush=True)
+            except CallMismatchError as e:
+                elapsed = time.monotonic() - start
+                print(f"rank {rank}: CallMismatchError after {elapsed:.2f} s: {e}", flush=True)
+                ok = (elapsed < TIMEOUT_S and e.record.get("word") == "hidden_int4"
+                      and e.record.get("kernel") == "dispatch_direct" and e.record.get("rank") == rank)
+        ok = ok and refused_after_failure(rank, lambda: _dispatch(buf, x, idx, w, layout), "the mismatch")
     finally:
         buf.destroy()
     assert all_ok(comm, ok)
