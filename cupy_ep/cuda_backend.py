@@ -532,7 +532,8 @@ class CudaBuffer(Buffer):
                      np.int32(T), np.int32(num_recv), np.int32(hidden_int4), np.int32(num_topk),
                      np.int32(num_experts), np.int32(S), np.int64(stride_t), np.int64(stride_h),
                      self._nvl.ptr_table, np.int32(self.rank), np.int32(C), np.int32(capacity),
-                     np.int32(cfg.zero_copy_local_blocks(R)), np.int32(cached), self._ctx))
+                     np.int32(cfg.zero_copy_local_blocks(R)), np.int32(cached), self._ctx),
+                    shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
             else:
                 self._launch(
                     "intranode.cu", f"ep::dispatch<{R}, {ctype}>", 2 * C + num_own_blocks, threads,
