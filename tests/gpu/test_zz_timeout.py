@@ -34,6 +34,15 @@ def _setup(comm, timeout_s: float = TIMEOUT_S):
     return buf, x, idx, w, layout
 
 
+def _combine_synced(buf, recv_x, handle, zero_copy=False):
+    """combine, then wait for the device and raise what its kernels recorded."""
+    import cupy
+    buf.combine(recv_x, handle, zero_copy=zero_copy)
+    with cupy.cuda.Device(buf.device_id):
+        cupy.cuda.runtime.deviceSynchronize()
+    buf.check_health()
+
+
 def _dispatch(buf, x, idx, w, layout):
     return buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
                         num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w)
@@ -94,19 +103,14 @@ def test_rank_skipping_dispatch_times_out(comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_rank_skipping_combine_times_out(comm):
-    import cupy
     rank = comm.Get_rank()
     buf, x, idx, w, layout = _setup(comm)
     ok = True
     try:
         recv_x, _, _, _, handle, _ = _dispatch(buf, x, idx, w, layout)
         if rank != SKIPPER:
-            def combine_and_check():
-                buf.combine(recv_x, handle)
-                with cupy.cuda.Device(buf.device_id):
-                    cupy.cuda.runtime.deviceSynchronize()
-                buf.check_health()
-            ok = _expect_timeout(rank, "combine", combine_and_check, ("cached_notify_combine", "combine"))
+            ok = _expect_timeout(rank, "combine", lambda: _combine_synced(buf, recv_x, handle),
+                                 ("cached_notify_combine", "combine"))
     finally:
         buf.destroy()
     assert all_ok(comm, ok)
@@ -156,23 +160,17 @@ def test_ring_combine_against_zero_copy_combine_times_out(comm):
     """The zero-copy kernels meet the ranks by a handshake inside the kernel (no notify kernel): a rank that makes
     a ring combine while the others make a zero-copy combine never enters theirs. Every rank raises
     CommTimeoutError in bounded time: combine_direct's entry wait, or the ring notify's barrier."""
-    import cupy
     rank = comm.Get_rank()
     buf, x, idx, w, layout = _setup(comm)
     ok = True
     try:
         recv_x, _, _, _, handle, _ = _dispatch(buf, x, idx, w, layout)
-        zero_copy = rank != SKIPPER
-
-        def combine_and_check():
-            buf.combine(recv_x, handle, zero_copy=zero_copy)
-            with cupy.cuda.Device(buf.device_id):
-                cupy.cuda.runtime.deviceSynchronize()
-            buf.check_health()
-        if zero_copy:
-            ok = _expect_timeout(rank, "zero-copy combine", combine_and_check, ("combine_direct",), ("entry",))
+        if rank != SKIPPER:
+            ok = _expect_timeout(rank, "zero-copy combine", lambda: _combine_synced(buf, recv_x, handle, True),
+                                 ("combine_direct",), ("entry",))
         else:
-            ok = _expect_timeout(rank, "ring combine", combine_and_check, ("cached_notify_combine",))
+            ok = _expect_timeout(rank, "ring combine", lambda: _combine_synced(buf, recv_x, handle),
+                                 ("cached_notify_combine",))
         ok = refused_after_failure(rank, lambda: _dispatch(buf, x, idx, w, layout)) and ok
     finally:
         buf.destroy()
