@@ -149,3 +149,70 @@ def test_combine_direct_flags_cover_every_row_once(num_ranks, tokens, senders, r
             send_head = np.where(in_rank[owner], np.cumsum(in_rank[owner], axis=0) - 1, -1)[:, expert_rank]
             for j in send_head[send_head >= 0]:
                 assert j in released[(owner, (j // rows_per_flag) * num_ranks + expert_rank)]
+
+
+# ---- the zero-copy kernels' entry handshake (intranode.cu open_direct_call / wait_direct_call) -----------------
+def simulate_entry_handshake(num_ranks: int, num_calls: int, seed: int, words_by_parity: bool = True):
+    """A random interleaving of num_ranks ranks making the same num_calls zero-copy calls (each call its own op
+    word), modelled step by step: a rank opens call c (its words into every rank's entry_words[c & 1][me], then
+    entry[me] = c everywhere); each of its blocks passes its wait once every rank's entry has reached c, and then
+    compares every rank's words with its own; the rank finishes the call when all its blocks passed and, for every
+    peer, the peer's *needed* blocks passed (a dispatch's blocks all store rows its peers wait for; a combine's
+    reducers store nothing a peer waits for: those are the *free* blocks, which may lag). Returns the comparisons
+    that saw another call's words (none means the handshake never reports a false mismatch)."""
+    rng = np.random.default_rng(seed)
+    ops = rng.integers(1, 7, size=num_calls + 1)  # the collective sequence: every rank makes the same calls
+    R, blocks = num_ranks, 4
+    needed = [True, True, False, False]  # blocks 0, 1 store what peers wait for; 2, 3 may lag behind
+    entry = np.zeros((R, R), dtype=np.int64)            # entry[on rank][from rank]
+    words = np.zeros((R, 2 if words_by_parity else 1, R), dtype=np.int64)
+    call = np.zeros(R, dtype=np.int64)                  # the call each rank is in (0: none yet)
+    opened = np.zeros(R, dtype=bool)
+    passed = np.zeros((R, blocks), dtype=bool)
+    passed_call = np.zeros((R, num_calls + 2, blocks), dtype=bool)  # [rank][call][block] passed its wait
+    wrong = []
+    while True:
+        moves = []
+        for r in range(R):
+            if not opened[r] and call[r] < num_calls:
+                moves.append(("open", r, -1))
+            elif opened[r]:
+                c = call[r]
+                for b in range(blocks):
+                    if not passed[r, b] and all(entry[r, s] >= c for s in range(R)):
+                        moves.append(("pass", r, b))
+                if passed[r].all() and all(passed_call[s, c, b] for s in range(R) for b in range(blocks) if needed[b]):
+                    moves.append(("finish", r, -1))
+        if not moves:
+            break
+        kind, r, b = moves[rng.integers(len(moves))]
+        if kind == "open":
+            call[r] += 1
+            c = call[r]
+            slot = c & 1 if words_by_parity else 0
+            words[:, slot, r] = ops[c]   # the words land before the entry (block 0 fences in between)
+            entry[:, r] = c
+            opened[r], passed[r] = True, False
+        elif kind == "pass":
+            c = call[r]
+            slot = c & 1 if words_by_parity else 0
+            wrong += [(r, b, s, int(c)) for s in range(R) if words[r, slot, s] != ops[c]]
+            passed[r, b] = passed_call[r, c, b] = True
+        else:
+            opened[r] = False
+    assert (call == num_calls).all() and not opened.any(), "the model deadlocked"
+    return wrong
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 8])
+def test_entry_handshake_compares_the_same_calls_words(num_ranks):
+    """A peer can be one call ahead (its next call opens while a lagging block here still checks this one), never
+    two; with the words kept by the epoch's parity no comparison ever sees another call's words."""
+    for seed in range(200):
+        assert simulate_entry_handshake(num_ranks, 12, seed) == [], f"seed {seed}"
+
+
+def test_entry_handshake_needs_the_parity():
+    """The same model with one set of words per rank: some interleaving makes a lagging block read the next
+    call's words, which would stop the buffer with a false CallMismatchError (why entry_words has two rows)."""
+    assert any(simulate_entry_handshake(2, 12, seed, words_by_parity=False) for seed in range(200))
