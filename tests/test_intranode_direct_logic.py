@@ -2,7 +2,8 @@
 puts each token's row (block shares of whole windows of 32 tokens, the count before a share from
 channel_prefix_matrix plus a scan of the share's first channel, warps taking tokens j % warps), checked against
 the reference's send_head and rank_prefix_matrix: every row of every receiver written exactly once, at the
-reference's position; the completion count the receivers wait for; and the carve's Python mirror.
+reference's position; the completion count the receivers wait for; the carve's Python mirror; combine_direct's
+chunk dealing; and a step model of the zero-copy kernels' entry handshake.
 The model is written from the kernel's description, not run from it: it checks the scheme, not the CUDA code."""
 import numpy as np
 import pytest
