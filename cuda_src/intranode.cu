@@ -101,30 +101,40 @@ __device__ __forceinline__ void dispatch_meta_range(int num_ranks, int num_chann
     }
 }
 
+// One thread writes, or compares, one rank's row of words (constant indices: the words stay in registers).
+__device__ __forceinline__ void write_call_words(int* row, const CallWords& words) {
+#pragma unroll
+    for (int k = 0; k < kCallWords; ++k) row[k] = words.w[k];
+}
+
+// True iff `row` (a peer's words) equals ours; otherwise reports the first word that differs (stops the buffer).
+__device__ __forceinline__ bool same_call_words(const int* row, const CallWords& words, const DeviceCtx* ctx,
+                                                int kernel, int peer) {
+    int bad = -1, mine = 0, theirs = 0;
+#pragma unroll
+    for (int k = kCallWords - 1; k >= 0; --k) {
+        const int w = ld_volatile(&row[k]);
+        if (w != words.w[k]) bad = k, mine = words.w[k], theirs = w;
+    }
+    if (bad < 0) return true;
+    report_failure(ctx, WaitSite{kernel, kRoleCallCheck, -1, peer}, mine, theirs, bad, 0);
+    return false;
+}
+
 template <int kNumRanks>
 __device__ void publish_call_words(void** buffer_ptrs, int rank, const CallWords& words) {
-    const NotifyArea notify;
-    for (int i = threadIdx.x; i < kNumRanks * kCallWords; i += blockDim.x) {
-        const int peer = i / kCallWords, k = i % kCallWords;
-        notify.call_words.on(buffer_ptrs[peer])[rank * kCallWords + k] = words.w[k];
-    }
+    for (int peer = threadIdx.x; peer < kNumRanks; peer += blockDim.x)
+        write_call_words(NotifyArea().call_words.on(buffer_ptrs[peer]) + rank * kCallWords, words);
 }
 
 // Call after the barrier that follows publish_call_words. False (for the whole block) on disagreement.
 template <int kNumRanks>
 __device__ bool check_call_words(void** buffer_ptrs, int rank, const CallWords& words, const DeviceCtx* ctx,
                                  int kernel) {
-    const NotifyArea notify;
-    const int* rows = notify.call_words.on(buffer_ptrs[rank]);
+    const int* rows = NotifyArea().call_words.on(buffer_ptrs[rank]);
     bool ok = true;
-    for (int i = threadIdx.x; i < kNumRanks * kCallWords; i += blockDim.x) {
-        const int peer = i / kCallWords, k = i % kCallWords;
-        const int theirs = ld_volatile(&rows[i]);
-        if (theirs != words.w[k]) {
-            ok = false;
-            report_failure(ctx, WaitSite{kernel, kRoleCallCheck, -1, peer}, words.w[k], theirs, k, 0);
-        }
-    }
+    for (int peer = threadIdx.x; peer < kNumRanks; peer += blockDim.x)
+        ok = same_call_words(rows + peer * kCallWords, words, ctx, kernel, peer) && ok;
     return __syncthreads_and(ok) != 0;
 }
 
@@ -167,12 +177,9 @@ __device__ int open_direct_call(void** buffer_ptrs, int rank, const CallWords& w
     const int epoch = s_epoch;
     if (blockIdx.x == 0) {
         zero_ints(at_offset<int>(mine, zero_begin), (zero_end - zero_begin) / 4);
-        const int row = ((epoch & 1) * kMaxNvlRanks + rank) * kCallWords;
-        if (threadIdx.x < kNumRanks) {
-            int* theirs = notify.entry_words.on(buffer_ptrs[threadIdx.x]) + row;
-#pragma unroll
-            for (int k = 0; k < kCallWords; ++k) theirs[k] = words.w[k];  // constant indices: words stay in registers
-        }
+        if (threadIdx.x < kNumRanks)
+            write_call_words(notify.entry_words.on(buffer_ptrs[threadIdx.x]) +
+                             ((epoch & 1) * kMaxNvlRanks + rank) * kCallWords, words);
         __syncthreads();
         if (threadIdx.x < kNumRanks) {
             fence_acq_rel_sys();  // the block's zeroes and words before the entry
@@ -194,17 +201,9 @@ __device__ bool wait_direct_call(void** buffer_ptrs, int rank, const CallWords& 
         int seen = 0;
         ok = wait_until(ctx, WaitSite{kernel, kRoleEntry, -1, s}, [&] { return (seen = ld_acquire_sys(entry)) - epoch >= 0; },
                         [&](long long& h, long long& tl, long long& ex) { h = seen; tl = seen; ex = epoch; });
-        const int* theirs = notify.entry_words.on(buffer_ptrs[rank]) + ((epoch & 1) * kMaxNvlRanks + s) * kCallWords;
-        int bad = -1, mine_w = 0, their_w = 0;  // the first word that differs
-#pragma unroll
-        for (int k = kCallWords - 1; k >= 0; --k) {
-            const int w = ld_volatile(&theirs[k]);
-            if (ok && w != words.w[k]) bad = k, mine_w = words.w[k], their_w = w;
-        }
-        if (bad >= 0) {
-            ok = false;
-            report_failure(ctx, WaitSite{kernel, kRoleCallCheck, -1, s}, mine_w, their_w, bad, 0);
-        }
+        if (ok)
+            ok = same_call_words(notify.entry_words.on(buffer_ptrs[rank]) + ((epoch & 1) * kMaxNvlRanks + s) * kCallWords,
+                                 words, ctx, kernel, s);
     }
     return __syncthreads_and(ok) != 0;
 }

@@ -412,8 +412,9 @@ class CudaBuffer(Buffer):
                 view is valid until the next dispatch or combine on this buffer; copy it to keep it. It holds
                 ``config.direct_dispatch_capacity(num_nvl_bytes, ...)`` rows; more stops the buffer on every rank
                 (a CommError, at once where the count is known on the host: a dispatch that syncs; otherwise at
-                the next call). ``config.num_sms`` blocks all write; the handle is the same as without it (combine
-                and cached dispatch take either).
+                the next call). ``config.num_sms`` blocks (``config.zero_copy_local_blocks(R)`` of them copy the
+                rank's own rows); a cached call runs no notify kernel (an entry handshake inside the kernel). The
+                handle is the same as without it (combine and cached dispatch take either).
 
         Returns:
             ``(recv_x | (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,

@@ -253,23 +253,32 @@ def test_random_seeds(comm, gpu_buffer, seed):
     run_case(comm, gpu_buffer, random_case(seed, seed), seed)
 
 
+def _worst_dispatch(comm, buf, errors: list, zero_copy: bool):
+    """WORST_CASE dispatched with num_worst_tokens = T * R (no CPU sync), its outputs checked into ``errors``.
+    Returns ``(recv_x, handle, ref, real rows, worst)``; call inside the buffer's device."""
+    import cupy
+    rank, R = comm.Get_rank(), comm.Get_size()
+    x_np, idx_np, w_np, num_experts = _inputs(WORST_CASE, rank, R)
+    worst = WORST_CASE.tokens * R
+    x, idx, w = _to_gpu(x_np), cupy.asarray(idx_np), cupy.asarray(w_np)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    cfg = _config_for("dispatch", R, 12)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=idx, topk_weights=w, num_worst_tokens=worst, config=cfg, zero_copy=zero_copy)
+    ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, 1, cfg.intranode_dispatch_channels(R))
+    n = check_worst_outputs(errors, recv_x, recv_idx, recv_w, counts, ref, worst)
+    return recv_x, handle, ref, n, worst
+
+
 @pytest.mark.mpi(min_size=2)
 def test_num_worst_tokens(comm, gpu_buffer):
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()
     case = WORST_CASE
-    x_np, idx_np, w_np, num_experts = _inputs(case, rank, R)
-    worst = case.tokens * R
     errors: list[str] = []
     with cupy.cuda.Device(gpu_buffer.device_id):
-        x, idx, w = _to_gpu(x_np), cupy.asarray(idx_np), cupy.asarray(w_np)
-        per_rank, _, per_expert, in_rank, _ = gpu_buffer.get_dispatch_layout(idx, num_experts)
-        cfg = _config_for("dispatch", R, 12)
-        recv_x, recv_idx, recv_w, counts, handle, _ = gpu_buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=idx, topk_weights=w, num_worst_tokens=worst, config=cfg)
-        ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, 1, cfg.intranode_dispatch_channels(R))
-        n = check_worst_outputs(errors, recv_x, recv_idx, recv_w, counts, ref, worst)
+        _, handle, ref, n, worst = _worst_dispatch(comm, gpu_buffer, errors, zero_copy=False)
         # combine through the worst-sized handle gives the reference answer
         rng = np.random.default_rng(5 + rank)
         y_np = random_bf16(rng, (worst, case.hidden))
@@ -288,20 +297,10 @@ def test_zero_copy_num_worst_tokens_and_view_guard(comm, gpu_buffer):
     """zero_copy with num_worst_tokens (no CPU sync): worst rows, the real ones as the reference's; recv_x is a
     view of the buffer, and passing it back in (combine, dispatch) is refused before anything runs."""
     import cupy
-    rank, R = comm.Get_rank(), comm.Get_size()
     case = WORST_CASE
-    x_np, idx_np, w_np, num_experts = _inputs(case, rank, R)
-    worst = case.tokens * R
     errors: list[str] = []
     with cupy.cuda.Device(gpu_buffer.device_id):
-        x, idx, w = _to_gpu(x_np), cupy.asarray(idx_np), cupy.asarray(w_np)
-        per_rank, _, per_expert, in_rank, _ = gpu_buffer.get_dispatch_layout(idx, num_experts)
-        cfg = _config_for("dispatch", R, 12)
-        recv_x, recv_idx, recv_w, counts, handle, _ = gpu_buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=idx, topk_weights=w, num_worst_tokens=worst, config=cfg, zero_copy=True)
-        ref = reference_dispatch(comm, x_np, idx_np, w_np, num_experts, 1, cfg.intranode_dispatch_channels(R))
-        check_worst_outputs(errors, recv_x, recv_idx, recv_w, counts, ref, worst)
+        recv_x, handle, _, _, _ = _worst_dispatch(comm, gpu_buffer, errors, zero_copy=True)
         base = gpu_buffer._nvl.ptr
         if not base <= recv_x.data.ptr < base + gpu_buffer._nvl.nbytes:
             errors.append("zero-copy recv_x is not a view of the buffer")
