@@ -48,7 +48,8 @@
 // stores; the others get nvshmemx_putmem_nbi_warp (message rows, each warp's followed by nvshmem_quiet before the
 // block barrier that precedes the entries) / nvshmem_longlong_p (index entries) / nvshmem_int_p (combine flags).
 //
-// Combine signals: the meta flag arrives as K << 24 | T + 1 and the token flags as 1, so 0 means "not arrived".
+// Combine signals: the meta flag arrives as W << 28 | K << 24 | T + 1 (W: the owner wants bf16 partials) and the
+// token flags as 1, so 0 means "not arrived".
 // Every one of them (the dispatch's counts and index entries carry epochs instead) is read in
 // that call and zeroed right after by its waiter (consumed on
 // read; a combine meta flag, which every block reads, by the last of them): the buffer is
@@ -663,17 +664,18 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 
 // ---------------------------------------------------------------------------------------------------
 // combine: each expert rank sends its token owner ONE partial sum per token (the weighted fp32 sum of its
-// experts' rows of that token, rounded to 24 bits on the wire: store_partial) instead of one bf16 row per
-// (token, k): at top-8 of 256 on 2 ranks ~4 rows per (token, rank) become one row of 1.5 times the width, under
-// 40 % of the bytes across NVLink. The weights live on the owner, so the owner first sends its top-k (experts and
-// weights, a few KB: "meta") to every rank.
+// experts' rows of that token, rounded to 24 bits on the wire, or to bf16 when the owner asked for bf16 partials:
+// store_partial) instead of one bf16 row per (token, k): at top-8 of 256 on 2 ranks ~4 rows per (token, rank)
+// become one row of 1.5 times the width (bf16: the same width), under 40 % (25 %) of the bytes across NVLink. The
+// weights live on the owner, so the owner first sends its top-k (experts and weights, a few KB: "meta") to every
+// rank; the meta flag also says which wire format the owner reads.
 //   send phase  (A) owner -> every other rank r: meta (int32 expert or -1, float weight, [M][kLLMaxTopk] each), then
-//                   the meta flag (K << 24 | T + 1) at r's signal combine_meta_flag(me);
+//                   the meta flag (W << 28 | K << 24 | T + 1) at r's signal combine_meta_flag(me);
 //               (B) expert rank, per owner s (itself first, from the call's own top-k: no wait; then the
 //                   others from their meta) and token t of s (blocks stride over t): the slots of t's entries
 //                   from a histogram of s's top-k (exactly the dispatch's slots), then
 //                   P = 0 + sum over the kept k whose expert is here, k ascending, of w_k * row(e_k, s, slot_k)
-//                   (fp32 products and sums, no FMA), rounded to 24 bits into s's partial_in [me][t], then
+//                   (fp32 products and sums, no FMA), rounded to s's wire format into s's partial_in [me][t], then
 //                   flag 1 at s's signal combine_token_flag(me, t). Tokens with no kept entry here send nothing.
 //   recv phase  (C) owner, token t: out = bf16(0 + sum over ranks r ascending that hold a kept entry of t of
 //                   P_r[t]) in fp32, one bf16 rounding (reference.low_latency_combine: the same order and
@@ -741,36 +743,56 @@ __device__ __forceinline__ void partial_sum(float (&acc)[8], const int4* rows, c
     }
 }
 
-// The partials' wire format (reference.low_latency_partial_wire): each fp32 rounded to nearest even to 24 bits.
-// Chunk c (8 values) of a partial row: the high 16 bits of each at byte 16c (a bf16 plane of H values), the next
-// 8 bits at byte 2H + 8c (a byte plane): 3 bytes per value instead of 4 across NVLink.
+// The partials' wire format (reference.low_latency_partial_wire), chosen by the owner: each fp32 rounded to nearest
+// even to 24 bits, or (bf16) to 16 bits. Chunk c (8 values) of a partial row: the high 16 bits of each at byte 16c
+// (a bf16 plane of H values); with 24 bits the next 8 bits at byte 2H + 8c (a byte plane): 3 bytes per value
+// instead of 4 across NVLink, or 2.
 __device__ __forceinline__ unsigned wire24(float v) {
     const unsigned b = __float_as_uint(v);
     return (b + 0x7fu + ((b >> 8) & 1u)) >> 8;
 }
+__device__ __forceinline__ unsigned wire16(float v) {
+    const unsigned b = __float_as_uint(v);
+    return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
 
-__device__ __forceinline__ void store_partial(char* row, int hidden, int c, const float (&p)[8]) {
+__device__ __forceinline__ void store_partial(char* row, int hidden, int c, const float (&p)[8], bool bf16) {
     unsigned hi[4], lo[2] = {0u, 0u};
+    if (bf16) {
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const unsigned a = wire24(p[2 * q]), b = wire24(p[2 * q + 1]);
-        hi[q] = (a >> 8) | ((b >> 8) << 16);
-        lo[q >> 1] |= ((a & 0xffu) | ((b & 0xffu) << 8)) << (16 * (q & 1));
+        for (int q = 0; q < 4; ++q) hi[q] = wire16(p[2 * q]) | (wire16(p[2 * q + 1]) << 16);
+    } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const unsigned a = wire24(p[2 * q]), b = wire24(p[2 * q + 1]);
+            hi[q] = (a >> 8) | ((b >> 8) << 16);
+            lo[q >> 1] |= ((a & 0xffu) | ((b & 0xffu) << 8)) << (16 * (q & 1));
+        }
     }
     reinterpret_cast<int4*>(row)[c] = make_int4((int)hi[0], (int)hi[1], (int)hi[2], (int)hi[3]);
-    reinterpret_cast<uint2*>(row + 2LL * hidden)[c] = make_uint2(lo[0], lo[1]);
+    if (!bf16) reinterpret_cast<uint2*>(row + 2LL * hidden)[c] = make_uint2(lo[0], lo[1]);
 }
 
 // A peer-written partial row (read after its flag was acquired): chunk c as 8 floats.
-__device__ __forceinline__ void load_partial(const char* row, int hidden, int c, float (&p)[8]) {
+__device__ __forceinline__ void load_partial(const char* row, int hidden, int c, float (&p)[8], bool bf16) {
     const int4 h = ld_ring_v4(reinterpret_cast<const int4*>(row) + c);
-    const uint2 l = ld_ring_v2(reinterpret_cast<const uint2*>(row + 2LL * hidden) + c);
+    const uint2 l = bf16 ? make_uint2(0u, 0u) : ld_ring_v2(reinterpret_cast<const uint2*>(row + 2LL * hidden) + c);
     const unsigned hi[4] = {(unsigned)h.x, (unsigned)h.y, (unsigned)h.z, (unsigned)h.w}, lo[2] = {l.x, l.y};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const unsigned high = (hi[j >> 1] >> (16 * (j & 1))) & 0xffffu, low = (lo[j >> 2] >> (8 * (j & 3))) & 0xffu;
         p[j] = __uint_as_float((high << 16) | (low << 8));
     }
+}
+
+// The partial row's bytes on the wire (what an NVSHMEM put moves).
+__device__ __forceinline__ long long partial_wire_bytes(const LowLatencyLayout& L, bool bf16) {
+    return bf16 ? 2LL * L.hidden : L.part_bytes;
+}
+
+// Meta flag: W << 28 | K << 24 | T + 1 (K <= kLLMaxTopk < 16, T < 2^24).
+__device__ __forceinline__ int meta_flag_value(int num_topk, int num_tokens, bool bf16) {
+    return ((bf16 ? 1 : 0) << 28) | (num_topk << 24) | (num_tokens + 1);
 }
 
 // The blocks that share one role of the combine: this block is number `index` of `count` (all blocks of the
@@ -782,8 +804,8 @@ struct Blocks {
 // (A) blocks b < R: the meta for rank b (not for this rank itself).
 template <typename TopkT>
 __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
-                                  char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
-                                  int buffer_idx, const DeviceCtx* ctx, Blocks blocks) {
+                                  bool bf16, char* base, const unsigned long long* peer_bases,
+                                  const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx, Blocks blocks) {
     const int rank = ctx->rank;
     for (int r = blocks.index; r < L.num_ranks; r += blocks.count) {
         if (r == rank) continue;  // (B) reads this rank's own top-k from the arguments
@@ -805,15 +827,17 @@ __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weigh
         }
         if (threadIdx.x == 0)
             send_signal(base, peer_bases, r, L.signal_offset(buffer_idx) + 4LL * L.combine_meta_flag(rank),
-                        (num_topk << 24) | (num_tokens + 1));
+                        meta_flag_value(num_topk, num_tokens, bf16));
         __syncthreads();
     }
 }
 
 // (B), one owner s: the partial sums of its tokens t = index + j * count (T tokens, K entries each:
-// `experts` / `weights` are the owner's meta, or this rank's own arguments when s is this rank).
+// `experts` / `weights` are the owner's meta, or this rank's own arguments when s is this rank), in s's wire
+// format (bf16: the owner asked for bf16 partials).
 template <typename IdT, typename WeightT>
 __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, const WeightT* weights, int T, int K,
+                                                     bool bf16,
                                                      const int4* rows, const long long* layout_range, char* base,
                                                      const unsigned long long* peer_bases, const LowLatencyLayout& L,
                                                      int buffer_idx, const DeviceCtx* ctx, int* hist,
@@ -842,14 +866,14 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
             for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
                 float acc[8];
                 partial_sum(acc, rows, sh, c, row_int4);
-                store_partial(out, L.hidden, c, acc);
+                store_partial(out, L.hidden, c, acc, bf16);
             }
             // (flagging several tokens under one release was slower: 33.7 us steady against 29.4, S10C; the
             // owner's first partials then arrive late)
             __syncthreads();  // the row is written (bar.sync orders the block's stores before the flag)
             stamp(stamps, kStampSendEncoded);
             if (direct == nullptr && warp_id() == 0) {
-                nvshmemx_putmem_nbi_warp(base + dst, out, (size_t)L.part_bytes, s);
+                nvshmemx_putmem_nbi_warp(base + dst, out, (size_t)partial_wire_bytes(L, bf16), s);
                 __syncwarp();
                 if (lane_id() == 0) nvshmem_quiet();
             }
@@ -870,7 +894,8 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
 template <typename TopkT>
 __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range,
                                                const TopkT* topk_idx, const float* topk_weights, int num_tokens,
-                                               int num_topk, char* base, const unsigned long long* peer_bases,
+                                               int num_topk, bool bf16, char* base,
+                                               const unsigned long long* peer_bases,
                                                const LowLatencyLayout& L, int buffer_idx, int* meta_readers,
                                                const DeviceCtx* ctx, int* hist, CombineShared& sh,
                                                bool own_in_recv, Blocks blocks, long long* stamps) {
@@ -879,8 +904,8 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
     const char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
     if (!own_in_recv)
-        combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, rows, layout_range, base, peer_bases,
-                             L, buffer_idx, ctx, hist, sh, blocks, stamps);
+        combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, bf16, rows, layout_range, base,
+                             peer_bases, L, buffer_idx, ctx, hist, sh, blocks, stamps);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
     for (int i = 1; i < R; ++i) {
         const int s = (rank + i) % R;
@@ -905,36 +930,39 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
         __syncthreads();
         if (i == 1) stamp(stamps, kStampSendRouted);  // the first remote owner's meta is in
         if (sh.failed) return;  // uniform
-        const int K = sh.value >> 24, T = (sh.value & 0xffffff) - 1;
+        const int K = (sh.value >> 24) & 0xf, T = (sh.value & 0xffffff) - 1;
+        const bool owner_bf16 = (sh.value >> 28) & 1;  // the wire format owner s reads
         __syncthreads();  // sh.value is read by every thread before thread 0 waits for the next owner
         const char* meta = recv + L.combine_meta_in(s);
         combine_reduce_owner(s, reinterpret_cast<const volatile int*>(meta),
-                             reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, rows,
-                             layout_range, base, peer_bases, L, buffer_idx, ctx, hist, sh, blocks, stamps);
+                             reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, owner_bf16,
+                             rows, layout_range, base, peer_bases, L, buffer_idx, ctx, hist, sh, blocks, stamps);
     }
 }
 
 template <typename TopkT>
 __device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, const TopkT* topk_idx,
-                             const float* topk_weights, int num_tokens, int num_topk, char* base,
+                             const float* topk_weights, int num_tokens, int num_topk, bool bf16, char* base,
                              const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
                              int* workspace, const DeviceCtx* ctx, int* hist, CombineShared& sh, bool own_in_recv,
                              Blocks blocks, long long* stamps) {
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
-    combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L, buffer_idx, ctx, blocks);
-    combine_reduce(x, zero_copy, layout_range, topk_idx, topk_weights, num_tokens, num_topk, base, peer_bases, L,
-                   buffer_idx, workspace + kWsMetaReaders, ctx, hist, sh, own_in_recv, blocks, stamps);
+    combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, bf16, base, peer_bases, L, buffer_idx, ctx,
+                      blocks);
+    combine_reduce(x, zero_copy, layout_range, topk_idx, topk_weights, num_tokens, num_topk, bf16, base, peer_bases,
+                   L, buffer_idx, workspace + kWsMetaReaders, ctx, hist, sh, own_in_recv, blocks, stamps);
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
 // (C) the owner's sum of the partials. own_in_recv: this rank's own partial is computed here from x, first (while
 // the peers' partials may still be on their way), into this rank's own partial_in slot in the wire format (what a
-// peer's would carry), then read back by the sum like the others.
+// peer's would carry), then read back by the sum like the others. bf16: this rank's partials (its own and the
+// peers') are bf16 on the wire, as its meta flag asked.
 template <typename TopkT>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
                              const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
-                             char* base, const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx, int* hist,
+                             bool bf16, char* base, const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx, int* hist,
                              CombineShared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
     const int rank = ctx->rank, R = L.num_ranks, E = L.num_experts, row_int4 = L.hidden / 8;
@@ -961,7 +989,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
             for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {  // the same c as the sum's: no barrier needed
                 float p[8];
                 partial_sum(p, rows, sh, c, row_int4);
-                store_partial(own, L.hidden, c, p);
+                store_partial(own, L.hidden, c, p, bf16);
             }
         }
         if (t == blocks.index) stamp(stamps, kStampRecvPrepared);  // (thread 0's part of) the own partial
@@ -989,7 +1017,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
             for (int r = 0; r < R; ++r) {
                 if (!sh.has[r]) continue;
                 float p[8];
-                load_partial(recv + L.combine_partial_in(r, t), L.hidden, c, p);
+                load_partial(recv + L.combine_partial_in(r, t), L.hidden, c, p, bf16);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], p[j]);
             }
@@ -1003,11 +1031,12 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
 }
 
 // combined_x [T][H] bf16; x [L][R*M][H] bf16 (unused with zero_copy: the rows are in the send buffer);
-// layout_range [L][R] from the dispatch handle; topk_idx [T][K], topk_weights [T][K] float32.
+// layout_range [L][R] from the dispatch handle; topk_idx [T][K], topk_weights [T][K] float32; bf16_partials: this
+// rank's tokens are reduced from bf16 partials (the peers learn it from the meta flag).
 template <typename TopkT>
 __global__ void __launch_bounds__(kLLCombineThreads, 1)
 combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx,
-        const float* topk_weights, int num_tokens, int num_topk, int zero_copy, void* base,
+        const float* topk_weights, int num_tokens, int num_topk, int zero_copy, int bf16_partials, void* base,
         const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
         int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hist[kLLMaxExperts];
@@ -1016,7 +1045,7 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     char* b = static_cast<char*>(base);
     if (threadIdx.x == 0) sh.failed = 0;
     __syncthreads();
-    const bool own_in_recv = (phases & kPhaseSend) && (phases & kPhaseRecv);
+    const bool own_in_recv = (phases & kPhaseSend) && (phases & kPhaseRecv), bf16 = bf16_partials != 0;
     if (own_in_recv && gridDim.x >= 2) {
         // One launch, both phases: the blocks split into an expert side ((A) and (B): the meta, the remote owners'
         // partials) and an owner side ((C): the own partials, then the sums), which run at the same time, so the
@@ -1024,25 +1053,25 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
         // of the blocks (its own partials are 1/R of all partials); it only waits once its own work is done.
         const int owner_blocks = max(1, (int)gridDim.x / ctx->num_ranks), expert_blocks = gridDim.x - owner_blocks;
         if ((int)blockIdx.x < expert_blocks) {
-            combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, b, peer_bases,
-                         L, buffer_idx, workspace, ctx, hist, sh, true, Blocks{(int)blockIdx.x, expert_blocks},
+            combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, bf16, b,
+                         peer_bases, L, buffer_idx, workspace, ctx, hist, sh, true, Blocks{(int)blockIdx.x, expert_blocks},
                          stamps);
         } else {
             stamp(stamps, kStampSendStart);  // (the block's start: phase_breakdown's origin is the earliest)
-            combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, b,
-                         L, buffer_idx, ctx, hist, sh, true, Blocks{(int)blockIdx.x - expert_blocks, owner_blocks},
+            combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk,
+                         bf16, b, L, buffer_idx, ctx, hist, sh, true, Blocks{(int)blockIdx.x - expert_blocks, owner_blocks},
                          stamps);
         }
         return;
     }
     const Blocks all{(int)blockIdx.x, (int)gridDim.x};
     if (phases & kPhaseSend)
-        combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, b, peer_bases, L,
-                     buffer_idx, workspace, ctx, hist, sh, own_in_recv, all, stamps);
+        combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, bf16, b,
+                     peer_bases, L, buffer_idx, workspace, ctx, hist, sh, own_in_recv, all, stamps);
     __syncthreads();
     if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
-        combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, b, L,
-                     buffer_idx, ctx, hist, sh, own_in_recv, all, stamps);
+        combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk,
+                     bf16, b, L, buffer_idx, ctx, hist, sh, own_in_recv, all, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------

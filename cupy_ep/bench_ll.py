@@ -99,8 +99,9 @@ class LowLatencyBench:
         w = rng.random((tokens, a.topk), dtype=np.float32)
         return x, idx, w
 
-    def verify(self, x, idx, w, dispatch_out, combined, y):
-        """Abort the job unless dispatch and combine equal the reference bit for bit."""
+    def verify(self, x, idx, w, dispatch_out, combined, y, combined_bf16p):
+        """Abort the job unless dispatch and both combines (24-bit and bf16 partials) equal the reference bit for
+        bit."""
         a = self.args
         (data, scales), count, handle = dispatch_out
         gathered = self.comm.allgather((x, idx, w, y))
@@ -112,18 +113,22 @@ class LowLatencyBench:
             ok &= np.array_equal(data[e, :n].view(np.uint8), want.recv_x[e, :n])
             ok &= np.array_equal(scales[e, :n], want.recv_x_scales[e, :n])
             ok &= np.array_equal(src[e, :n], want.src_info[e, :n])
-        want_c = reference.low_latency_combine([g[3] for g in gathered], [g[1] for g in gathered],
-                                               [g[2] for g in gathered], self.M, a.experts, self.rank)
-        ok &= np.array_equal(combined.view(np.uint16).get() if hasattr(combined, "get") else combined,
-                             want_c.view(np.uint16))
+        for got, bf16_partials in ((combined, False), (combined_bf16p, True)):
+            want_c = reference.low_latency_combine([g[3] for g in gathered], [g[1] for g in gathered],
+                                                   [g[2] for g in gathered], self.M, a.experts, self.rank,
+                                                   bf16_partials=bf16_partials)
+            ok &= np.array_equal(got.view(np.uint16).get(), want_c.view(np.uint16))
         if not self.comm.allreduce(bool(ok), op=__import__("mpi4py").MPI.LAND):
             self.log("cupy_ep.bench_ll: VERIFICATION FAILED against cupy_ep.reference")
             self.comm.Abort(2)
-        self.log("  verified against cupy_ep.reference: low-latency dispatch (fp8) and combine: OK")
+        self.log("  verified against cupy_ep.reference: low-latency dispatch (fp8) and combine (24-bit and bf16 "
+                 "partials): OK")
 
     def ops(self, x, idx, w, y, handle, idx_np) -> dict:
-        """``{op: (fn, nccl_fn, dtype)}``: the FP8 dispatch of ``x`` and the combine of ``y`` with the fixed
-        ``handle``, each with NCCL grouped send/recv of its per-peer bytes (collective: every rank calls it)."""
+        """``{label: (fn, nccl_fn, dtype)}``: the FP8 dispatch of ``x`` and the combine of ``y`` with the fixed
+        ``handle`` (24-bit partials, and ``ll_combine_bf16p``: ``bf16_partials=True``), each with NCCL grouped
+        send/recv of its per-peer bytes (collective: every rank calls it). Records name the op and the partials
+        (:func:`_op_fields`)."""
         a, R, buf = self.args, self.R, self.buf
         per_rank = _selections_per_rank(idx_np, a.experts, R)
         recv_per_rank = np.array(self.comm.alltoall([int(v) for v in per_rank]))
@@ -133,6 +138,8 @@ class LowLatencyBench:
                             self.nccl.make(per_rank * msg_fp8, recv_per_rank * msg_fp8), "fp8"),
             "ll_combine": (lambda: buf.low_latency_combine(y, idx, w, handle),
                            self.nccl.make(recv_per_rank * 2 * a.hidden, per_rank * 2 * a.hidden), "bf16"),
+            "ll_combine_bf16p": (lambda: buf.low_latency_combine(y, idx, w, handle, bf16_partials=True),
+                                 self.nccl.make(recv_per_rank * 2 * a.hidden, per_rank * 2 * a.hidden), "bf16"),
         }
 
     def timed(self, timer, fn, how: str):
@@ -168,7 +175,7 @@ class LowLatencyBench:
 
     def add(self, op, dtype, how, tokens, t, p99, nccl_t, nccl_p99, nccl_how) -> None:
         a = self.args
-        rec = {"op": op, "graph": how != "call", "timing": how, "time_us_median": t.median_us, "time_us_p99": p99,
+        rec = {**_op_fields(op), "graph": how != "call", "timing": how, "time_us_median": t.median_us, "time_us_p99": p99,
                "time_us_min": t.min_us, "nccl_time_us": nccl_t.median_us if nccl_t else None,
                "nccl_time_us_p99": nccl_p99, "nccl_timing": nccl_how if nccl_t else None,
                "ratio_to_nccl": t.median_us / nccl_t.median_us if nccl_t else None,
@@ -176,7 +183,7 @@ class LowLatencyBench:
                "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden, "topk": a.topk,
                "experts": a.experts, "num_ranks": self.R}
         self.records.append(rec)
-        self.log(f"  {op:11s} {how:6s} T={tokens:4d} median {t.median_us:7.1f} us  p99 {p99:7.1f} us"
+        self.log(f"  {op:16s} {how:6s} T={tokens:4d} median {t.median_us:7.1f} us  p99 {p99:7.1f} us"
                  + (f"  (NCCL same bytes, {nccl_how} {nccl_t.median_us:7.1f} us)" if nccl_t else ""))
 
     def host_overhead(self, runs: dict, tokens: int) -> None:
@@ -188,12 +195,12 @@ class LowLatencyBench:
             cupy.cuda.runtime.deviceSynchronize()
         for op, (fn, _, dtype) in runs.items():
             host, wall = host_us_per_call(self.comm, fn, HOST_CALLS, sync)
-            self.records.append({"op": op, "graph": False, "timing": "host", "host_us_per_call": host,
+            self.records.append({**_op_fields(op), "graph": False, "timing": "host", "host_us_per_call": host,
                                  "host_wall_us_per_call": wall, "calls": HOST_CALLS, "time_us_median": None,
                                  "time_us_p99": None, "time_us_min": None, "nccl_time_us": None, "dtype": dtype,
                                  "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden, "topk": a.topk,
                                  "experts": a.experts, "num_ranks": self.R})
-            self.log(f"  {op:11s} host   T={tokens:4d} {host:7.1f} us per call on the host "
+            self.log(f"  {op:16s} host   T={tokens:4d} {host:7.1f} us per call on the host "
                      f"({wall:7.1f} us per call until the device is done; {HOST_CALLS} calls back to back)")
 
     def phases(self, runs: dict, tokens: int, flush=None, rounds: int = 30, calls: int = 4) -> None:
@@ -245,7 +252,7 @@ class LowLatencyBench:
                 phases_us = medians(per_round)
                 phases_max_us = medians(slowest)
                 phases_by_rank_us = [medians([r[i] for r in by_rank]) for i in range(self.R)]
-                self.records.append({"op": op, "graph": True, "timing": "stamps", "phases_us": phases_us,
+                self.records.append({**_op_fields(op), "graph": True, "timing": "stamps", "phases_us": phases_us,
                                      "phases_max_us": phases_max_us, "phases_by_rank_us": phases_by_rank_us,
                                      "l2_flushed": flush is not None,
                                      "rounds": rounds, "calls_per_round": calls, "time_us_median": None,
@@ -253,12 +260,12 @@ class LowLatencyBench:
                                      "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden,
                                      "topk": a.topk, "experts": a.experts, "num_ranks": self.R})
                 flushed = ' (L2 flushed)' if flush is not None else ''
-                self.log(f"  {op:11s} phases{flushed} (us after the first block started): " +
+                self.log(f"  {op:16s} phases{flushed} (us after the first block started): " +
                          ", ".join(f"{k} {v:.1f}" for k, v in phases_us.items()))
-                self.log(f"  {op:11s} slowest block{flushed}: " +
+                self.log(f"  {op:16s} slowest block{flushed}: " +
                          ", ".join(f"{k} {v:.1f}" for k, v in phases_max_us.items()))
                 for r, ph in enumerate(phases_by_rank_us[1:], start=1):  # (rank 0's is the median line)
-                    self.log(f"  {op:11s} rank {r}{flushed}: " +
+                    self.log(f"  {op:16s} rank {r}{flushed}: " +
                              ", ".join(f"{k} {v:.1f}" for k, v in ph.items()))
         finally:
             ll.stamps = None
@@ -292,8 +299,9 @@ class LowLatencyBench:
             y = _bf16_dev(y_np)
             out = buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True)
             combined, _, _ = buf.low_latency_combine(y, idx, w, out[2])
+            combined_bf16p, _, _ = buf.low_latency_combine(y, idx, w, out[2], bf16_partials=True)
             cupy.cuda.runtime.deviceSynchronize()
-            self.verify(x_np, idx_np, w_np, out[:3], combined, y_np)
+            self.verify(x_np, idx_np, w_np, out[:3], combined, y_np, combined_bf16p)
             handle = out[2]
 
             timer = LatencyTimer(self.comm, a.iters, a.warmup)
@@ -318,6 +326,19 @@ class LowLatencyBench:
                      lambda common: markdown_lines(self.records, self.args, self.R, common), "low-latency")
 
 
+def _op_fields(label: str) -> dict:
+    """A record's ``op`` (``ll_dispatch`` / ``ll_combine``) and, for a combine, its ``partials`` ("24-bit", or
+    "bf16" for the ``ll_combine_bf16p`` run: ``bf16_partials=True``)."""
+    if label == "ll_dispatch":
+        return {"op": label}
+    return {"op": "ll_combine", "partials": "bf16" if label == "ll_combine_bf16p" else "24-bit"}
+
+
+def _name(r: dict) -> str:
+    """The op column of the markdown tables."""
+    return r["op"] + (" (bf16 partials)" if r.get("partials") == "bf16" else "")
+
+
 def _f(v, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
@@ -338,12 +359,14 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
            f"*steady* = {n or 'n'} ops back to back per replay (buffers alternating as in real use), L2 flushed "
            "before each, minus a flush-only graph, / n: device latency per op in a pipeline, the ranks' launch "
            "skew paid once per n ops. NCCL (grouped send/recv of the same per-peer bytes) is timed as graph "
-           "replays for the call and graph rows, steady for the steady rows.", "",
+           "replays for the call and graph rows, steady for the steady rows. *ll_combine (bf16 partials)*: "
+           "`bf16_partials=True`, the expert ranks' partial sums cross NVLink as bf16 instead of 24 bits (a third "
+           "fewer bytes, one more rounding).", "",
            "| op | dtype | timing | median us | p99 us | NCCL us (same bytes) | NCCL timing | ours/NCCL |",
            "|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["timing"] in ("call", "graph", "steady") and r["tokens"] == args.tokens:
-            out.append(f"| {r['op']} | {r['dtype']} | {r['timing']} | {r['time_us_median']:.1f} | "
+            out.append(f"| {_name(r)} | {r['dtype']} | {r['timing']} | {r['time_us_median']:.1f} | "
                        f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {r.get('nccl_timing') or '-'} | "
                        f"{_f(r.get('ratio_to_nccl'), '.2f')} |")
     if steady:
@@ -352,8 +375,8 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
                 "no payload.", "",
                 "| op | dtype | T | median us | p99 us | NCCL us (steady, same bytes) | ours/NCCL |",
                 "|---|---|---|---|---|---|---|"]
-        for r in sorted(steady, key=lambda r: (r["op"], r["tokens"])):
-            out.append(f"| {r['op']} | {r['dtype']} | {r['tokens']} | {r['time_us_median']:.1f} | "
+        for r in sorted(steady, key=lambda r: (_name(r), r["tokens"])):
+            out.append(f"| {_name(r)} | {r['dtype']} | {r['tokens']} | {r['time_us_median']:.1f} | "
                        f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {_f(r.get('ratio_to_nccl'), '.2f')} |")
     stamped = [r for r in records if r.get("timing") == "stamps"]
     if stamped:
@@ -383,7 +406,7 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
             # (rank 0's own row is the median row above)
             rows += [(f"rank {i}", ph) for i, ph in enumerate(r.get("phases_by_rank_us") or []) if i > 0]
             for stat, ph in rows:
-                out.append(f"| {r['op']} | {r['tokens']} | {l2} | {stat} | " +
+                out.append(f"| {_name(r)} | {r['tokens']} | {l2} | {stat} | " +
                            " | ".join(_f(ph.get(n), ".1f") for n in names) + " |")
     host = [r for r in records if r.get("timing") == "host"]
     if host:
@@ -392,7 +415,7 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
                 "until the device has finished them too.", "",
                 "| op | dtype | tokens | host us per call | wall us per call |", "|---|---|---|---|---|"]
         for r in host:
-            out.append(f"| {r['op']} | {r['dtype']} | {r['tokens']} | {r['host_us_per_call']:.1f} | "
+            out.append(f"| {_name(r)} | {r['dtype']} | {r['tokens']} | {r['host_us_per_call']:.1f} | "
                        f"{r['host_wall_us_per_call']:.1f} |")
     return out
 

@@ -704,15 +704,16 @@ class CudaBuffer(Buffer):
     @_on_device
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-                            out=None, combine_wait_recv_cost_stats=None):
+                            out=None, combine_wait_recv_cost_stats=None, bf16_partials: bool = False):
         """Send expert outputs ``x [L, R*M, H]`` bf16 back to the token owners and reduce them with the
         weights: ``(combined_x [T, H] bf16, EventOverlap, hook)``, per token the fp32 sum of ``w[t, k] * row``:
-        per expert rank over k ascending, rounded to 24 bits, then over the ranks ascending, rounded once to bf16
-        (:func:`cupy_ep.reference.low_latency_combine`). ``zero_copy``: the rows are in
+        per expert rank over k ascending, rounded to 24 bits (``bf16_partials=True``: to bf16, a third fewer bytes
+        across NVLink, one more rounding; this rank's choice, for its own tokens), then over the ranks ascending,
+        rounded once to bf16 (:func:`cupy_ep.reference.low_latency_combine`). ``zero_copy``: the rows are in
         :meth:`get_next_low_latency_combine_buffer`; ``out``: written in place and returned."""
         check = self.check_values and not _capturing()
         return self._low_latency().combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                                           return_recv_hook, out, combine_wait_recv_cost_stats, check)
+                                           return_recv_hook, out, combine_wait_recv_cost_stats, bf16_partials, check)
 
     @_on_device
     def get_next_low_latency_combine_buffer(self, handle):

@@ -18,7 +18,8 @@ Decisions (research/deepep.md §1.8, §4 is the model):
   ascending, in fp32, rounded to 24 bits on the wire: :func:`cupy_ep.reference.low_latency_partial_wire`) instead
   of one bf16 row per (token, k), and the owner adds the partials in rank order: under 40 % of the bytes across
   NVLink at top-8 of 256 on 2 ranks, deterministic (:func:`cupy_ep.reference.low_latency_combine` defines the
-  order and the roundings);
+  order and the roundings). ``bf16_partials=True`` makes this rank's partials cross as bf16 (a second rounding,
+  a third fewer bytes); the owner says so in its meta flag, so each rank may choose for its own tokens;
 * one launch per call (send and receive phases in one kernel, no grid barrier: every block is resident, grid
   = SM count); ``return_recv_hook=True`` launches the send phase only and the hook launches the receive phase;
 * two buffers alternate per call (dispatch and combine alike); each signal is zeroed by the waiter that reads it,
@@ -267,12 +268,12 @@ class LowLatencyState:
         return max_tokens, num_tokens, hidden, flags
 
     def check_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                      return_recv_hook, out, wait_stats, check_values: bool):
+                      return_recv_hook, out, wait_stats, bf16_partials, check_values: bool):
         dev, R = self.buf.device_id, self.buf.num_ranks
         flags = [validate.check_flag(v, n) for v, n in (
             (use_logfmt, "use_logfmt"), (zero_copy, "zero_copy"), (async_finish, "async_finish"),
-            (return_recv_hook, "return_recv_hook"))]
-        use_logfmt, zero_copy, async_finish, return_recv_hook = flags
+            (return_recv_hook, "return_recv_hook"), (bf16_partials, "bf16_partials"))]
+        use_logfmt, zero_copy, async_finish, return_recv_hook, _ = flags
         _, layout_range, max_tokens, hidden, num_experts = self.check_handle(handle, check_values)
         shape = (num_experts // R, R * max_tokens, hidden)
         if use_logfmt and zero_copy:
@@ -352,12 +353,12 @@ class LowLatencyState:
         return out_x, interop.wrap(count, kind, "int32"), handle, event, hook
 
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook,
-                out, wait_stats, check_values: bool):
+                out, wait_stats, bf16_partials, check_values: bool):
         import cupy
         layout_range, max_tokens, hidden, num_experts, num_tokens, num_topk, flags = self.check_combine(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
-            wait_stats, check_values)
-        _, zero_copy, async_finish, return_recv_hook = flags
+            wait_stats, bf16_partials, check_values)
+        _, zero_copy, async_finish, return_recv_hook, bf16_partials = flags
         self.hooks.check_next_call("low_latency_combine")
         self.prepare(max_tokens, hidden, num_experts)
         kind = interop.kind_of(topk_idx)
@@ -376,7 +377,7 @@ class LowLatencyState:
 
         def args(phases):
             return (raw_out, raw_x, layout_range, raw_idx, raw_w, np.int32(num_tokens), np.int32(num_topk),
-                    np.int32(zero_copy)) + common + (np.int32(phases), self.stamps_of("combine"), self.buf._ctx)
+                    np.int32(zero_copy), np.int32(bf16_partials)) + common + (np.int32(phases), self.stamps_of("combine"), self.buf._ctx)
         keep = (raw_x, raw_idx, raw_w, raw_out, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         event = self.run(kind, name, args, phases, async_finish, keep)

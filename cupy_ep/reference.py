@@ -371,16 +371,21 @@ class LowLatencyDispatchResult(NamedTuple):
     layout_range: np.ndarray         # [L, R] int64: (begin << 32) | count of each source rank's block
 
 
-def low_latency_partial_wire(partial: np.ndarray) -> np.ndarray:
+def low_latency_partial_wire(partial: np.ndarray, bf16: bool = False) -> np.ndarray:
     """An fp32 partial sum as the low-latency combine carries it between ranks: rounded to nearest even to 24 bits
     (sign, 8 exponent bits, 15 mantissa bits; the low byte of the fp32 pattern dropped), i.e. a relative error of
     at most 2^-16, far below the bf16 output's 2^-8. The wire holds 3 bytes per value instead of 4 (a bf16
     plane of the high halves and a byte plane of the next 8 bits); the combine's summation is over these values.
+    ``bf16=True`` (the owner's ``bf16_partials``): rounded to nearest even to bf16 (2 bytes per value, a relative
+    error of at most 2^-9; finite values, by the kernels' integer rounding).
 
     Args:
-        partial: float32 array. Returns: float32 array of the same shape, the low 8 bits of each pattern zero."""
+        partial: float32 array. Returns: float32 array of the same shape, the low 8 (bf16: 16) bits of each
+        pattern zero."""
     bits = np.asarray(partial, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7F + ((bits >> 8) & 1)) & 0xFFFFFF00
+    drop = 16 if bf16 else 8
+    half, keep = (1 << (drop - 1)) - 1, (0xFFFFFFFF >> drop) << drop
+    bits = (bits + half + ((bits >> drop) & 1)) & keep
     return bits.astype(np.uint32).view(np.float32)
 
 
@@ -457,7 +462,7 @@ def low_latency_dispatch(x_list, topk_idx_list, num_max_dispatch_tokens_per_rank
 
 
 def low_latency_combine(y_list, topk_idx_list, topk_weights_list, num_max_dispatch_tokens_per_rank: int,
-                        num_experts: int, rank: int) -> np.ndarray:
+                        num_experts: int, rank: int, bf16_partials: bool = False) -> np.ndarray:
     """What rank ``rank`` gets back from DeepEP's ``low_latency_combine`` (global view): a *weighted* sum.
 
     Args:
@@ -466,13 +471,14 @@ def low_latency_combine(y_list, topk_idx_list, topk_weights_list, num_max_dispat
         topk_idx_list, topk_weights_list: per rank ``[T_r, K]`` (the dispatch's routing) and float32 weights.
         num_max_dispatch_tokens_per_rank, num_experts: M and E, as in the dispatch.
         rank: the token owner we compute for.
+        bf16_partials: that owner's choice: its partials are rounded to bf16 instead of 24 bits.
 
     Returns:
         ``[T, H] bf16``. The reduction order (deterministic; the GPU kernel follows it bit for bit): per expert
         rank r, ascending, that holds an entry of token t, a partial sum ``P_r = 0 + sum over k ascending
         with expert e_k on r of fp32(w[t, k] * y_r[e_k][row of (rank, t, k)])`` (an fp32 product, then an fp32
-        sum), rounded to 24 bits as the wire carries it (:func:`low_latency_partial_wire`, the owner's own
-        partial too); then ``acc = 0 + P_r`` over those r ascending in fp32, and one bf16 rounding at the end. A
+        sum), rounded to 24 bits (or bf16) as the wire carries it (:func:`low_latency_partial_wire`, the owner's
+        own partial too); then ``acc = 0 + P_r`` over those r ascending in fp32, and one bf16 rounding at the end. A
         token with no expert gives zeros.
     """
     num_ranks = len(y_list)
@@ -494,7 +500,7 @@ def low_latency_combine(y_list, topk_idx_list, topk_weights_list, num_max_dispat
             value = np.asarray(y_list[owner])[e, row[t, k]].astype(np.float32)
             partial[owner, t] = partial[owner, t] + (weights[t, k] * value).astype(np.float32)
             has[owner, t] = True
-    partial = low_latency_partial_wire(partial)
+    partial = low_latency_partial_wire(partial, bf16=bf16_partials)
     acc = np.zeros((num_tokens, hidden), dtype=np.float32)
     for r in range(num_ranks):
         acc[has[r]] = acc[has[r]] + partial[r, has[r]]

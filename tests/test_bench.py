@@ -295,7 +295,7 @@ def _ll_runs():
 
     def nccl(how):
         return theirs[how]
-    return {"ll_dispatch": (op, nccl, "fp8"), "ll_combine": (op, nccl, "bf16")}
+    return {"ll_dispatch": (op, nccl, "fp8"), "ll_combine": (op, nccl, "bf16"), "ll_combine_bf16p": (op, nccl, "bf16")}
 
 
 def test_even_steady_n():
@@ -306,10 +306,10 @@ def test_ll_records_time_nccl_the_same_way():
     b, timer = _ll_bench(steady_n=9), _FakeLLTimer()
     b.time_ops(timer, _ll_runs(), 128, ("call", "graph", "steady"))
     assert set(timer.steady_ns) == {10}  # rounded up to even: two buffers alternate
-    by = {(r["op"], r["timing"]): r for r in b.records}
-    assert len(by) == 6
-    for op in ("ll_dispatch", "ll_combine"):
-        call, graph, steady = by[(op, "call")], by[(op, "graph")], by[(op, "steady")]
+    by = {(r["op"], r.get("partials"), r["timing"]): r for r in b.records}
+    assert len(by) == 9
+    for op in (("ll_dispatch", None), ("ll_combine", "24-bit"), ("ll_combine", "bf16")):
+        call, graph, steady = by[op + ("call",)], by[op + ("graph",)], by[op + ("steady",)]
         assert (call["graph"], graph["graph"], steady["graph"]) == (False, True, True)
         assert (call["time_us_median"], graph["time_us_median"], steady["time_us_median"]) == (200.0, 40.0, 12.0)
         assert call["nccl_time_us"] == graph["nccl_time_us"] == 48.0 and call["nccl_timing"] == "graph"
@@ -319,14 +319,14 @@ def test_ll_records_time_nccl_the_same_way():
         for r in (call, graph, steady):
             assert r["tokens"] == 128 and r["max_tokens"] == 128
     # NCCL graph-timed once per op (shared by call and graph rows), steady once
-    assert sum(1 for how, fn in timer.calls if fn.__name__ == "nccl") == 4
+    assert sum(1 for how, fn in timer.calls if fn.__name__ == "nccl") == 6
 
 
 def test_ll_sweep_records_without_nccl():
     b, timer = _ll_bench(), _FakeLLTimer()
     b.time_ops(timer, _ll_runs(), 0, ("steady",), with_nccl=False)
     assert [(r["timing"], r["tokens"], r["max_tokens"], r["nccl_time_us"]) for r in b.records] == \
-        [("steady", 0, 128, None)] * 2
+        [("steady", 0, 128, None)] * 3
     assert all(how == "steady" and fn.__name__ == "op" for how, fn in timer.calls)
 
 
@@ -373,6 +373,7 @@ def test_ll_markdown():
     assert "| op | T | L2 | stat | send_start | send_end | recv_end |" in md
     assert "| ll_dispatch | fp8 | steady | 12.0 | 13.0 | 30.0 | steady | 0.40 |" in md
     assert "| ll_combine | bf16 | call | 200.0 | 201.0 | 48.0 | graph | 4.17 |" in md
+    assert "| ll_combine (bf16 partials) | bf16 | steady | 12.0 | 13.0 | 30.0 | steady | 0.40 |" in md
     assert "T = 0 is the fixed cost" in md
     assert "| ll_dispatch | fp8 | 0 | 12.0 | 13.0 | - | - |" in md
     assert "| ll_combine | bf16 | 128 | 150.0 | 160.0 |" in md

@@ -305,6 +305,19 @@ def test_partial_wire_rounds_to_24_bits_nearest_even():
     assert np.array_equal(reference.low_latency_partial_wire(x).view(np.uint32), want.view(np.uint32))
 
 
+def test_bf16_partial_wire_rounds_to_bf16_nearest_even():
+    ulp = 2.0 ** -7    # of bf16's 7 mantissa bits at 1.0
+    x = np.array([1 + ulp / 2, 1 + 3 * ulp / 2, 1 + 3 * ulp / 4, -(1 + ulp / 2 + 2.0 ** -20), 2.0 ** 24 + 2 ** 15,
+                  np.inf, -0.0], np.float32)
+    want = np.array([1, 1 + 2 * ulp, 1 + ulp, -(1 + ulp), 2.0 ** 24, np.inf, -0.0], np.float32)
+    got = reference.low_latency_partial_wire(x, bf16=True)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    rng = np.random.default_rng(5)   # and as ml_dtypes rounds fp32 to bf16
+    y = (rng.standard_normal(4096) * 2.0 ** rng.integers(-30, 30, 4096)).astype(np.float32)
+    assert np.array_equal(reference.low_latency_partial_wire(y, bf16=True),
+                          y.astype(reference.bfloat16).astype(np.float32))
+
+
 def test_combine_sums_the_partials_as_the_wire_carries_them():
     # owner 0's token: expert 0 (own rank) gives -1, experts 2 and 3 (rank 1) give 1 and 1.5 * 2^-16: rank 1's
     # partial 1 + 1.5 * 2^-16 crosses as 1 + 2^-15 (0.75 of the wire's ulp rounds up), so the sum is 2^-15,

@@ -195,9 +195,11 @@ def _order_sensitive_rows(rng, shape):
     return (values * rng.choice(np.array([-1.0, 1.0], np.float32), shape)).astype(reference.bfloat16)
 
 
-def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_out=False, order_sensitive=False):
+def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_out=False, order_sensitive=False,
+           bf16_partials=False):
     """One dispatch + combine of ``case``; returns this rank's list of mismatches. The expert outputs sum
-    exactly in fp32 (small integers, power-of-two weights), or with ``order_sensitive`` do not."""
+    exactly in fp32 (small integers, power-of-two weights), or with ``order_sensitive`` do not. ``bf16_partials``:
+    this rank's choice (the combine's argument); then the inputs must also tell the two wire formats apart."""
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()
 
@@ -217,7 +219,12 @@ def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_ou
                                               rank, use_fp8=case.use_fp8, round_scale=case.round_scale,
                                               use_ue8m0=case.use_ue8m0)
         want_c = reference.low_latency_combine([g[2] for g in gathered], [g[1] for g in gathered],
-                                               [g[3] for g in gathered], MAX_TOKENS, E, rank)
+                                               [g[3] for g in gathered], MAX_TOKENS, E, rank,
+                                               bf16_partials=bf16_partials)
+        if bf16_partials and x.shape[0] > 0:
+            other = reference.low_latency_combine([g[2] for g in gathered], [g[1] for g in gathered],
+                                                  [g[3] for g in gathered], MAX_TOKENS, E, rank)
+            assert not same_bytes(want_c, other), "the inputs give the same bytes with 24-bit and bf16 partials"
         return want, want_c
 
     want, want_c = _step(buf, comm, "the reference", references, gathered)
@@ -252,7 +259,8 @@ def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_ou
             target[...] = y_arg
             y_arg = None
         combined, _, h = buf.low_latency_combine(y_arg, _dev(idx, case.lib), _dev(weights, case.lib), handle,
-                                                 zero_copy=zero_copy, return_recv_hook=hook, out=out)
+                                                 zero_copy=zero_copy, return_recv_hook=hook, out=out,
+                                                 bf16_partials=bf16_partials)
         if hook:
             h()
         return combined, out
@@ -291,6 +299,24 @@ def test_combine_sums_in_the_reference_order(comm, ll_buf, hook):
     phase in one launch, through the buffer with a hook), as reference.low_latency_combine defines."""
     errors = _round(ll_buf, comm, CASES[0], seed=21, hook=hook, order_sensitive=True)
     assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
+
+
+@pytest.mark.parametrize("force_put", [False, True], ids=["store", "put"])
+@pytest.mark.parametrize("hook", [False, True], ids=["one-launch", "hook"])
+def test_bf16_partials_are_each_ranks_own_choice(comm, ll_buf, hook, force_put):
+    """bf16_partials: the owner asks for bf16 partials in its meta flag, the expert ranks round to bf16 for it.
+    Rounds with rank 0 only, then every rank, choosing it, against the reference with each rank's own choice
+    (inputs whose sums differ between the formats; order-sensitive ones in the last round)."""
+    rank = comm.Get_rank()
+    ll_buf._ll.force_put = force_put
+    errors = []
+    try:
+        for i, (choice, order_sensitive) in enumerate(((rank == 0, False), (True, False), (rank != 0, True))):
+            errors += [f"round {i}: {e}" for e in _round(ll_buf, comm, CASES[0], seed=31 + i, hook=hook,
+                                                          order_sensitive=order_sensitive, bf16_partials=choice)]
+    finally:
+        ll_buf._ll.force_put = False
+    assert all_ok(comm, not errors), f"rank {rank}: {errors}"
 
 
 @pytest.mark.parametrize("force_put", [False, True], ids=["store", "put"])
