@@ -258,6 +258,11 @@ __device__ __forceinline__ void mbarrier_init(unsigned long long* bar, int count
 __device__ __forceinline__ void mbarrier_expect_tx(unsigned long long* bar, int bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
+// One arrival (release at CTA scope: this thread's earlier writes are visible to a thread whose wait sees the phase
+// complete).
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
 __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, int phase) {
     asm volatile(
         "{\n"

@@ -101,9 +101,10 @@ enum LLStamp : int {
     kStampSendWritten = 4, kStampSendEnd = 5, kStampRecvStart = 6, kStampRecvPrepared = 7,
     kStampRecvFirstData = 8, kStampRecvEnd = 9,
 };
-__device__ __forceinline__ void stamp(long long* stamps, int which) {
-    if (kStampsBuilt && stamps != nullptr && threadIdx.x == 0) stamps[blockIdx.x * kLLStamps + which] = (long long)globaltimer_ns();
+__device__ __forceinline__ void stamp_by(long long* stamps, int which, bool writer) {
+    if (kStampsBuilt && stamps != nullptr && writer) stamps[blockIdx.x * kLLStamps + which] = (long long)globaltimer_ns();
 }
+__device__ __forceinline__ void stamp(long long* stamps, int which) { stamp_by(stamps, which, threadIdx.x == 0); }
 // A block barrier only when stamping (the condition is uniform over the block).
 __device__ __forceinline__ void stamp_after_barrier(long long* stamps, int which) {
     if (!kStampsBuilt || stamps == nullptr) return;
@@ -168,8 +169,8 @@ __device__ void build_histograms(const TopkT* topk_idx, int num_tokens, int num_
 
 template <typename TopkT>
 __device__ void advance_histogram(const TopkT* topk_idx, int from_token, int to_token, int num_topk,
-                                  int num_experts, int* hist) {
-    for (int f = from_token * num_topk + (int)threadIdx.x; f < to_token * num_topk; f += blockDim.x) {
+                                  int num_experts, int* hist, int threads) {
+    for (int f = from_token * num_topk + (int)threadIdx.x; f < to_token * num_topk; f += threads) {
         const long long e = (long long)topk_idx[f];
         if (e >= 0 && e < num_experts) atomicAdd(&hist[e], 1);
     }
@@ -426,7 +427,7 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
         }
         send_index_entries(t, num_topk, base, L, recv, rank, sh);
         if (t + (int)gridDim.x < num_tokens) {  // the next token's slots count the rows before it
-            advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
+            advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist, (int)blockDim.x);
         }
         __syncthreads();  // sh is reused by the next token
     }
@@ -695,7 +696,24 @@ struct CombineShared {
     int num_kept;                // compact_local_entries: kept entries on this rank
     int value;                   // (B): the owner's meta flag
     int failed;
+    int flag_token[2];                        // (B) compute -> flagger, by handoff parity: the token, -1 = the end
+    unsigned long long full, empty, compute;  // (B) combine_reduce_owner's mbarriers
 };
+
+// Per thread, what combine_reduce_owner's mbarriers have completed so far (the same counts on every thread that
+// uses them), carried over the owners of one call.
+struct HandoffPhases {
+    int handoff = 0;  // rows handed to the flagger (full / empty)
+    int sync = 0;     // compute_sync barriers
+};
+
+// A barrier of the threads that share `bar` (initialised with their count): arrive (release), then wait for the
+// phase to complete (acquire).
+__device__ __forceinline__ void compute_sync(unsigned long long* bar, int& phase) {
+    mbarrier_arrive(bar);
+    mbarrier_wait(bar, phase & 1);
+    ++phase;
+}
 
 // Warp 0, lanes k < K, after token_slots filled sh.expert / sh.slot: the token's entries whose expert lives on
 // this rank (`rank`), kept (slot < M), compacted in k order: sh.row[j] = the entry's row in the expert input
@@ -835,55 +853,87 @@ __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weigh
 // (B), one owner s: the partial sums of its tokens t = index + j * count (T tokens, K entries each:
 // `experts` / `weights` are the owner's meta, or this rank's own arguments when s is this rank), in s's wire
 // format (bf16: the owner asked for bf16 partials).
+// Warp roles: the first blockDim - 32 threads (compute) find each token's entries and store its partial row; the
+// last warp (flagger) flags each stored row, so the system-scope release, which waits for the row's NVLink stores
+// to be acknowledged, overlaps the next token's loads instead of holding up the block. The handoff is a pair of
+// mbarriers (combine_reduce sets them up; `phase` counts the handoffs, alike on both sides): `full` (the compute
+// threads arrive once a token's row is stored: release at CTA scope; the flagger's wait acquires, so its release
+// at system scope covers those stores) and `empty` (the flagger has read the token number: the compute side may
+// publish the next one, at most one row ahead of the flagger). Token -1 ends the owner. The compute warps sync among
+// themselves on a third mbarrier (compute_sync), not a named barrier: compute-sanitizer's racecheck takes the
+// flagger warp, which skips those, for one that missed a block barrier (a false race on the next __syncthreads).
 template <typename IdT, typename WeightT>
 __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, const WeightT* weights, int T, int K,
                                                      bool bf16,
                                                      const int4* rows, const long long* layout_range, char* base,
                                                      const unsigned long long* peer_bases, const LowLatencyLayout& L,
                                                      int buffer_idx, const DeviceCtx* ctx, int* hist,
-                                                     CombineShared& sh, Blocks blocks, long long* stamps) {
-    const int rank = ctx->rank, R = L.num_ranks, M = L.num_max_tokens, E = L.num_experts;
+                                                     CombineShared& sh, HandoffPhases& ph, Blocks blocks,
+                                                     long long* stamps) {
+    const int rank = ctx->rank, M = L.num_max_tokens, E = L.num_experts;
     const int row_int4 = L.hidden / 8;  // bf16 input row: chunks of 8 values
+    const int compute_threads = (int)blockDim.x - kWarpSize;
     char* recv = base + L.recv_offset(buffer_idx);
+    char* direct = reinterpret_cast<char*>(peer_bases[s]);
     if (blocks.index < T) build_histograms(experts, T, K, E, blocks.index, hist, static_cast<int*>(nullptr));
-    for (int t = blocks.index; t < T; t += blocks.count) {
-        // warp 0: the token's K entries (one load each, staged), their slots, then the kept ones (expert on
-        // this rank, slot < M) compacted in k order into row/weight
-        if (warp_id() == 0) {
-            const int k = lane_id();
-            if (k < K) sh.ids[k] = experts[(long long)t * K + k];
-            __syncwarp();
-            token_slots(static_cast<const int*>(sh.ids), 0, K, E, M, hist, sh.expert, sh.slot);
-            __syncwarp();
-            compact_local_entries(sh, K, rank, s, L, layout_range, weights + (long long)t * K);
-        }
-        __syncthreads();
-        advance_histogram(experts, t, min(t + blocks.count, T), K, E, hist);
-        if (sh.num_kept > 0) {  // uniform
-            char* direct = reinterpret_cast<char*>(peer_bases[s]);
+    if ((int)threadIdx.x >= compute_threads) {  // the flagger warp
+        for (;;) {
+            mbarrier_wait(&sh.full, ph.handoff & 1);
+            const int t = sh.flag_token[ph.handoff & 1];
+            mbarrier_arrive(&sh.empty);
+            ++ph.handoff;
+            if (t < 0) break;
             const long long dst = L.recv_offset(buffer_idx) + L.combine_partial_in(rank, t);
-            char* out = direct != nullptr ? direct + dst : recv + L.combine_partial_out(s, t);
-            for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
-                float acc[8];
-                partial_sum(acc, rows, sh, c, row_int4);
-                store_partial(out, L.hidden, c, acc, bf16);
-            }
-            // (flagging several tokens under one release was slower: 33.7 us steady against 29.4, S10C; the
-            // owner's first partials then arrive late)
-            __syncthreads();  // the row is written (bar.sync orders the block's stores before the flag)
-            stamp(stamps, kStampSendEncoded);
-            if (direct == nullptr && warp_id() == 0) {
-                nvshmemx_putmem_nbi_warp(base + dst, out, (size_t)partial_wire_bytes(L, bf16), s);
+            if (direct == nullptr) {
+                nvshmemx_putmem_nbi_warp(base + dst, recv + L.combine_partial_out(s, t),
+                                         (size_t)partial_wire_bytes(L, bf16), s);
                 __syncwarp();
                 if (lane_id() == 0) nvshmem_quiet();
             }
-            if (threadIdx.x == 0) {
+            if (lane_id() == 0) {
                 send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * L.combine_token_flag(rank, t), 1);
-                stamp(stamps, kStampSendWritten);
+                stamp_by(stamps, kStampSendWritten, true);
             }
         }
-        __syncthreads();  // the entries are reused by the next token
+    } else {
+        for (int t = blocks.index;; t += blocks.count) {
+            const bool end = t >= T;
+            if (!end) {
+                // warp 0: the token's K entries (one load each, staged), their slots, then the kept ones (expert
+                // on this rank, slot < M) compacted in k order into row/weight
+                if (warp_id() == 0) {
+                    const int k = lane_id();
+                    if (k < K) sh.ids[k] = experts[(long long)t * K + k];
+                    __syncwarp();
+                    token_slots(static_cast<const int*>(sh.ids), 0, K, E, M, hist, sh.expert, sh.slot);
+                    __syncwarp();
+                    compact_local_entries(sh, K, rank, s, L, layout_range, weights + (long long)t * K);
+                }
+                compute_sync(&sh.compute, ph.sync);
+                advance_histogram(experts, t, min(t + blocks.count, T), K, E, hist, compute_threads);
+                if (sh.num_kept == 0) {  // uniform: nothing to send for this token
+                    compute_sync(&sh.compute, ph.sync);  // the entries and the histogram are reused next
+                    continue;
+                }
+                char* out = direct != nullptr ? direct + L.recv_offset(buffer_idx) + L.combine_partial_in(rank, t)
+                                              : recv + L.combine_partial_out(s, t);
+                for (int c = threadIdx.x; c < row_int4; c += compute_threads) {
+                    float acc[8];
+                    partial_sum(acc, rows, sh, c, row_int4);
+                    store_partial(out, L.hidden, c, acc, bf16);
+                }
+                stamp(stamps, kStampSendEncoded);
+            }
+            // publish the token (or the end) to the flagger; its previous one must have been read
+            if (ph.handoff > 0) mbarrier_wait(&sh.empty, (ph.handoff - 1) & 1);
+            if (threadIdx.x == 0) sh.flag_token[ph.handoff & 1] = end ? -1 : t;
+            compute_sync(&sh.compute, ph.sync);  // flag_token written; the entries and histogram are reused next
+            mbarrier_arrive(&sh.full);
+            ++ph.handoff;
+            if (end) break;
+        }
     }
+    __syncthreads();  // both roles are done with the shared entries (the next owner reuses them)
 }
 
 // (B) the partial sums of every owner's tokens: this rank's own first (its top-k are the kernel's arguments: no
@@ -903,9 +953,16 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
+    if (threadIdx.x == 0) {  // combine_reduce_owner's mbarriers, for all owners of this call (ph counts on)
+        mbarrier_init(&sh.full, (int)blockDim.x - kWarpSize);
+        mbarrier_init(&sh.empty, kWarpSize);
+        mbarrier_init(&sh.compute, (int)blockDim.x - kWarpSize);
+    }
+    __syncthreads();
+    HandoffPhases ph;
     if (!own_in_recv)
         combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, bf16, rows, layout_range, base,
-                             peer_bases, L, buffer_idx, ctx, hist, sh, blocks, stamps);
+                             peer_bases, L, buffer_idx, ctx, hist, sh, ph, blocks, stamps);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
     for (int i = 1; i < R; ++i) {
         const int s = (rank + i) % R;
@@ -936,7 +993,8 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
         const char* meta = recv + L.combine_meta_in(s);
         combine_reduce_owner(s, reinterpret_cast<const volatile int*>(meta),
                              reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, owner_bf16,
-                             rows, layout_range, base, peer_bases, L, buffer_idx, ctx, hist, sh, blocks, stamps);
+                             rows, layout_range, base, peer_bases, L, buffer_idx, ctx, hist, sh, ph, blocks,
+                             stamps);
     }
 }
 
@@ -1011,7 +1069,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
         __syncthreads();
         if (t == blocks.index) stamp(stamps, kStampRecvFirstData);  // the first token's partials are in
         if (sh.failed) return;  // uniform: every thread read it after the barrier
-        advance_histogram(topk_idx, t, min(t + blocks.count, num_tokens), num_topk, E, hist);
+        advance_histogram(topk_idx, t, min(t + blocks.count, num_tokens), num_topk, E, hist, (int)blockDim.x);
         for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             for (int r = 0; r < R; ++r) {

@@ -1,0 +1,113 @@
+"""A step model of the low-latency combine's expert-side handoff (cuda_src/low_latency.cu, combine_reduce_owner):
+compute threads store each token's partial row and hand the token to a flagger warp through two mbarriers
+(`full`, `empty`, both waited on by phase parity) and a two-entry `flag_token`; the compute threads also sync
+among themselves on a third mbarrier (compute_sync). Random interleavings of the agents check that the flagger
+flags exactly the tokens that have a row, in order, each only after every compute thread stored its part, and
+that nobody waits forever; without the `empty` wait some interleaving goes wrong.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+
+class MBarrier:
+    """An mbarrier: ``count`` arrivals complete the current phase; a wait on parity P passes once the phase of
+    parity P completed, i.e. while the number of completed phases has the other parity."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.completed = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.completed += 1
+            self.pending = self.count
+
+    def done(self, parity: int) -> bool:
+        return (self.completed & 1) != parity
+
+
+def compute_thread(i, state, tokens, kept, wait_empty):
+    """One compute thread: per token (then the end, -1) store its part of the row (tokens with a row only),
+    wait for the flagger to have read the previous token, publish (thread 0), sync, arrive on `full`."""
+    handoff = sync = 0
+    for t in tokens + [-1]:
+        if t >= 0:
+            yield lambda: True
+            if not kept[t]:
+                continue
+            state["stored"][t].add(i)
+        if wait_empty and handoff > 0:
+            parity = (handoff - 1) & 1
+            yield lambda: state["empty"].done(parity)
+        if i == 0:
+            yield lambda: True
+            state["flag_token"][handoff & 1] = t
+        state["compute"].arrive()
+        parity = sync & 1
+        yield lambda: state["compute"].done(parity)
+        sync += 1
+        yield lambda: True
+        state["full"].arrive()
+        handoff += 1
+
+
+def flagger(state, num_compute):
+    handoff = 0
+    while True:
+        parity = handoff & 1
+        yield lambda: state["full"].done(parity)
+        t = state["flag_token"][handoff & 1]
+        yield lambda: True
+        state["empty"].arrive()
+        handoff += 1
+        if t < 0:
+            return
+        if len(state["stored"][t]) != num_compute:
+            state["errors"].append(f"token {t} flagged before every part was stored")
+        state["flagged"].append(t)
+
+
+def run(num_compute: int, tokens: list, kept: dict, seed: int, wait_empty: bool = True) -> list:
+    """Errors of one random interleaving (empty = it went right)."""
+    state = {"full": MBarrier(num_compute), "empty": MBarrier(1), "compute": MBarrier(num_compute),
+             "flag_token": [None, None], "stored": {t: set() for t in tokens}, "flagged": [], "errors": []}
+    agents = [compute_thread(i, state, tokens, kept, wait_empty) for i in range(num_compute)]
+    agents.append(flagger(state, num_compute))
+    waiting = {a: next(a) for a in agents}
+    rng = random.Random(seed)
+    for _ in range(100_000):
+        if not waiting:
+            break
+        ready = [a for a, cond in waiting.items() if cond()]
+        if not ready:
+            return state["errors"] + ["deadlock"]
+        a = rng.choice(ready)
+        try:
+            waiting[a] = next(a)
+        except StopIteration:
+            del waiting[a]
+    want = [t for t in tokens if kept[t]]
+    if state["flagged"] != want:
+        state["errors"].append(f"flagged {state['flagged']}, want {want}")
+    return state["errors"]
+
+
+@pytest.mark.parametrize("num_compute", [1, 2, 3])
+def test_the_flagger_flags_each_stored_row_once_in_order(num_compute):
+    for seed in range(300):
+        rng = random.Random(1000 + seed)
+        tokens = list(range(rng.randint(0, 6)))
+        kept = {t: rng.random() < 0.7 for t in tokens}
+        errors = run(num_compute, tokens, kept, seed)
+        assert not errors, (seed, tokens, kept, errors)
+
+
+def test_without_the_empty_wait_some_interleaving_goes_wrong():
+    """The compute side can then run two tokens ahead: `flag_token` is overwritten before the flagger read it,
+    or `full` completes twice before the flagger looked (its parity wait then never passes)."""
+    kept = {t: True for t in range(4)}
+    failures = [seed for seed in range(300) if run(2, list(range(4)), kept, seed, wait_empty=False)]
+    assert failures
