@@ -93,8 +93,8 @@ constexpr bool kStampsBuilt = false;
 //             stored; written = thread 0 past its index entry (released); recv_prepared = the counts read and
 //             prefixed; recv_first_data = the block's first row in.
 //   combine:  prepared = the own tokens' partials flagged (hook mode); routed = the first remote owner's meta in;
-//             encoded = the last partial row stored; written = its flag sent; recv_prepared = the first token's
-//             own partial computed; recv_first_data = the first token's partials in.
+//             encoded = the last partial row stored; written = its flag sent; recv_prepared = the block's own
+//             partials computed (one launch); recv_first_data = the first token's partials in.
 constexpr int kLLStamps = 10;
 enum LLStamp : int {
     kStampSendStart = 0, kStampSendPrepared = 1, kStampSendRouted = 2, kStampSendEncoded = 3,
@@ -1013,9 +1013,9 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
-// (C) the owner's sum of the partials. own_in_recv: this rank's own partial is computed here from x, first (while
-// the peers' partials may still be on their way), into this rank's own partial_in slot in the wire format (what a
-// peer's would carry), then read back by the sum like the others. bf16: this rank's partials (its own and the
+// (C) the owner's sum of the partials. own_in_recv: this rank's own partials of the block's tokens are computed
+// here from x, all of them first (while the peers' partials are still on their way), into this rank's own
+// partial_in slots in the wire format (what a peer's would carry), then read back by the sums like the others. bf16: this rank's partials (its own and the
 // peers') are bf16 on the wire, as its meta flag asked.
 template <typename TopkT>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
@@ -1027,13 +1027,34 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
+    if (own_in_recv) {
+        // First every own partial of the block's tokens, while the peers' partials are on their way (the sums
+        // below then wait for nothing but those).
+        build_histograms(topk_idx, num_tokens, num_topk, E, blocks.index, hist, static_cast<int*>(nullptr));
+        for (int t = blocks.index; t < num_tokens; t += blocks.count) {
+            token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot);
+            if (warp_id() == 0) {
+                __syncwarp();
+                compact_local_entries(sh, num_topk, rank, rank, L, layout_range,
+                                      topk_weights + (long long)t * num_topk);
+            }
+            __syncthreads();
+            advance_histogram(topk_idx, t, min(t + blocks.count, num_tokens), num_topk, E, hist, (int)blockDim.x);
+            if (sh.num_kept > 0) {  // uniform: this rank holds a kept entry of t
+                char* own = recv + L.combine_partial_in(rank, t);
+                for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {  // the same c as the sum's reads
+                    float p[8];
+                    partial_sum(p, rows, sh, c, row_int4);
+                    store_partial(own, L.hidden, c, p, bf16);
+                }
+            }
+            __syncthreads();  // the entries and the histogram are reused by the next token
+        }
+        stamp(stamps, kStampRecvPrepared);  // the block's own partials are computed
+    }
     build_histograms(topk_idx, num_tokens, num_topk, E, blocks.index, hist, static_cast<int*>(nullptr));
     for (int t = blocks.index; t < num_tokens; t += blocks.count) {
         token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot);
-        if (own_in_recv && warp_id() == 0) {
-            __syncwarp();
-            compact_local_entries(sh, num_topk, rank, rank, L, layout_range, topk_weights + (long long)t * num_topk);
-        }
         __syncthreads();
         if ((int)threadIdx.x < R) {
             const int r = threadIdx.x;
@@ -1042,15 +1063,6 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
             sh.has[r] = has;
         }
         __syncthreads();
-        if (own_in_recv && sh.has[rank]) {  // uniform
-            char* own = recv + L.combine_partial_in(rank, t);
-            for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {  // the same c as the sum's: no barrier needed
-                float p[8];
-                partial_sum(p, rows, sh, c, row_int4);
-                store_partial(own, L.hidden, c, p, bf16);
-            }
-        }
-        if (t == blocks.index) stamp(stamps, kStampRecvPrepared);  // (thread 0's part of) the own partial
         if ((int)threadIdx.x < R) {
             const int r = threadIdx.x;
             if (sh.has[r] && !(own_in_recv && r == rank)) {

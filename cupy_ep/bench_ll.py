@@ -392,8 +392,8 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
                 "the row's signal); recv_prepared = the counts read and prefixed; recv_first_data = the block's "
                 "first row in. Combine (one launch: expert-side blocks stamp send_*, owner-side blocks recv_*): "
                 "prepared = the own partials flagged (hook mode only); routed = the remote owner's meta in; "
-                "encoded = the last partial row stored; written = its flag sent; recv_prepared = the first "
-                "token's own partial computed; recv_first_data = its partials in. "
+                "encoded = the last partial row stored; written = its flag sent; recv_prepared = the block's "
+                "own partials computed; recv_first_data = the first token's partials in. "
                 "recv_end: the block's outputs written; last_end: the latest stamp of any block (when the launch "
                 "ends). L2 *warm*: the calls back to back; *flushed*: the L2 flushed before each call, as in the "
                 "steady timing.", "",
