@@ -860,8 +860,9 @@ __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weigh
 // threads arrive once a token's row is stored: release at CTA scope; the flagger's wait acquires, so its release
 // at system scope covers those stores) and `empty` (the flagger has read the token number: the compute side may
 // publish the next one, at most one row ahead of the flagger). Token -1 ends the owner. The compute warps sync among
-// themselves on a third mbarrier (compute_sync), not a named barrier: compute-sanitizer's racecheck takes the
-// flagger warp, which skips those, for one that missed a block barrier (a false race on the next __syncthreads).
+// themselves on a third mbarrier (compute_sync), not a named barrier: with `bar.sync 1, n` racecheck reported a race
+// across the next __syncthreads (S13C), most likely counting the flagger warp, which skips the named barrier, as a
+// warp behind on block barriers; with the mbarrier it reports none.
 template <typename IdT, typename WeightT>
 __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, const WeightT* weights, int T, int K,
                                                      bool bf16,
