@@ -7,9 +7,10 @@
 //                              counts and copies an even share of all rows into the packed outputs, each as soon
 //                              as its entry carries the epoch
 //   combine<TopkT>             owner's top-k + weights -> every rank; per (token, rank) one partial sum of that
-//                              rank's weighted expert rows (fp32, 24 bits on the wire) -> the owner, flag per
-//                              token; receive: sum of partials. One launch splits its blocks into an expert side
-//                              and an owner side that run at the same time
+//                              rank's weighted expert rows (fp32, 24 bits or, as the owner asks, bf16 on the
+//                              wire) -> the owner, flag per token (sent by a flagger warp); receive: sum of
+//                              partials. One launch splits its blocks into an expert side and an owner side (its
+//                              own partials first, then the sums) that run at the same time
 //   clean_low_latency_buffer   zero both signal regions between two NVSHMEM barriers (the library cleans on the
 //                              host with timed barriers instead; tests/gpu/test_nvshmem.py uses this one as its
 //                              probe of the NVSHMEM device link and barriers)
@@ -682,7 +683,8 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 //                   P_r[t]) in fp32, one bf16 rounding (reference.low_latency_combine: the same order and
 //                   roundings, bit for bit; the own partial computed here is rounded as the wire would).
 // Every block reads each meta flag in (B): the last of them zeroes it; (C) zeroes each token flag as it reads it.
-// The combine runs kLLCombineThreads (512) threads per block.
+// The combine runs kLLCombineThreads (512) threads per block; in (B) the last warp only flags the rows the others
+// store (combine_reduce_owner).
 // ---------------------------------------------------------------------------------------------------
 constexpr int kCombineInFlight = 4;  // expert rows loaded at once per thread
 
