@@ -3,7 +3,9 @@ compute threads store each token's partial row and hand the token to a flagger w
 (`full`, `empty`, both waited on by phase parity) and a two-entry `flag_token`; the compute threads also sync
 among themselves on a third mbarrier (compute_sync). Random interleavings of the agents check that the flagger
 flags exactly the tokens that have a row, in order, each only after every compute thread stored its part, and
-that nobody waits forever; without the `empty` wait some interleaving goes wrong.
+that nobody waits forever; without the `empty` wait some interleaving goes wrong. Owners come one after the other
+(each ends with token -1) and the phase counts carry over, as at more than 2 ranks (not run on a GPU here: low-
+latency mode needs one GPU per rank and the machine has 2).
 """
 from __future__ import annotations
 
@@ -29,11 +31,12 @@ class MBarrier:
         return (self.completed & 1) != parity
 
 
-def compute_thread(i, state, tokens, kept, wait_empty):
-    """One compute thread: per token (then the end, -1) store its part of the row (tokens with a row only),
-    wait for the flagger to have read the previous token, publish (thread 0), sync, arrive on `full`."""
+def compute_thread(i, state, owners, kept, wait_empty):
+    """One compute thread: per owner, per token (then the owner's end, -1) store its part of the row (tokens with
+    a row only), wait for the flagger to have read the previous token, publish (thread 0), sync, arrive on
+    `full`. The phase counts carry over from owner to owner."""
     handoff = sync = 0
-    for t in tokens + [-1]:
+    for t in [t for tokens in owners for t in tokens + [-1]]:
         if t >= 0:
             yield lambda: True
             if not kept[t]:
@@ -54,28 +57,34 @@ def compute_thread(i, state, tokens, kept, wait_empty):
         handoff += 1
 
 
-def flagger(state, num_compute):
+def flagger(state, num_compute, num_owners):
     handoff = 0
-    while True:
-        parity = handoff & 1
-        yield lambda: state["full"].done(parity)
-        t = state["flag_token"][handoff & 1]
-        yield lambda: True
-        state["empty"].arrive()
-        handoff += 1
-        if t < 0:
-            return
-        if len(state["stored"][t]) != num_compute:
-            state["errors"].append(f"token {t} flagged before every part was stored")
-        state["flagged"].append(t)
+    for _ in range(num_owners):
+        while True:
+            parity = handoff & 1
+            yield lambda: state["full"].done(parity)
+            t = state["flag_token"][handoff & 1]
+            yield lambda: True
+            state["empty"].arrive()
+            handoff += 1
+            if t < 0:
+                state["flagged"].append("end")
+                break
+            if len(state["stored"][t]) != num_compute:
+                state["errors"].append(f"token {t} flagged before every part was stored")
+            state["flagged"].append(t)
 
 
-def run(num_compute: int, tokens: list, kept: dict, seed: int, wait_empty: bool = True) -> list:
-    """Errors of one random interleaving (empty = it went right)."""
+def run(num_compute: int, tokens: list, kept: dict, seed: int, wait_empty: bool = True, num_owners: int = 1) -> list:
+    """Errors of one random interleaving (empty = it went right); ``num_owners`` owners in a row, each with its
+    own copy of ``tokens`` (numbered apart)."""
+    n = len(tokens)
+    owners = [[o * n + t for t in tokens] for o in range(num_owners)]
+    kept = {o * n + t: kept[t] for o in range(num_owners) for t in tokens}
     state = {"full": MBarrier(num_compute), "empty": MBarrier(1), "compute": MBarrier(num_compute),
-             "flag_token": [None, None], "stored": {t: set() for t in tokens}, "flagged": [], "errors": []}
-    agents = [compute_thread(i, state, tokens, kept, wait_empty) for i in range(num_compute)]
-    agents.append(flagger(state, num_compute))
+             "flag_token": [None, None], "stored": {t: set() for t in kept}, "flagged": [], "errors": []}
+    agents = [compute_thread(i, state, owners, kept, wait_empty) for i in range(num_compute)]
+    agents.append(flagger(state, num_compute, num_owners))
     waiting = {a: next(a) for a in agents}
     rng = random.Random(seed)
     for _ in range(100_000):
@@ -89,19 +98,20 @@ def run(num_compute: int, tokens: list, kept: dict, seed: int, wait_empty: bool 
             waiting[a] = next(a)
         except StopIteration:
             del waiting[a]
-    want = [t for t in tokens if kept[t]]
+    want = [t for tokens in owners for t in [t for t in tokens if kept[t]] + ["end"]]
     if state["flagged"] != want:
         state["errors"].append(f"flagged {state['flagged']}, want {want}")
     return state["errors"]
 
 
+@pytest.mark.parametrize("num_owners", [1, 3])
 @pytest.mark.parametrize("num_compute", [1, 2, 3])
-def test_the_flagger_flags_each_stored_row_once_in_order(num_compute):
+def test_the_flagger_flags_each_stored_row_once_in_order(num_compute, num_owners):
     for seed in range(300):
         rng = random.Random(1000 + seed)
         tokens = list(range(rng.randint(0, 6)))
         kept = {t: rng.random() < 0.7 for t in tokens}
-        errors = run(num_compute, tokens, kept, seed)
+        errors = run(num_compute, tokens, kept, seed, num_owners=num_owners)
         assert not errors, (seed, tokens, kept, errors)
 
 
