@@ -609,6 +609,13 @@ def log_line(rec: dict) -> str:
     return line
 
 
+def op_label(r: dict) -> str:
+    """How reports name a record's op: ``op``, then " zero-copy" (normal mode, ``zero_copy``) or
+    " (bf16 partials)" (low-latency combine, ``partials`` "bf16")."""
+    return (r["op"] + (" zero-copy" if r.get("zero_copy") else "")
+            + (" (bf16 partials)" if r.get("partials") == "bf16" else ""))
+
+
 def markdown_table(doc: dict) -> str:
     """The normal-mode results as markdown: the header says how each column is timed; cells with several
     values are call / graph / steady ("-" where not measured)."""
@@ -640,7 +647,7 @@ def markdown_table(doc: dict) -> str:
              "| ours/NCCL (call / graph / steady) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
-        lines.append(f"| {r['op']}{' zero-copy' if r.get('zero_copy') else ''} | {r['dtype']} | {r['num_sms']} | {r['tokens']} | {r['time_us_median']:.1f} | "
+        lines.append(f"| {op_label(r)} | {r['dtype']} | {r['num_sms']} | {r['tokens']} | {r['time_us_median']:.1f} | "
                      f"{f(r.get('time_us_graph'), '.1f')} | {f(r.get('time_us_steady'), '.1f')} | "
                      f"{r['logical_gbps']:.1f} | {each(r, 'nvlink_gbps', '.1f')} | "
                      f"{each(r, 'fraction_of_ceiling', '.2f', ('_graph', '_steady'))} | "

@@ -28,7 +28,7 @@ import numpy as np
 import cupy_ep
 from cupy_ep import Buffer, reference
 from cupy_ep import config as cfgmod
-from cupy_ep.bench import GpuTimer, NcclAllToAll, write_report
+from cupy_ep.bench import GpuTimer, NcclAllToAll, op_label, write_report
 
 HOST_CALLS = 200  # plain calls per host-overhead measurement
 
@@ -334,11 +334,6 @@ def _op_fields(label: str) -> dict:
     return {"op": "ll_combine", "partials": "bf16" if label == "ll_combine_bf16p" else "24-bit"}
 
 
-def _name(r: dict) -> str:
-    """The op column of the markdown tables."""
-    return r["op"] + (" (bf16 partials)" if r.get("partials") == "bf16" else "")
-
-
 def _f(v, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
@@ -366,7 +361,7 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
            "|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["timing"] in ("call", "graph", "steady") and r["tokens"] == args.tokens:
-            out.append(f"| {_name(r)} | {r['dtype']} | {r['timing']} | {r['time_us_median']:.1f} | "
+            out.append(f"| {op_label(r)} | {r['dtype']} | {r['timing']} | {r['time_us_median']:.1f} | "
                        f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {r.get('nccl_timing') or '-'} | "
                        f"{_f(r.get('ratio_to_nccl'), '.2f')} |")
     if steady:
@@ -375,8 +370,8 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
                 "no payload.", "",
                 "| op | dtype | T | median us | p99 us | NCCL us (steady, same bytes) | ours/NCCL |",
                 "|---|---|---|---|---|---|---|"]
-        for r in sorted(steady, key=lambda r: (_name(r), r["tokens"])):
-            out.append(f"| {_name(r)} | {r['dtype']} | {r['tokens']} | {r['time_us_median']:.1f} | "
+        for r in sorted(steady, key=lambda r: (op_label(r), r["tokens"])):
+            out.append(f"| {op_label(r)} | {r['dtype']} | {r['tokens']} | {r['time_us_median']:.1f} | "
                        f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {_f(r.get('ratio_to_nccl'), '.2f')} |")
     stamped = [r for r in records if r.get("timing") == "stamps"]
     if stamped:
@@ -406,7 +401,7 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
             # (rank 0's own row is the median row above)
             rows += [(f"rank {i}", ph) for i, ph in enumerate(r.get("phases_by_rank_us") or []) if i > 0]
             for stat, ph in rows:
-                out.append(f"| {_name(r)} | {r['tokens']} | {l2} | {stat} | " +
+                out.append(f"| {op_label(r)} | {r['tokens']} | {l2} | {stat} | " +
                            " | ".join(_f(ph.get(n), ".1f") for n in names) + " |")
     host = [r for r in records if r.get("timing") == "host"]
     if host:
@@ -415,7 +410,7 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
                 "until the device has finished them too.", "",
                 "| op | dtype | tokens | host us per call | wall us per call |", "|---|---|---|---|---|"]
         for r in host:
-            out.append(f"| {_name(r)} | {r['dtype']} | {r['tokens']} | {r['host_us_per_call']:.1f} | "
+            out.append(f"| {op_label(r)} | {r['dtype']} | {r['tokens']} | {r['host_us_per_call']:.1f} | "
                        f"{r['host_wall_us_per_call']:.1f} |")
     return out
 

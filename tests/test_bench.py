@@ -184,6 +184,16 @@ def test_markdown_table_has_steady_columns_and_says_which_ceiling():
     assert "| 300.0 | 250.0 | 200.0 |" in cached
 
 
+def test_op_label_names_zero_copy_and_bf16_partials():
+    assert bench.op_label({"op": "cached_dispatch"}) == "cached_dispatch"
+    assert bench.op_label({"op": "combine", "zero_copy": True}) == "combine zero-copy"
+    assert bench.op_label({"op": "ll_combine", "partials": "24-bit"}) == "ll_combine"
+    assert bench.op_label({"op": "ll_combine", "partials": "bf16"}) == "ll_combine (bf16 partials)"
+    doc = _gpu_doc()
+    doc["results"].append(dict(doc["results"][-1], zero_copy=True))
+    assert "| combine zero-copy | bf16 | 24 | 1024 |" in bench.markdown_table(doc)
+
+
 def test_markdown_table_of_a_host_run():
     doc = dict(_gpu_doc(), backend="host", gpu=None, driver=None, ceiling_gbps=None, ceiling_by_sms=None,
                ceiling_gbps_steady=None, ceiling_by_sms_steady=None)
