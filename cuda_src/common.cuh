@@ -287,6 +287,13 @@ __device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.b
 __device__ __forceinline__ void tma_store_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
+// cp.async (sm_80+): one 16-byte global -> shared copy that holds no register while it travels (through L2 only,
+// .cg), so a thread can have many in flight; cp_async_wait_all: this thread's copies have landed (visible to it).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 constexpr int kTmaChunkBytes = 8192;  // per warp (dynamic shared memory); mirrors cuda_backend._TMA_BYTES_PER_WARP
 
 // One warp's bulk copier: lane 0 drives it, the other lanes are free for the row's small fields.

@@ -24,7 +24,8 @@
 // #{(t', k') before (t, k) in row-major order with topk_idx[t', k'] == e}, computed from a shared-memory
 // histogram of topk_idx (each block builds the counts of the rows before its first token, then advances
 // it token by token). Rows of a local expert are therefore ordered (source rank, token, k) exactly as
-// cupy_ep/reference.py says, and the combine side finds its rows by recomputing the same slots.
+// cupy_ep/reference.py says, and the combine side finds its rows by recomputing the same slots (prepare_batch
+// counts them for a batch of tokens at once instead).
 //
 // Dispatch send: per token t, warp 0 finds the distinct destination ranks of t (the owners of its valid experts:
 // no slots needed) while the other warps' loads of x are in flight; then every thread casts its part of the row and
@@ -675,7 +676,7 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 //                   the meta flag (W << 28 | K << 24 | T + 1) at r's signal combine_meta_flag(me);
 //               (B) expert rank, per owner s (itself first, from the call's own top-k: no wait; then the
 //                   others from their meta) and token t of s (blocks stride over t): the slots of t's entries
-//                   from a histogram of s's top-k (exactly the dispatch's slots), then
+//                   counted over s's top-k (exactly the dispatch's slots; prepare_batch), then
 //                   P = 0 + sum over the kept k whose expert is here, k ascending, of w_k * row(e_k, s, slot_k)
 //                   (fp32 products and sums, no FMA), rounded to s's wire format into s's partial_in [me][t], then
 //                   flag 1 at s's signal combine_token_flag(me, t). Tokens with no kept entry here send nothing.
@@ -686,20 +687,26 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 // The combine runs kLLCombineThreads (512) threads per block; in (B) the last warp only flags the rows the others
 // store (combine_reduce_owner).
 // ---------------------------------------------------------------------------------------------------
-constexpr int kCombineInFlight = 4;  // expert rows loaded at once per thread
+constexpr int kSumInFlight = 2;  // (C) ranks' partials loaded at once per thread and chunk
+// Tokens whose entries one block prepares at once (prepare_batch: a warp per token; the expert side has this many
+// compute warps).
+constexpr int kCombineBatch = kLLCombineThreads / kWarpSize - 1;
+constexpr int kScanInFlight = 4;  // top-k entries each thread loads at once in prepare_batch's count
 
 struct CombineShared {
-    int expert[kLLMaxTopk];      // token_slots: global expert of entry k
-    int slot[kLLMaxTopk];        // token_slots: its slot, -1 = not kept
-    long long row[kLLMaxTopk];   // compact_local_entries: rows in the expert input (local expert, R*M rows each)
-    float weight[kLLMaxTopk];    //   and weights of the kept entries on this rank, k order, num_kept of them
-    int has[kLLMaxRanks];        // (C): rank r holds a kept entry of the token
-    int ids[kLLMaxTopk];         // (B): the token's entries (experts), staged once
-    int num_kept;                // compact_local_entries: kept entries on this rank
-    int value;                   // (B): the owner's meta flag
+    // prepare_batch, per token j of the batch: its entries (expert, -1 = none) and weights, the earlier entries
+    // of each entry's expert (its slot), then what the sums need
+    int expert[kCombineBatch][kLLMaxTopk];
+    int earlier[kCombineBatch][kLLMaxTopk];
+    float entry_weight[kCombineBatch][kLLMaxTopk];
+    long long row[kCombineBatch][kLLMaxTopk];  // the kept entries on this rank, k order: rows in the expert input
+    float weight[kCombineBatch][kLLMaxTopk];   //   and their weights, num_kept[j] of them
+    int num_kept[kCombineBatch];
+    unsigned long long has[kCombineBatch];     // bit r: rank r holds a kept entry of the token
+    int value;                                 // (B): the owner's meta flag
     int failed;
-    int flag_token[2];                        // (B) compute -> flagger, by handoff parity: the token, -1 = the end
-    unsigned long long full, empty, compute;  // (B) combine_reduce_owner's mbarriers
+    int flag_token[2];                         // (B) compute -> flagger, by handoff parity: the token, -1 = the end
+    unsigned long long full, empty, compute;   // (B) combine_reduce_owner's mbarriers
 };
 
 // Per thread, what combine_reduce_owner's mbarriers have completed so far (the same counts on every thread that
@@ -717,47 +724,129 @@ __device__ __forceinline__ void compute_sync(unsigned long long* bar, int& phase
     ++phase;
 }
 
-// Warp 0, lanes k < K, after token_slots filled sh.expert / sh.slot: the token's entries whose expert lives on
-// this rank (`rank`), kept (slot < M), compacted in k order: sh.row[j] = the entry's row in the expert input
-// ([local expert][R*M] rows; owner s's rows of that expert start at layout_range's begin), sh.weight[j].
-template <typename WeightT>
-__device__ __forceinline__ void compact_local_entries(CombineShared& sh, int K, int rank, int s,
-                                                      const LowLatencyLayout& L, const long long* layout_range,
-                                                      const WeightT* token_weights) {
-    const int k = lane_id();
-    const int e = k < K ? sh.expert[k] : -1, local = e - rank * L.num_local;
-    const bool kept = k < K && sh.slot[k] >= 0 && local >= 0 && local < L.num_local;
-    const unsigned mask = __ballot_sync(0xffffffffu, kept);
-    if (kept) {
-        const int j = __popc(mask & ((1u << k) - 1u));
-        sh.row[j] = (long long)local * L.num_ranks * L.num_max_tokens +
-                    (layout_range[(long long)local * L.num_ranks + s] >> 32) + sh.slot[k];
-        sh.weight[j] = token_weights[k];
-    }
-    if (k == 0) sh.num_kept = __popc(mask);
+// begin[l] = where owner s's rows start inside local expert l's R*M rows of the expert input (layout_range's
+// begin), for every local expert; read by prepare_batch after a barrier.
+__device__ __forceinline__ void stage_range_begins(const long long* layout_range, int s, const LowLatencyLayout& L,
+                                                   int* begin) {
+    for (int l = threadIdx.x; l < L.num_local; l += blockDim.x)
+        begin[l] = (int)(layout_range[(long long)l * L.num_ranks + s] >> 32);
 }
 
-// acc = 0 + sum over the compacted entries j (k order) of fp32(w_j * row_j[c]) (fp32 products, then fp32 sums,
-// no FMA: reference.low_latency_combine); kCombineInFlight row loads in flight.
-__device__ __forceinline__ void partial_sum(float (&acc)[8], const int4* rows, const CombineShared& sh, int c,
-                                            int row_int4) {
+// The block's tokens t_j = t0 + j * stride (j < n <= kCombineBatch) of owner s; `experts` / `weights` hold s's
+// top-k, K entries per token, row-major (s's meta, or this rank's own arguments). Entry (t, k) of expert e has the
+// slot the dispatch gave it, #{(t', k') before (t, k) in row-major order with expert e} (reference.py), and is kept
+// if that is < M. The `threads` threads (the first of the block) count the earlier entries together: one pass over
+// the top-k up to the batch's last token, each entry compared with the batch's entries (no histogram of the tokens
+// before, no pass per token: a token's entries cost one round of loads, not one per token). Writes, per j:
+// sh.has[j]; the kept entries whose expert lives on this rank, compacted in k order: sh.row[j][i] (the row in
+// the expert input [local expert][R*M]: begin[local] + slot, begin from stage_range_begins), sh.weight[j][i];
+// sh.num_kept[j]. `sync` is a barrier of the `threads` threads; the caller syncs before reading the results.
+template <typename IdT, typename WeightT, typename Sync>
+__device__ __forceinline__ void prepare_batch(const IdT* experts, const WeightT* weights, int K, int t0, int stride,
+                                              int n, int rank, const LowLatencyLayout& L, const int* begin,
+                                              int threads, CombineShared& sh, Sync sync) {
+    const int E = L.num_experts, end = (t0 + (n - 1) * stride + 1) * K;  // the entries up to the last token's
+    const int j = warp_id(), lane = lane_id();
+    // this thread's first entries to count, loaded together with the batch's own entries
+    int e[kScanInFlight];
+    const auto load = [&](int f0) {
 #pragma unroll
-    for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
-    const int n = sh.num_kept;
-    for (int j0 = 0; j0 < n; j0 += kCombineInFlight) {
-        int4 v[kCombineInFlight];
+        for (int u = 0; u < kScanInFlight; ++u) {
+            const int f = f0 + u * threads;
+            const long long v = f < end ? (long long)experts[f] : -1;
+            e[u] = v >= 0 && v < E ? (int)v : -1;
+        }
+    };
+    load((int)threadIdx.x);
+    if (j < n && lane < kLLMaxTopk) {
+        const long long f = (long long)(t0 + j * stride) * K + lane;
+        const long long v = lane < K ? (long long)experts[f] : -1;
+        sh.expert[j][lane] = v >= 0 && v < E ? (int)v : -1;
+        sh.entry_weight[j][lane] = lane < K ? (float)weights[f] : 0.0f;
+        sh.earlier[j][lane] = 0;
+    }
+    sync();
+    for (int f0 = threadIdx.x;;) {
 #pragma unroll
-        for (int u = 0; u < kCombineInFlight; ++u)
-            if (j0 + u < n) v[u] = ld_nc_v4(rows + sh.row[j0 + u] * row_int4 + c);
+        for (int u = 0; u < kScanInFlight; ++u) {
+            if (e[u] < 0) continue;
+            const int f = f0 + u * threads, tf = f / K, kf = f - tf * K;
+            // the batch tokens at or after entry f's token: f is earlier than all their entries, or (its own
+            // token) than the entries after it
+            for (int i = tf <= t0 ? 0 : (tf - t0 + stride - 1) / stride; i < n; ++i) {
+                const int from = t0 + i * stride == tf ? kf + 1 : 0;
+                for (int k = from; k < K; ++k)
+                    if (sh.expert[i][k] == e[u]) atomicAdd(&sh.earlier[i][k], 1);
+            }
+        }
+        f0 += kScanInFlight * threads;
+        if (f0 >= end) break;  // uniform per thread
+        load(f0);
+    }
+    sync();
+    if (j < n) {
+        const int k = lane, ek = k < K ? sh.expert[j][k] : -1, slot = k < K ? sh.earlier[j][k] : 0;
+        const bool kept = ek >= 0 && slot < L.num_max_tokens;
+        const int at = kept ? ek / L.num_local : 0;
+        const unsigned lo = __reduce_or_sync(0xffffffffu, kept && at < 32 ? 1u << at : 0u);
+        const unsigned hi = __reduce_or_sync(0xffffffffu, kept && at >= 32 ? 1u << (at - 32) : 0u);
+        const bool here = kept && at == rank;
+        const unsigned mask = __ballot_sync(0xffffffffu, here);
+        if (here) {
+            const int i = __popc(mask & ((1u << k) - 1u)), local = ek - rank * L.num_local;
+            sh.row[j][i] = (long long)local * L.num_ranks * L.num_max_tokens + begin[local] + slot;
+            sh.weight[j][i] = sh.entry_weight[j][k];
+        }
+        if (k == 0) {
+            sh.num_kept[j] = __popc(mask);
+            sh.has[j] = (unsigned long long)hi << 32 | lo;
+        }
+    }
+}
+
+// The number of tokens t = index + i * count below T (the block's share of the tokens).
+__device__ __forceinline__ int tokens_of_block(int T, int index, int count) {
+    return index < T ? (T - index + count - 1) / count : 0;
+}
+
+// Each thread works on kCombineChunks chunks of a row at once (c and c + the threads): all their expert rows are
+// copied at once into the thread's slots of the combine's dynamic shared memory by cp.async, which holds no
+// registers while they travel (in registers, 2 chunks x 4 rows spilled), so a token's rows cost one round of
+// loads per thread, not one per chunk and 4 rows. The slots: [entry i][chunk q][thread], 16 bytes each
+// (combine_stage_bytes on the host: kLLCombineThreads x kCombineChunks x K x 16).
+constexpr int kCombineChunks = 2;
+__device__ __forceinline__ int4* stage_slot(int4* stage, int i, int q) {
+    return stage + (i * kCombineChunks + q) * kLLCombineThreads + threadIdx.x;
+}
+
+// For the chunks q < kCombineChunks, c_q = c + q * kStride (those below row_int4): acc[q] = 0 + sum over the n
+// entries i (k order) of fp32(weight[i] * rows[row[i]][c_q]) (fp32 products, then fp32 sums, no FMA:
+// reference.low_latency_combine).
+template <int kStride>
+__device__ __forceinline__ void partial_sums(float (&acc)[kCombineChunks][8], const int4* rows, const long long* row,
+                                             const float* weight, int n, int c, int row_int4, int4* stage) {
+    for (int i = 0; i < n; ++i) {
+        const int4* src = rows + row[i] * row_int4 + c;
 #pragma unroll
-        for (int u = 0; u < kCombineInFlight; ++u) {
-            if (j0 + u >= n) break;
-            const unsigned w[4] = {(unsigned)v[u].x, (unsigned)v[u].y, (unsigned)v[u].z, (unsigned)v[u].w};
-            const float weight = sh.weight[j0 + u];
+        for (int q = 0; q < kCombineChunks; ++q)
+            if (c + q * kStride < row_int4) cp_async16(stage_slot(stage, i, q), src + q * kStride);
+    }
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(weight, bf16_lo(w[q])));
-                acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(weight, bf16_hi(w[q])));
+    for (int q = 0; q < kCombineChunks; ++q)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[q][j] = 0.0f;
+    cp_async_wait_all();
+    for (int i = 0; i < n; ++i) {
+        const float wt = weight[i];
+#pragma unroll
+        for (int q = 0; q < kCombineChunks; ++q) {
+            if (c + q * kStride >= row_int4) break;
+            const int4 v = *stage_slot(stage, i, q);
+            const unsigned w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                acc[q][2 * j] = __fadd_rn(acc[q][2 * j], __fmul_rn(wt, bf16_lo(w[j])));
+                acc[q][2 * j + 1] = __fadd_rn(acc[q][2 * j + 1], __fmul_rn(wt, bf16_hi(w[j])));
             }
         }
     }
@@ -793,15 +882,25 @@ __device__ __forceinline__ void store_partial(char* row, int hidden, int c, cons
     if (!bf16) reinterpret_cast<uint2*>(row + 2LL * hidden)[c] = make_uint2(lo[0], lo[1]);
 }
 
-// A peer-written partial row (read after its flag was acquired): chunk c as 8 floats.
-__device__ __forceinline__ void load_partial(const char* row, int hidden, int c, float (&p)[8], bool bf16) {
-    const int4 h = ld_ring_v4(reinterpret_cast<const int4*>(row) + c);
-    const uint2 l = bf16 ? make_uint2(0u, 0u) : ld_ring_v2(reinterpret_cast<const uint2*>(row + 2LL * hidden) + c);
-    const unsigned hi[4] = {(unsigned)h.x, (unsigned)h.y, (unsigned)h.z, (unsigned)h.w}, lo[2] = {l.x, l.y};
+// Chunk c of a partial row (peer-written, read after its flag was acquired, or this thread's own): its wire bytes
+// (the bf16 plane's 16 bytes; the byte plane's 8, zero with bf16), then as 8 floats.
+struct PartialChunk {
+    int4 high;
+    uint2 low;
+};
+__device__ __forceinline__ PartialChunk load_partial(const char* row, int hidden, int c, bool bf16) {
+    PartialChunk w;
+    w.high = ld_ring_v4(reinterpret_cast<const int4*>(row) + c);
+    w.low = bf16 ? make_uint2(0u, 0u) : ld_ring_v2(reinterpret_cast<const uint2*>(row + 2LL * hidden) + c);
+    return w;
+}
+__device__ __forceinline__ void add_partial(float (&acc)[8], const PartialChunk& w) {
+    const unsigned hi[4] = {(unsigned)w.high.x, (unsigned)w.high.y, (unsigned)w.high.z, (unsigned)w.high.w};
+    const unsigned lo[2] = {w.low.x, w.low.y};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const unsigned high = (hi[j >> 1] >> (16 * (j & 1))) & 0xffffu, low = (lo[j >> 2] >> (8 * (j & 3))) & 0xffu;
-        p[j] = __uint_as_float((high << 16) | (low << 8));
+        acc[j] = __fadd_rn(acc[j], __uint_as_float((high << 16) | (low << 8)));
     }
 }
 
@@ -852,33 +951,41 @@ __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weigh
     }
 }
 
+// (B) compute side: publish token t (or -1, the end) to the flagger; its previous one must have been read.
+__device__ __forceinline__ void hand_to_flagger(int t, CombineShared& sh, HandoffPhases& ph) {
+    if (ph.handoff > 0) mbarrier_wait(&sh.empty, (ph.handoff - 1) & 1);
+    if (threadIdx.x == 0) sh.flag_token[ph.handoff & 1] = t;
+    compute_sync(&sh.compute, ph.sync);  // flag_token written
+    mbarrier_arrive(&sh.full);
+    ++ph.handoff;
+}
+
 // (B), one owner s: the partial sums of its tokens t = index + j * count (T tokens, K entries each:
-// `experts` / `weights` are the owner's meta, or this rank's own arguments when s is this rank), in s's wire
-// format (bf16: the owner asked for bf16 partials).
-// Warp roles: the first blockDim - 32 threads (compute) find each token's entries and store its partial row; the
-// last warp (flagger) flags each stored row, so the system-scope release, which waits for the row's NVLink stores
-// to be acknowledged, overlaps the next token's loads instead of holding up the block. The handoff is a pair of
-// mbarriers (combine_reduce sets them up; `phase` counts the handoffs, alike on both sides): `full` (the compute
-// threads arrive once a token's row is stored: release at CTA scope; the flagger's wait acquires, so its release
-// at system scope covers those stores) and `empty` (the flagger has read the token number: the compute side may
-// publish the next one, at most one row ahead of the flagger). Token -1 ends the owner. The compute warps sync among
-// themselves on a third mbarrier (compute_sync), not a named barrier: with `bar.sync 1, n` racecheck reported a race
-// across the next __syncthreads (S13C), most likely counting the flagger warp, which skips the named barrier, as a
-// warp behind on block barriers; with the mbarrier it reports none.
+// `experts` / `weights` are the owner's meta, or this rank's own arguments when s is this rank; begin: s's
+// stage_range_begins), in s's wire format (bf16: the owner asked for bf16 partials).
+// Warp roles: the first blockDim - 32 threads (compute) prepare the block's tokens a batch at a time
+// (prepare_batch) and store each token's partial row; the last warp (flagger) flags each stored row, so the
+// system-scope release, which waits for the row's NVLink stores to be acknowledged, overlaps the next token's
+// loads instead of holding up the block. The handoff is a pair of mbarriers (combine_reduce sets them up; `phase`
+// counts the handoffs, alike on both sides): `full` (the compute threads arrive once a token's row is stored:
+// release at CTA scope; the flagger's wait acquires, so its release at system scope covers those stores) and
+// `empty` (the flagger has read the token number: the compute side may publish the next one, at most one row
+// ahead of the flagger). Token -1 ends the owner. The compute warps sync among themselves on a third mbarrier
+// (compute_sync), not a named barrier: with `bar.sync 1, n` racecheck reported a race across the next
+// __syncthreads (S13C), most likely counting the flagger warp, which skips the named barrier, as a warp behind on
+// block barriers; with the mbarrier it reports none.
 template <typename IdT, typename WeightT>
 __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, const WeightT* weights, int T, int K,
-                                                     bool bf16,
-                                                     const int4* rows, const long long* layout_range, char* base,
+                                                     bool bf16, const int4* rows, const int* begin, int4* stage,
+                                                     char* base,
                                                      const unsigned long long* peer_bases, const LowLatencyLayout& L,
-                                                     int buffer_idx, const DeviceCtx* ctx, int* hist,
-                                                     CombineShared& sh, HandoffPhases& ph, Blocks blocks,
-                                                     long long* stamps) {
-    const int rank = ctx->rank, M = L.num_max_tokens, E = L.num_experts;
+                                                     int buffer_idx, const DeviceCtx* ctx, CombineShared& sh,
+                                                     HandoffPhases& ph, Blocks blocks, long long* stamps) {
+    const int rank = ctx->rank;
     const int row_int4 = L.hidden / 8;  // bf16 input row: chunks of 8 values
-    const int compute_threads = (int)blockDim.x - kWarpSize;
+    constexpr int compute_threads = kLLCombineThreads - kWarpSize;
     char* recv = base + L.recv_offset(buffer_idx);
     char* direct = reinterpret_cast<char*>(peer_bases[s]);
-    if (blocks.index < T) build_histograms(experts, T, K, E, blocks.index, hist, static_cast<int*>(nullptr));
     if ((int)threadIdx.x >= compute_threads) {  // the flagger warp
         for (;;) {
             mbarrier_wait(&sh.full, ph.handoff & 1);
@@ -899,76 +1006,69 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
             }
         }
     } else {
-        for (int t = blocks.index;; t += blocks.count) {
-            const bool end = t >= T;
-            if (!end) {
-                // warp 0: the token's K entries (one load each, staged), their slots, then the kept ones (expert
-                // on this rank, slot < M) compacted in k order into row/weight
-                if (warp_id() == 0) {
-                    const int k = lane_id();
-                    if (k < K) sh.ids[k] = experts[(long long)t * K + k];
-                    __syncwarp();
-                    token_slots(static_cast<const int*>(sh.ids), 0, K, E, M, hist, sh.expert, sh.slot);
-                    __syncwarp();
-                    compact_local_entries(sh, K, rank, s, L, layout_range, weights + (long long)t * K);
-                }
-                compute_sync(&sh.compute, ph.sync);
-                advance_histogram(experts, t, min(t + blocks.count, T), K, E, hist, compute_threads);
-                if (sh.num_kept == 0) {  // uniform: nothing to send for this token
-                    compute_sync(&sh.compute, ph.sync);  // the entries and the histogram are reused next
-                    continue;
-                }
+        const auto sync = [&] { compute_sync(&sh.compute, ph.sync); };
+        const int mine = tokens_of_block(T, blocks.index, blocks.count);
+        for (int j0 = 0; j0 < mine; j0 += kCombineBatch) {
+            const int n = min(kCombineBatch, mine - j0), t0 = blocks.index + j0 * blocks.count;
+            prepare_batch(experts, weights, K, t0, blocks.count, n, rank, L, begin, compute_threads, sh, sync);
+            sync();
+            for (int j = 0; j < n; ++j) {
+                if (sh.num_kept[j] == 0) continue;  // uniform: nothing to send for this token
+                const int t = t0 + j * blocks.count;
                 char* out = direct != nullptr ? direct + L.recv_offset(buffer_idx) + L.combine_partial_in(rank, t)
                                               : recv + L.combine_partial_out(s, t);
-                for (int c = threadIdx.x; c < row_int4; c += compute_threads) {
-                    float acc[8];
-                    partial_sum(acc, rows, sh, c, row_int4);
-                    store_partial(out, L.hidden, c, acc, bf16);
+                for (int c = threadIdx.x; c < row_int4; c += kCombineChunks * compute_threads) {
+                    float acc[kCombineChunks][8];
+                    partial_sums<compute_threads>(acc, rows, sh.row[j], sh.weight[j], sh.num_kept[j], c, row_int4,
+                                                   stage);
+#pragma unroll
+                    for (int q = 0; q < kCombineChunks; ++q)
+                        if (c + q * compute_threads < row_int4)
+                            store_partial(out, L.hidden, c + q * compute_threads, acc[q], bf16);
                 }
                 stamp(stamps, kStampSendEncoded);
+                hand_to_flagger(t, sh, ph);
             }
-            // publish the token (or the end) to the flagger; its previous one must have been read
-            if (ph.handoff > 0) mbarrier_wait(&sh.empty, (ph.handoff - 1) & 1);
-            if (threadIdx.x == 0) sh.flag_token[ph.handoff & 1] = end ? -1 : t;
-            compute_sync(&sh.compute, ph.sync);  // flag_token written; the entries and histogram are reused next
-            mbarrier_arrive(&sh.full);
-            ++ph.handoff;
-            if (end) break;
+            sync();  // the batch's entries are read: the next batch may overwrite them
         }
+        hand_to_flagger(-1, sh, ph);
     }
     __syncthreads();  // both roles are done with the shared entries (the next owner reuses them)
 }
 
 // (B) the partial sums of every owner's tokens: this rank's own first (its top-k are the kernel's arguments: no
 // wait), meanwhile the remote owners' meta arrives. own_in_recv (both phases in one launch): the own tokens'
-// partials are left to (C), which computes each right before waiting for the peers' (no flag, and the remote
-// owners' rows go first); a hook's receive phase runs later, when the caller may already reuse x, so there they
-// are sent here like the others.
+// partials are left to (C), which computes them before waiting for the peers' (no flag, and the remote owners'
+// rows go first); a hook's receive phase runs later, when the caller may already reuse x, so there they are sent
+// here like the others. begin: shared memory for stage_range_begins.
 template <typename TopkT>
 __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range,
                                                const TopkT* topk_idx, const float* topk_weights, int num_tokens,
                                                int num_topk, bool bf16, char* base,
                                                const unsigned long long* peer_bases,
                                                const LowLatencyLayout& L, int buffer_idx, int* meta_readers,
-                                               const DeviceCtx* ctx, int* hist, CombineShared& sh,
+                                               const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh,
                                                bool own_in_recv, Blocks blocks, long long* stamps) {
     const int rank = ctx->rank, R = L.num_ranks;
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
     if (threadIdx.x == 0) {  // combine_reduce_owner's mbarriers, for all owners of this call (ph counts on)
-        mbarrier_init(&sh.full, (int)blockDim.x - kWarpSize);
+        mbarrier_init(&sh.full, kLLCombineThreads - kWarpSize);  // the compute threads (the launch's blockDim)
         mbarrier_init(&sh.empty, kWarpSize);
-        mbarrier_init(&sh.compute, (int)blockDim.x - kWarpSize);
+        mbarrier_init(&sh.compute, kLLCombineThreads - kWarpSize);
     }
+    if (!own_in_recv) stage_range_begins(layout_range, rank, L, begin);
     __syncthreads();
     HandoffPhases ph;
     if (!own_in_recv)
-        combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, bf16, rows, layout_range, base,
-                             peer_bases, L, buffer_idx, ctx, hist, sh, ph, blocks, stamps);
+        combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, bf16, rows, begin, stage, base,
+                             peer_bases, L, buffer_idx, ctx, sh, ph, blocks, stamps);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
     for (int i = 1; i < R; ++i) {
         const int s = (rank + i) % R;
+        // while the meta travels (the previous owner ended with a block barrier, so begin is free)
+        stage_range_begins(layout_range, s, L, begin);
         if (threadIdx.x == 0) {
             int* flag = signals + L.combine_meta_flag(s);
             int v = 0;
@@ -996,8 +1096,7 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
         const char* meta = recv + L.combine_meta_in(s);
         combine_reduce_owner(s, reinterpret_cast<const volatile int*>(meta),
                              reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, owner_bf16,
-                             rows, layout_range, base, peer_bases, L, buffer_idx, ctx, hist, sh, ph, blocks,
-                             stamps);
+                             rows, begin, stage, base, peer_bases, L, buffer_idx, ctx, sh, ph, blocks, stamps);
     }
 }
 
@@ -1005,100 +1104,104 @@ template <typename TopkT>
 __device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, const TopkT* topk_idx,
                              const float* topk_weights, int num_tokens, int num_topk, bool bf16, char* base,
                              const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
-                             int* workspace, const DeviceCtx* ctx, int* hist, CombineShared& sh, bool own_in_recv,
-                             Blocks blocks, long long* stamps) {
+                             int* workspace, const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh,
+                             bool own_in_recv, Blocks blocks, long long* stamps) {
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
     combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, bf16, base, peer_bases, L, buffer_idx, ctx,
                       blocks);
     combine_reduce(x, zero_copy, layout_range, topk_idx, topk_weights, num_tokens, num_topk, bf16, base, peer_bases,
-                   L, buffer_idx, workspace + kWsMetaReaders, ctx, hist, sh, own_in_recv, blocks, stamps);
+                   L, buffer_idx, workspace + kWsMetaReaders, ctx, begin, stage, sh, own_in_recv, blocks, stamps);
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
-// (C) the owner's sum of the partials. own_in_recv: this rank's own partials of the block's tokens are computed
-// here from x, all of them first (while the peers' partials are still on their way), into this rank's own
-// partial_in slots in the wire format (what a peer's would carry), then read back by the sums like the others. bf16: this rank's partials (its own and the
-// peers') are bf16 on the wire, as its meta flag asked.
+// (C) the owner's sum of the partials, a batch of the block's tokens at a time (prepare_batch: which ranks hold a
+// kept entry of each). own_in_recv: first this rank's own partials of the batch's tokens are computed here from x
+// (while the peers' partials are on their way) into this rank's own partial_in slots in the wire format (what a
+// peer's would carry); each thread reads back only the chunks it wrote. Then per token: wait for the peers'
+// flags, sum. bf16: this rank's partials (its own and the peers') are bf16 on the wire, as its meta flag asked.
 template <typename TopkT>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
                              const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
-                             bool bf16, char* base, const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx, int* hist,
-                             CombineShared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
+                             bool bf16, char* base, const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx,
+                             int* begin, int4* stage, CombineShared& sh, bool own_in_recv, Blocks blocks,
+                             long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
-    const int rank = ctx->rank, R = L.num_ranks, E = L.num_experts, row_int4 = L.hidden / 8;
+    const int rank = ctx->rank, R = L.num_ranks, row_int4 = L.hidden / 8;
+    constexpr int threads = kLLCombineThreads;
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
-    if (own_in_recv) {
-        // First every own partial of the block's tokens, while the peers' partials are on their way (the sums
-        // below then wait for nothing but those).
-        build_histograms(topk_idx, num_tokens, num_topk, E, blocks.index, hist, static_cast<int*>(nullptr));
-        for (int t = blocks.index; t < num_tokens; t += blocks.count) {
-            token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot);
-            if (warp_id() == 0) {
-                __syncwarp();
-                compact_local_entries(sh, num_topk, rank, rank, L, layout_range,
-                                      topk_weights + (long long)t * num_topk);
-            }
-            __syncthreads();
-            advance_histogram(topk_idx, t, min(t + blocks.count, num_tokens), num_topk, E, hist, (int)blockDim.x);
-            if (sh.num_kept > 0) {  // uniform: this rank holds a kept entry of t
-                char* own = recv + L.combine_partial_in(rank, t);
-                for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {  // the same c as the sum's reads
-                    float p[8];
-                    partial_sum(p, rows, sh, c, row_int4);
-                    store_partial(own, L.hidden, c, p, bf16);
+    stage_range_begins(layout_range, rank, L, begin);  // read after prepare_batch's barriers
+    const auto sync = [] { __syncthreads(); };
+    const int mine = tokens_of_block(num_tokens, blocks.index, blocks.count);
+    for (int j0 = 0; j0 < mine; j0 += kCombineBatch) {
+        const int n = min(kCombineBatch, mine - j0), t0 = blocks.index + j0 * blocks.count;
+        prepare_batch(topk_idx, topk_weights, num_topk, t0, blocks.count, n, rank, L, begin, threads, sh, sync);
+        __syncthreads();
+        if (own_in_recv) {
+            for (int j = 0; j < n; ++j) {
+                if (sh.num_kept[j] == 0) continue;  // uniform: this rank holds no kept entry of the token
+                char* own = recv + L.combine_partial_in(rank, t0 + j * blocks.count);
+                // the same chunks per thread as the sums' reads below
+                for (int c = threadIdx.x; c < row_int4; c += kCombineChunks * threads) {
+                    float p[kCombineChunks][8];
+                    partial_sums<threads>(p, rows, sh.row[j], sh.weight[j], sh.num_kept[j], c, row_int4, stage);
+#pragma unroll
+                    for (int q = 0; q < kCombineChunks; ++q)
+                        if (c + q * threads < row_int4) store_partial(own, L.hidden, c + q * threads, p[q], bf16);
                 }
             }
-            __syncthreads();  // the entries and the histogram are reused by the next token
+            stamp_after_barrier(stamps, kStampRecvPrepared);  // the block's own partials (of this batch) are computed
         }
-        stamp(stamps, kStampRecvPrepared);  // the block's own partials are computed
-    }
-    build_histograms(topk_idx, num_tokens, num_topk, E, blocks.index, hist, static_cast<int*>(nullptr));
-    for (int t = blocks.index; t < num_tokens; t += blocks.count) {
-        token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot);
-        __syncthreads();
-        if ((int)threadIdx.x < R) {
-            const int r = threadIdx.x;
-            bool has = false;
-            for (int k = 0; k < num_topk; ++k) has |= sh.slot[k] >= 0 && sh.expert[k] / L.num_local == r;
-            sh.has[r] = has;
-        }
-        __syncthreads();
-        if ((int)threadIdx.x < R) {
-            const int r = threadIdx.x;
-            if (sh.has[r] && !(own_in_recv && r == rank)) {
-                int* flag = signals + L.combine_token_flag(r, t);
-                const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, t, r},
-                                           [&] { return ld_acquire_sys(flag) != 0; },
-                                           [&](long long& head, long long& tail, long long& expected) {
-                                               head = ld_volatile(flag);
-                                               tail = t;
-                                               expected = 1;
-                                           });
-                if (ok) *flag = 0;  // consumed
-                else sh.failed = 1;
+        for (int j = 0; j < n; ++j) {
+            const int t = t0 + j * blocks.count;
+            const unsigned long long has = sh.has[j];
+            if ((int)threadIdx.x < R) {
+                const int r = threadIdx.x;
+                if ((has >> r & 1ull) && !(own_in_recv && r == rank)) {
+                    int* flag = signals + L.combine_token_flag(r, t);
+                    const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, t, r},
+                                               [&] { return ld_acquire_sys(flag) != 0; },
+                                               [&](long long& head, long long& tail, long long& expected) {
+                                                   head = ld_volatile(flag);
+                                                   tail = t;
+                                                   expected = 1;
+                                               });
+                    if (ok) *flag = 0;  // consumed
+                    else sh.failed = 1;
+                }
             }
-        }
-        __syncthreads();
-        if (t == blocks.index) stamp(stamps, kStampRecvFirstData);  // the first token's partials are in
-        if (sh.failed) return;  // uniform: every thread read it after the barrier
-        advance_histogram(topk_idx, t, min(t + blocks.count, num_tokens), num_topk, E, hist, (int)blockDim.x);
-        for (int c = threadIdx.x; c < row_int4; c += blockDim.x) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int r = 0; r < R; ++r) {
-                if (!sh.has[r]) continue;
-                float p[8];
-                load_partial(recv + L.combine_partial_in(r, t), L.hidden, c, p, bf16);
+            __syncthreads();
+            if (t == blocks.index) stamp(stamps, kStampRecvFirstData);  // the first token's partials are in
+            if (sh.failed) return;  // uniform: every thread read it after the barrier
+            for (int c = threadIdx.x; c < row_int4; c += kCombineChunks * threads) {
+                float acc[kCombineChunks][8] = {};
+                // ranks ascending (the reference's order); kSumInFlight ranks' partials in flight per chunk
+                for (int r0 = 0; r0 < R; r0 += kSumInFlight) {
+                    PartialChunk w[kCombineChunks][kSumInFlight];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], p[j]);
+                    for (int q = 0; q < kCombineChunks; ++q)
+#pragma unroll
+                        for (int u = 0; u < kSumInFlight; ++u)
+                            if (r0 + u < R && (has >> (r0 + u) & 1ull) && c + q * threads < row_int4)
+                                w[q][u] = load_partial(recv + L.combine_partial_in(r0 + u, t), L.hidden,
+                                                       c + q * threads, bf16);
+#pragma unroll
+                    for (int q = 0; q < kCombineChunks; ++q)
+#pragma unroll
+                        for (int u = 0; u < kSumInFlight; ++u)
+                            if (r0 + u < R && (has >> (r0 + u) & 1ull)) add_partial(acc[q], w[q][u]);
+                }
+#pragma unroll
+                for (int q = 0; q < kCombineChunks; ++q)
+                    if (c + q * threads < row_int4)
+                        combined_x[(long long)t * row_int4 + c + q * threads] =
+                            make_int4((int)pack_bf16x2(acc[q][0], acc[q][1]), (int)pack_bf16x2(acc[q][2], acc[q][3]),
+                                      (int)pack_bf16x2(acc[q][4], acc[q][5]), (int)pack_bf16x2(acc[q][6], acc[q][7]));
             }
-            combined_x[(long long)t * row_int4 + c] =
-                make_int4((int)pack_bf16x2(acc[0], acc[1]), (int)pack_bf16x2(acc[2], acc[3]),
-                          (int)pack_bf16x2(acc[4], acc[5]), (int)pack_bf16x2(acc[6], acc[7]));
         }
-        __syncthreads();  // slots, flags and histogram are reused by the next token
+        __syncthreads();  // the batch's entries are read: the next batch may overwrite them
     }
     stamp(stamps, kStampRecvEnd);  // the loop ends with a block barrier
 }
@@ -1112,7 +1215,8 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
         const float* topk_weights, int num_tokens, int num_topk, int zero_copy, int bf16_partials, void* base,
         const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
         int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
-    __shared__ int hist[kLLMaxExperts];
+    __shared__ int begin[kLLMaxExperts];  // stage_range_begins: the rows of one owner in each local expert
+    extern __shared__ __align__(16) int4 ll_stage[];  // partial_sums' slots (combine_stage_bytes)
     __shared__ CombineShared sh;
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
@@ -1127,24 +1231,24 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
         const int owner_blocks = max(1, (int)gridDim.x / ctx->num_ranks), expert_blocks = gridDim.x - owner_blocks;
         if ((int)blockIdx.x < expert_blocks) {
             combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, bf16, b,
-                         peer_bases, L, buffer_idx, workspace, ctx, hist, sh, true, Blocks{(int)blockIdx.x, expert_blocks},
-                         stamps);
+                         peer_bases, L, buffer_idx, workspace, ctx, begin, ll_stage, sh, true,
+                         Blocks{(int)blockIdx.x, expert_blocks}, stamps);
         } else {
             stamp(stamps, kStampSendStart);  // (the block's start: phase_breakdown's origin is the earliest)
             combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk,
-                         bf16, b, L, buffer_idx, ctx, hist, sh, true, Blocks{(int)blockIdx.x - expert_blocks, owner_blocks},
-                         stamps);
+                         bf16, b, L, buffer_idx, ctx, begin, ll_stage, sh, true,
+                         Blocks{(int)blockIdx.x - expert_blocks, owner_blocks}, stamps);
         }
         return;
     }
     const Blocks all{(int)blockIdx.x, (int)gridDim.x};
     if (phases & kPhaseSend)
         combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, bf16, b,
-                     peer_bases, L, buffer_idx, workspace, ctx, hist, sh, own_in_recv, all, stamps);
+                     peer_bases, L, buffer_idx, workspace, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
     __syncthreads();
     if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
         combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk,
-                     bf16, b, L, buffer_idx, ctx, hist, sh, own_in_recv, all, stamps);
+                     bf16, b, L, buffer_idx, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -51,6 +51,14 @@ from .reference import LOW_LATENCY_MAX_TOPK
 _FILE = "low_latency.cu"
 _THREADS = 1024                 # kLLThreads (dispatch)
 _COMBINE_THREADS = 512          # kLLCombineThreads
+_COMBINE_CHUNKS = 2             # kCombineChunks
+
+
+def combine_stage_bytes(num_topk: int) -> int:
+    """The combine's dynamic shared memory: partial_sums' cp.async slots, 16 bytes per (thread, chunk, top-k
+    entry): kLLCombineThreads x kCombineChunks x K x 16 (180 KB at K = 11, with the kernel's ~19 KB of static
+    shared memory under the 227 KB a block may have)."""
+    return _COMBINE_THREADS * _COMBINE_CHUNKS * num_topk * 16
 _WORKSPACE_INTS = 32 + _config.LL_MAX_RANKS  # kWsMetaReaders + meta readers (below: buffer index, epochs)
 WS_EPOCH = 4                    # kWsEpoch: per buffer, the dispatches whose receive phase finished
 _SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv
@@ -179,9 +187,9 @@ class LowLatencyState:
             self._kernels[key] = k
         return k
 
-    def launch(self, name: str, args) -> None:
+    def launch(self, name: str, args, shared_mem: int = 0) -> None:
         threads = _COMBINE_THREADS if name.startswith("ep::combine") else _THREADS
-        self.kernel(name)((self.num_blocks,), (threads,), args, stream=self.buf.comm_stream)
+        self.kernel(name)((self.num_blocks,), (threads,), args, shared_mem=shared_mem, stream=self.buf.comm_stream)
 
     def prepare(self, max_tokens: int, hidden: int, num_experts: int) -> dict:
         """The layout of a call; cleans the signal regions first when the shape changed (or on first use).
@@ -218,17 +226,17 @@ class LowLatencyState:
         return (np.uint64(self.base), self.peer_bases, np.int32(index), np.int32(max_tokens), np.int32(hidden),
                 np.int32(num_experts), self.workspace)
 
-    def run(self, kind, name: str, args_for_phases, phases: int, async_finish: bool, keep):
+    def run(self, kind, name: str, args_for_phases, phases: int, async_finish: bool, keep, shared_mem: int = 0):
         """Launch on the communication stream bracketed by the caller's stream; returns the EventOverlap."""
         compute = self.buf._begin(kind, None)
-        self.launch(name, args_for_phases(phases))
+        self.launch(name, args_for_phases(phases), shared_mem)
         return self.buf._finish(compute, async_finish, keep)
 
-    def make_hook(self, kind, name: str, args_for_phases, keep, what: str):
+    def make_hook(self, kind, name: str, args_for_phases, keep, what: str, shared_mem: int = 0):
         def run():
             with self.buf._device:
                 self.buf._check_usable()
-                self.run(kind, name, args_for_phases, _RECV, False, keep)
+                self.run(kind, name, args_for_phases, _RECV, False, keep, shared_mem)
         return self.hooks.make(run, what)
 
     # ---- argument checks (same order and messages as host_backend.HostBuffer) -------------------------
@@ -380,8 +388,9 @@ class LowLatencyState:
                     np.int32(zero_copy), np.int32(bf16_partials)) + common + (np.int32(phases), self.stamps_of("combine"), self.buf._ctx)
         keep = (raw_x, raw_idx, raw_w, raw_out, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
-        event = self.run(kind, name, args, phases, async_finish, keep)
-        hook = self.make_hook(kind, name, args, keep, "low_latency_combine") if return_recv_hook else None
+        smem = combine_stage_bytes(num_topk)
+        event = self.run(kind, name, args, phases, async_finish, keep, smem)
+        hook = self.make_hook(kind, name, args, keep, "low_latency_combine", smem) if return_recv_hook else None
         result = out if out is not None else interop.wrap(raw_out, kind, "bfloat16")
         return result, event, hook
 

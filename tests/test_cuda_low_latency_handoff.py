@@ -31,30 +31,45 @@ class MBarrier:
         return (self.completed & 1) != parity
 
 
-def compute_thread(i, state, owners, kept, wait_empty):
+def compute_thread(i, state, owners, kept, wait_empty, batch=0):
     """One compute thread: per owner, per token (then the owner's end, -1) store its part of the row (tokens with
     a row only), wait for the flagger to have read the previous token, publish (thread 0), sync, arrive on
-    `full`. The phase counts carry over from owner to owner."""
+    `full`. With ``batch`` > 0 the tokens come in batches of that many, each with prepare_batch's compute syncs
+    (2, then the caller's) before its tokens and one after. The phase counts carry over from owner to owner."""
     handoff = sync = 0
-    for t in [t for tokens in owners for t in tokens + [-1]]:
-        if t >= 0:
-            yield lambda: True
-            if not kept[t]:
-                continue
-            state["stored"][t].add(i)
-        if wait_empty and handoff > 0:
-            parity = (handoff - 1) & 1
-            yield lambda: state["empty"].done(parity)
-        if i == 0:
-            yield lambda: True
-            state["flag_token"][handoff & 1] = t
+
+    def compute_sync():
+        nonlocal sync
         state["compute"].arrive()
         parity = sync & 1
         yield lambda: state["compute"].done(parity)
         sync += 1
-        yield lambda: True
-        state["full"].arrive()
-        handoff += 1
+
+    for tokens in owners:
+        groups = [tokens[b:b + batch] for b in range(0, len(tokens), batch)] if batch else [tokens]
+        for g, group in enumerate(groups + [[-1]]):
+            last = g == len(groups)
+            if batch and not last:
+                for _ in range(3):
+                    yield from compute_sync()
+            for t in group:
+                if t >= 0:
+                    yield lambda: True
+                    if not kept[t]:
+                        continue
+                    state["stored"][t].add(i)
+                if wait_empty and handoff > 0:
+                    parity = (handoff - 1) & 1
+                    yield lambda: state["empty"].done(parity)
+                if i == 0:
+                    yield lambda: True
+                    state["flag_token"][handoff & 1] = t
+                yield from compute_sync()
+                yield lambda: True
+                state["full"].arrive()
+                handoff += 1
+            if batch and not last:
+                yield from compute_sync()
 
 
 def flagger(state, num_compute, num_owners):
@@ -75,15 +90,16 @@ def flagger(state, num_compute, num_owners):
             state["flagged"].append(t)
 
 
-def run(num_compute: int, tokens: list, kept: dict, seed: int, wait_empty: bool = True, num_owners: int = 1) -> list:
+def run(num_compute: int, tokens: list, kept: dict, seed: int, wait_empty: bool = True, num_owners: int = 1,
+        batch: int = 0) -> list:
     """Errors of one random interleaving (empty = it went right); ``num_owners`` owners in a row, each with its
-    own copy of ``tokens`` (numbered apart)."""
+    own copy of ``tokens`` (numbered apart); ``batch``: see compute_thread."""
     n = len(tokens)
     owners = [[o * n + t for t in tokens] for o in range(num_owners)]
     kept = {o * n + t: kept[t] for o in range(num_owners) for t in tokens}
     state = {"full": MBarrier(num_compute), "empty": MBarrier(1), "compute": MBarrier(num_compute),
              "flag_token": [None, None], "stored": {t: set() for t in kept}, "flagged": [], "errors": []}
-    agents = [compute_thread(i, state, owners, kept, wait_empty) for i in range(num_compute)]
+    agents = [compute_thread(i, state, owners, kept, wait_empty, batch) for i in range(num_compute)]
     agents.append(flagger(state, num_compute, num_owners))
     waiting = {a: next(a) for a in agents}
     rng = random.Random(seed)
@@ -104,14 +120,17 @@ def run(num_compute: int, tokens: list, kept: dict, seed: int, wait_empty: bool 
     return state["errors"]
 
 
+@pytest.mark.parametrize("batch", [0, 1, 2, 15])
 @pytest.mark.parametrize("num_owners", [1, 3])
 @pytest.mark.parametrize("num_compute", [1, 2, 3])
-def test_the_flagger_flags_each_stored_row_once_in_order(num_compute, num_owners):
+def test_the_flagger_flags_each_stored_row_once_in_order(num_compute, num_owners, batch):
+    """As the kernel runs it (batches of kCombineBatch = 15 tokens, with their compute syncs), and with other
+    batch sizes and none."""
     for seed in range(300):
         rng = random.Random(1000 + seed)
         tokens = list(range(rng.randint(0, 6)))
         kept = {t: rng.random() < 0.7 for t in tokens}
-        errors = run(num_compute, tokens, kept, seed, num_owners=num_owners)
+        errors = run(num_compute, tokens, kept, seed, num_owners=num_owners, batch=batch)
         assert not errors, (seed, tokens, kept, errors)
 
 

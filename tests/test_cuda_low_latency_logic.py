@@ -421,3 +421,89 @@ def test_combine_sends_one_partial_per_token_and_rank():
     assert remote_partials <= T and remote_entries > 3 * remote_partials
     assert 3 * remote_partials < 0.4 * 2 * remote_entries   # 24-bit partial bytes (3H) vs bf16 rows (2H) per entry
     assert config.low_latency_layout(128, 7168, R, E)["part_bytes"] == 3 * 7168
+
+
+# ---- the combine's prepare_batch (the slots of a batch of tokens, counted without a histogram) ---------------
+def _prepare_batch_model(topk_idx, t0, stride, n, rank, M, E, R, begin, threads, in_flight=4):
+    """low_latency.cu's prepare_batch, loop for loop: ``threads`` threads count, for the batch's tokens
+    t_j = t0 + j * stride (j < n), the earlier entries of each entry's expert (thread tid loads entries tid +
+    u * threads, in_flight at a time, up to the last token's), then each token's kept entries. Returns per j
+    ``(has: set of ranks, [(row, k)] of the kept entries on `rank`, k ascending)``."""
+    T, K = topk_idx.shape
+    L = E // R
+    flat = topk_idx.reshape(-1)
+
+    def valid(v):
+        return int(v) if 0 <= v < E else -1
+
+    end = (t0 + (n - 1) * stride + 1) * K
+    expert = [[valid(flat[(t0 + j * stride) * K + k]) for k in range(K)] for j in range(n)]
+    earlier = [[0] * K for _ in range(n)]
+    for tid in range(threads):
+        f0 = tid
+        while True:
+            for u in range(in_flight):
+                f = f0 + u * threads
+                e = valid(flat[f]) if f < end else -1
+                if e < 0:
+                    continue
+                tf, kf = divmod(f, K)
+                first = 0 if tf <= t0 else -(-(tf - t0) // stride)
+                for i in range(first, n):
+                    for k in range(kf + 1 if t0 + i * stride == tf else 0, K):
+                        if expert[i][k] == e:
+                            earlier[i][k] += 1
+            f0 += in_flight * threads
+            if f0 >= end:
+                break
+    out = []
+    for j in range(n):
+        kept = [k for k in range(K) if expert[j][k] >= 0 and earlier[j][k] < M]
+        has = {expert[j][k] // L for k in kept}
+        rows = [((expert[j][k] - rank * L) * R * M + begin[expert[j][k] - rank * L] + earlier[j][k], k)
+                for k in kept if expert[j][k] // L == rank]
+        out.append((has, rows))
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 5, 32, 480])
+@pytest.mark.parametrize("batch", [1, 3, 15])
+def test_prepare_batch_gives_every_token_the_dispatch_slots(threads, batch):
+    """Over all blocks and batches of a split (blocks stride over the tokens, kCombineBatch at a time), every
+    token's kept entries and the ranks holding them are those of reference.low_latency_rows (its slot: its place
+    among the expert's rows from this source; kept below M), with masked entries, duplicates within a token and
+    slots past M."""
+    rng = np.random.default_rng(threads * 100 + batch)
+    for case in range(12):
+        R = int(rng.integers(1, 4))
+        E = R * int(rng.integers(1, 6))
+        K = int(rng.integers(1, 12))
+        T = int(rng.integers(1, 40))
+        M = int(rng.integers(1, T + 3))
+        topk = rng.integers(-1, E + 1, size=(T, K))   # -1 and E: no expert
+        rank = int(rng.integers(0, R))
+        begin = rng.integers(0, 1000, size=E // R)
+        count = int(rng.integers(1, 8))
+        seen = []
+        for index in range(count):
+            mine = len(range(index, T, count))
+            for j0 in range(0, mine, batch):
+                n = min(batch, mine - j0)
+                t0 = index + j0 * count
+                got = _prepare_batch_model(topk, t0, count, n, rank, M, E, R, begin, threads)
+                for j, (has, rows) in enumerate(got):
+                    t = t0 + j * count
+                    seen.append(t)
+                    want_has, want_rows = set(), []
+                    for k in range(K):
+                        e = int(topk[t, k])
+                        if not 0 <= e < E:
+                            continue
+                        slot = reference.low_latency_rows([topk], e).index((0, t, k))
+                        if slot >= M:
+                            continue
+                        want_has.add(e // (E // R))
+                        if e // (E // R) == rank:
+                            want_rows.append(((e - rank * (E // R)) * R * M + begin[e - rank * (E // R)] + slot, k))
+                    assert has == want_has and rows == want_rows, (case, t)
+        assert sorted(seen) == list(range(T))
