@@ -703,7 +703,6 @@ struct CombineShared {
     float weight[kCombineBatch][kLLMaxTopk];   //   and their weights, num_kept[j] of them
     int num_kept[kCombineBatch];
     unsigned long long has[kCombineBatch];     // bit r: rank r holds a kept entry of the token
-    int tag;                                   // prepare_batch: the last batch's tag in `mark` (0: none yet)
     int value;                                 // (B): the owner's meta flag
     int failed;
     int flag_token[2];                         // (B) compute -> flagger, by handoff parity: the token, -1 = the end
@@ -737,17 +736,15 @@ __device__ __forceinline__ void stage_range_begins(const long long* layout_range
 // top-k, K entries per token, row-major (s's meta, or this rank's own arguments). Entry (t, k) of expert e has the
 // slot the dispatch gave it, #{(t', k') before (t, k) in row-major order with expert e} (reference.py), and is kept
 // if that is < M. The `threads` threads (the first of the block) count the earlier entries together: one pass over
-// the top-k up to the batch's last token, each entry of an expert the batch has (mark[e] == the batch's tag, one
-// shared load: comparing every entry with all the batch's entries took 3.3 us, S14F) compared with the batch's
-// entries (no histogram of the tokens before, no pass per token: a token's entries cost one round of loads, not
-// one per token). mark: kLLMaxExperts ints, zeroed at the kernel's start (the tags count up from 1). Writes, per j:
+// the top-k up to the batch's last token, each entry compared with the batch's entries (no histogram of the tokens
+// before, no pass per token: a token's entries cost one round of loads, not one per token). Writes, per j:
 // sh.has[j]; the kept entries whose expert lives on this rank, compacted in k order: sh.row[j][i] (the row in
 // the expert input [local expert][R*M]: begin[local] + slot, begin from stage_range_begins), sh.weight[j][i];
 // sh.num_kept[j]. `sync` is a barrier of the `threads` threads; the caller syncs before reading the results.
 template <typename IdT, typename WeightT, typename Sync>
 __device__ __forceinline__ void prepare_batch(const IdT* experts, const WeightT* weights, int K, int t0, int stride,
                                               int n, int rank, const LowLatencyLayout& L, const int* begin,
-                                              int* mark, int threads, CombineShared& sh, Sync sync) {
+                                              int threads, CombineShared& sh, Sync sync) {
     const int E = L.num_experts, end = (t0 + (n - 1) * stride + 1) * K;  // the entries up to the last token's
     const int j = warp_id(), lane = lane_id();
     // this thread's first entries to count, loaded together with the batch's own entries
@@ -761,21 +758,18 @@ __device__ __forceinline__ void prepare_batch(const IdT* experts, const WeightT*
         }
     };
     load((int)threadIdx.x);
-    const int tag = sh.tag + 1;  // this batch's experts are marked with it (older batches' marks are smaller)
     if (j < n && lane < kLLMaxTopk) {
         const long long f = (long long)(t0 + j * stride) * K + lane;
         const long long v = lane < K ? (long long)experts[f] : -1;
-        const int ek = v >= 0 && v < E ? (int)v : -1;
-        sh.expert[j][lane] = ek;
+        sh.expert[j][lane] = v >= 0 && v < E ? (int)v : -1;
         sh.entry_weight[j][lane] = lane < K ? (float)weights[f] : 0.0f;
         sh.earlier[j][lane] = 0;
-        if (ek >= 0) mark[ek] = tag;
     }
     sync();
     for (int f0 = threadIdx.x;;) {
 #pragma unroll
         for (int u = 0; u < kScanInFlight; ++u) {
-            if (e[u] < 0 || mark[e[u]] != tag) continue;  // not an expert of the batch: most entries
+            if (e[u] < 0) continue;
             const int f = f0 + u * threads, tf = f / K, kf = f - tf * K;
             // the batch tokens at or after entry f's token: f is earlier than all their entries, or (its own
             // token) than the entries after it
@@ -790,7 +784,6 @@ __device__ __forceinline__ void prepare_batch(const IdT* experts, const WeightT*
         load(f0);
     }
     sync();
-    if (threadIdx.x == 0) sh.tag = tag;  // read again only after the caller's barrier
     if (j < n) {
         const int k = lane, ek = k < K ? sh.expert[j][k] : -1, slot = k < K ? sh.earlier[j][k] : 0;
         const bool kept = ek >= 0 && slot < L.num_max_tokens;
@@ -983,7 +976,7 @@ __device__ __forceinline__ void hand_to_flagger(int t, CombineShared& sh, Handof
 // block barriers; with the mbarrier it reports none.
 template <typename IdT, typename WeightT>
 __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, const WeightT* weights, int T, int K,
-                                                     bool bf16, const int4* rows, const int* begin, int* mark, int4* stage,
+                                                     bool bf16, const int4* rows, const int* begin, int4* stage,
                                                      char* base,
                                                      const unsigned long long* peer_bases, const LowLatencyLayout& L,
                                                      int buffer_idx, const DeviceCtx* ctx, CombineShared& sh,
@@ -1017,7 +1010,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
         const int mine = tokens_of_block(T, blocks.index, blocks.count);
         for (int j0 = 0; j0 < mine; j0 += kCombineBatch) {
             const int n = min(kCombineBatch, mine - j0), t0 = blocks.index + j0 * blocks.count;
-            prepare_batch(experts, weights, K, t0, blocks.count, n, rank, L, begin, mark, compute_threads, sh, sync);
+            prepare_batch(experts, weights, K, t0, blocks.count, n, rank, L, begin, compute_threads, sh, sync);
             sync();
             for (int j = 0; j < n; ++j) {
                 if (sh.num_kept[j] == 0) continue;  // uniform: nothing to send for this token
@@ -1054,7 +1047,7 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
                                                int num_topk, bool bf16, char* base,
                                                const unsigned long long* peer_bases,
                                                const LowLatencyLayout& L, int buffer_idx, int* meta_readers,
-                                               const DeviceCtx* ctx, int* begin, int* mark, int4* stage, CombineShared& sh,
+                                               const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh,
                                                bool own_in_recv, Blocks blocks, long long* stamps) {
     const int rank = ctx->rank, R = L.num_ranks;
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
@@ -1069,7 +1062,7 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
     __syncthreads();
     HandoffPhases ph;
     if (!own_in_recv)
-        combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, bf16, rows, begin, mark, stage, base,
+        combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, bf16, rows, begin, stage, base,
                              peer_bases, L, buffer_idx, ctx, sh, ph, blocks, stamps);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
     for (int i = 1; i < R; ++i) {
@@ -1103,7 +1096,7 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
         const char* meta = recv + L.combine_meta_in(s);
         combine_reduce_owner(s, reinterpret_cast<const volatile int*>(meta),
                              reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, owner_bf16,
-                             rows, begin, mark, stage, base, peer_bases, L, buffer_idx, ctx, sh, ph, blocks, stamps);
+                             rows, begin, stage, base, peer_bases, L, buffer_idx, ctx, sh, ph, blocks, stamps);
     }
 }
 
@@ -1111,14 +1104,14 @@ template <typename TopkT>
 __device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, const TopkT* topk_idx,
                              const float* topk_weights, int num_tokens, int num_topk, bool bf16, char* base,
                              const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
-                             int* workspace, const DeviceCtx* ctx, int* begin, int* mark, int4* stage, CombineShared& sh,
+                             int* workspace, const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh,
                              bool own_in_recv, Blocks blocks, long long* stamps) {
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
     combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, bf16, base, peer_bases, L, buffer_idx, ctx,
                       blocks);
     combine_reduce(x, zero_copy, layout_range, topk_idx, topk_weights, num_tokens, num_topk, bf16, base, peer_bases,
-                   L, buffer_idx, workspace + kWsMetaReaders, ctx, begin, mark, stage, sh, own_in_recv, blocks, stamps);
+                   L, buffer_idx, workspace + kWsMetaReaders, ctx, begin, stage, sh, own_in_recv, blocks, stamps);
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
@@ -1131,7 +1124,7 @@ template <typename TopkT>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
                              const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                              bool bf16, char* base, const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx,
-                             int* begin, int* mark, int4* stage, CombineShared& sh, bool own_in_recv, Blocks blocks,
+                             int* begin, int4* stage, CombineShared& sh, bool own_in_recv, Blocks blocks,
                              long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
     const int rank = ctx->rank, R = L.num_ranks, row_int4 = L.hidden / 8;
@@ -1144,8 +1137,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
     const int mine = tokens_of_block(num_tokens, blocks.index, blocks.count);
     for (int j0 = 0; j0 < mine; j0 += kCombineBatch) {
         const int n = min(kCombineBatch, mine - j0), t0 = blocks.index + j0 * blocks.count;
-        prepare_batch(topk_idx, topk_weights, num_topk, t0, blocks.count, n, rank, L, begin, mark, threads, sh,
-                      sync);
+        prepare_batch(topk_idx, topk_weights, num_topk, t0, blocks.count, n, rank, L, begin, threads, sh, sync);
         __syncthreads();
         if (own_in_recv) {
             for (int j = 0; j < n; ++j) {
@@ -1224,16 +1216,11 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
         const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
         int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int begin[kLLMaxExperts];  // stage_range_begins: the rows of one owner in each local expert
-    __shared__ int mark[kLLMaxExperts];   // prepare_batch: the experts of the current batch (by tag)
     extern __shared__ __align__(16) int4 ll_stage[];  // partial_sums' slots (combine_stage_bytes)
     __shared__ CombineShared sh;
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
-    if (threadIdx.x == 0) {
-        sh.failed = 0;
-        sh.tag = 0;
-    }
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) mark[e] = 0;
+    if (threadIdx.x == 0) sh.failed = 0;
     __syncthreads();
     const bool own_in_recv = (phases & kPhaseSend) && (phases & kPhaseRecv), bf16 = bf16_partials != 0;
     if (own_in_recv && gridDim.x >= 2) {
@@ -1244,12 +1231,12 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
         const int owner_blocks = max(1, (int)gridDim.x / ctx->num_ranks), expert_blocks = gridDim.x - owner_blocks;
         if ((int)blockIdx.x < expert_blocks) {
             combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, bf16, b,
-                         peer_bases, L, buffer_idx, workspace, ctx, begin, mark, ll_stage, sh, true,
+                         peer_bases, L, buffer_idx, workspace, ctx, begin, ll_stage, sh, true,
                          Blocks{(int)blockIdx.x, expert_blocks}, stamps);
         } else {
             stamp(stamps, kStampSendStart);  // (the block's start: phase_breakdown's origin is the earliest)
             combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk,
-                         bf16, b, L, buffer_idx, ctx, begin, mark, ll_stage, sh, true,
+                         bf16, b, L, buffer_idx, ctx, begin, ll_stage, sh, true,
                          Blocks{(int)blockIdx.x - expert_blocks, owner_blocks}, stamps);
         }
         return;
@@ -1257,11 +1244,11 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     const Blocks all{(int)blockIdx.x, (int)gridDim.x};
     if (phases & kPhaseSend)
         combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, bf16, b,
-                     peer_bases, L, buffer_idx, workspace, ctx, begin, mark, ll_stage, sh, own_in_recv, all, stamps);
+                     peer_bases, L, buffer_idx, workspace, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
     __syncthreads();
     if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
         combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk,
-                     bf16, b, L, buffer_idx, ctx, begin, mark, ll_stage, sh, own_in_recv, all, stamps);
+                     bf16, b, L, buffer_idx, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ _COMBINE_CHUNKS = 2             # kCombineChunks
 
 def combine_stage_bytes(num_topk: int) -> int:
     """The combine's dynamic shared memory: partial_sums' cp.async slots, 16 bytes per (thread, chunk, top-k
-    entry): kLLCombineThreads x kCombineChunks x K x 16 (180 KB at K = 11, with the kernel's ~35 KB of static
+    entry): kLLCombineThreads x kCombineChunks x K x 16 (180 KB at K = 11, with the kernel's ~19 KB of static
     shared memory under the 227 KB a block may have)."""
     return _COMBINE_THREADS * _COMBINE_CHUNKS * num_topk * 16
 _WORKSPACE_INTS = 32 + _config.LL_MAX_RANKS  # kWsMetaReaders + meta readers (below: buffer index, epochs)

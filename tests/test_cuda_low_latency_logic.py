@@ -427,8 +427,7 @@ def test_combine_sends_one_partial_per_token_and_rank():
 def _prepare_batch_model(topk_idx, t0, stride, n, rank, M, E, R, begin, threads, in_flight=4):
     """low_latency.cu's prepare_batch, loop for loop: ``threads`` threads count, for the batch's tokens
     t_j = t0 + j * stride (j < n), the earlier entries of each entry's expert (thread tid loads entries tid +
-    u * threads, in_flight at a time, up to the last token's; only those of an expert the batch has), then each
-    token's kept entries. Returns per j
+    u * threads, in_flight at a time, up to the last token's), then each token's kept entries. Returns per j
     ``(has: set of ranks, [(row, k)] of the kept entries on `rank`, k ascending)``."""
     T, K = topk_idx.shape
     L = E // R
@@ -439,7 +438,6 @@ def _prepare_batch_model(topk_idx, t0, stride, n, rank, M, E, R, begin, threads,
 
     end = (t0 + (n - 1) * stride + 1) * K
     expert = [[valid(flat[(t0 + j * stride) * K + k]) for k in range(K)] for j in range(n)]
-    marked = {e for row in expert for e in row if e >= 0}   # the kernel's mark[e] == tag
     earlier = [[0] * K for _ in range(n)]
     for tid in range(threads):
         f0 = tid
@@ -447,7 +445,7 @@ def _prepare_batch_model(topk_idx, t0, stride, n, rank, M, E, R, begin, threads,
             for u in range(in_flight):
                 f = f0 + u * threads
                 e = valid(flat[f]) if f < end else -1
-                if e < 0 or e not in marked:
+                if e < 0:
                     continue
                 tf, kf = divmod(f, K)
                 first = 0 if tf <= t0 else -(-(tf - t0) // stride)
