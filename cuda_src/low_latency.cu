@@ -24,8 +24,8 @@
 // #{(t', k') before (t, k) in row-major order with topk_idx[t', k'] == e}, computed from a shared-memory
 // histogram of topk_idx (each block builds the counts of the rows before its first token, then advances
 // it token by token). Rows of a local expert are therefore ordered (source rank, token, k) exactly as
-// cupy_ep/reference.py says, and the combine side finds its rows by recomputing the same slots (prepare_batch
-// counts them for a batch of tokens at once instead).
+// cupy_ep/reference.py says. The dispatch also writes them into the handle's topk_slots, and the combine finds its
+// rows by them (the owner sends each entry's slot with its expert in the meta), so it counts nothing.
 //
 // Dispatch send: per token t, warp 0 finds the distinct destination ranks of t (the owners of its valid experts:
 // no slots needed) while the other warps' loads of x are in flight; then every thread casts its part of the row and
@@ -171,17 +171,18 @@ __device__ void build_histograms(const TopkT* topk_idx, int num_tokens, int num_
 
 template <typename TopkT>
 __device__ void advance_histogram(const TopkT* topk_idx, int from_token, int to_token, int num_topk,
-                                  int num_experts, int* hist, int threads) {
-    for (int f = from_token * num_topk + (int)threadIdx.x; f < to_token * num_topk; f += threads) {
+                                  int num_experts, int* hist) {
+    for (int f = from_token * num_topk + (int)threadIdx.x; f < to_token * num_topk; f += blockDim.x) {
         const long long e = (long long)topk_idx[f];
         if (e >= 0 && e < num_experts) atomicAdd(&hist[e], 1);
     }
 }
 
-// Threads k < K: the expert and slot of (t, k) (slot -1: no expert, or past the M slots of the expert).
+// Threads k < K: the expert and slot of (t, k) (slot -1: no expert, or past the M slots of the expert), also
+// into the handle's topk_slots [T][K] (the combine finds the rows by them instead of counting again).
 template <typename TopkT>
 __device__ void token_slots(const TopkT* topk_idx, int t, int num_topk, int num_experts, int max_tokens,
-                            const int* hist, int* s_expert, int* s_slot) {
+                            const int* hist, int* s_expert, int* s_slot, int* topk_slots) {
     const int k = threadIdx.x;
     if (k >= num_topk) return;
     const TopkT* row = topk_idx + (long long)t * num_topk;
@@ -195,6 +196,7 @@ __device__ void token_slots(const TopkT* topk_idx, int t, int num_topk, int num_
     }
     s_expert[k] = (int)e;
     s_slot[k] = slot;
+    topk_slots[(long long)t * num_topk + k] = slot;
 }
 
 // What one block knows about its current token (dispatch send; written by warp 0, read after a block barrier).
@@ -397,7 +399,8 @@ __device__ __forceinline__ void stage_send_shared(const unsigned long long* peer
 // Dispatch send. The block's first token goes out before the histograms (its destinations do not depend on the
 // slots); then per token its slots, one block barrier, and its index entries, each after a system-scope release.
 template <bool kUseFP8, typename TopkT>
-__device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_tokens, int num_topk, bool round_scale,
+__device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_slots, int num_tokens, int num_topk,
+                              bool round_scale,
                               char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
                               int buffer_idx, int* workspace, const DeviceCtx* ctx, int* hist,
                               int* hist_all, DispatchShared& sh, long long* stamps) {
@@ -418,7 +421,7 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
             send_message<kUseFP8>(x, topk_idx, t, num_tokens, num_topk, round_scale,
                                   base + L.send_offset(buffer_idx), recv, L, rank, sh, stamps);
         if (warp_id() == 0)  // the slots of t's entries (hist: the rows before t)
-            token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot);
+            token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot, topk_slots);
         __syncthreads();  // every store of the message is issued (bar.sync orders them before the entries'
                           // releases); the slots are visible
         stamp(stamps, kStampSendEncoded);
@@ -429,7 +432,7 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int num_toke
         }
         send_index_entries(t, num_topk, base, L, recv, rank, sh);
         if (t + (int)gridDim.x < num_tokens) {  // the next token's slots count the rows before it
-            advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist, (int)blockDim.x);
+            advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
         }
         __syncthreads();  // sh is reused by the next token
     }
@@ -643,12 +646,13 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
 
 // Outputs: packed_recv_x [L][R*M][H] (e4m3 bytes or bf16), packed_recv_scales [L][S][R*M] float32 or
 // [L][S/4][R*M] int32 (UE8M0), packed_recv_count [L], src_info [L][R*M], layout_range [L][R] int64,
-// cumulative_stats [L] or null. x [T][H] bf16, topk_idx [T][K].
+// cumulative_stats [L] or null. x [T][H] bf16, topk_idx [T][K]; topk_slots [T][K] int32 (out, written by the send
+// phase): each entry's slot, -1 = not sent.
 template <bool kUseFP8, typename TopkT>
 __global__ void __launch_bounds__(kLLThreads, 1)
 dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, int* packed_recv_src_info,
          long long* packed_recv_layout_range, int* cumulative_stats, const int4* x, const TopkT* topk_idx,
-         int num_tokens, int num_topk, int round_scale, int use_ue8m0, void* base,
+         int* topk_slots, int num_tokens, int num_topk, int round_scale, int use_ue8m0, void* base,
          const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
          int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hists[2 * kLLMaxExperts];  // send: the two histograms; receive: the counts' prefix
@@ -657,8 +661,8 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
     if (phases & kPhaseSend)
-        dispatch_send<kUseFP8>(x, topk_idx, num_tokens, num_topk, round_scale != 0, b, peer_bases, L, buffer_idx,
-                               workspace, ctx, hists, hists + kLLMaxExperts, sh, stamps);
+        dispatch_send<kUseFP8>(x, topk_idx, topk_slots, num_tokens, num_topk, round_scale != 0, b, peer_bases, L,
+                               buffer_idx, workspace, ctx, hists, hists + kLLMaxExperts, sh, stamps);
     if (phases & kPhaseRecv)
         dispatch_recv<kUseFP8>(packed_recv_x, packed_recv_scales, packed_recv_count, packed_recv_src_info,
                                packed_recv_layout_range, cumulative_stats, use_ue8m0 != 0, b, L, buffer_idx,
@@ -672,11 +676,12 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 // become one row of 1.5 times the width (bf16: the same width), under 40 % (25 %) of the bytes across NVLink. The
 // weights live on the owner, so the owner first sends its top-k (experts and weights, a few KB: "meta") to every
 // rank; the meta flag also says which wire format the owner reads.
-//   send phase  (A) owner -> every other rank r: meta (int32 expert or -1, float weight, [M][kLLMaxTopk] each), then
-//                   the meta flag (W << 28 | K << 24 | T + 1) at r's signal combine_meta_flag(me);
+//   send phase  (A) owner -> every other rank r: meta (int32 entry codes: the expert and its dispatch slot, or -1
+//                   (entry_code); float weights; [M][kLLMaxTopk] each), then the meta flag (W << 28 | K << 24 |
+//                   T + 1) at r's signal combine_meta_flag(me);
 //               (B) expert rank, per owner s (itself first, from the call's own top-k: no wait; then the
-//                   others from their meta) and token t of s (blocks stride over t): the slots of t's entries
-//                   counted over s's top-k (exactly the dispatch's slots; prepare_batch), then
+//                   others from their meta) and token t of s (blocks stride over t): the rows of t's entries
+//                   from their codes (prepare_batch), then
 //                   P = 0 + sum over the kept k whose expert is here, k ascending, of w_k * row(e_k, s, slot_k)
 //                   (fp32 products and sums, no FMA), rounded to s's wire format into s's partial_in [me][t], then
 //                   flag 1 at s's signal combine_token_flag(me, t). Tokens with no kept entry here send nothing.
@@ -691,14 +696,34 @@ constexpr int kSumInFlight = 2;  // (C) ranks' partials loaded at once per threa
 // Tokens whose entries one block prepares at once (prepare_batch: a warp per token; the expert side has this many
 // compute warps).
 constexpr int kCombineBatch = kLLCombineThreads / kWarpSize - 1;
-constexpr int kScanInFlight = 4;  // top-k entries each thread loads at once in prepare_batch's count
+
+// A top-k entry as the combine sees it (the owner's meta carries these; this rank's own come from its arguments):
+// the expert and the slot the dispatch gave it (the handle's topk_slots) in one int, slot << kEntrySlotShift |
+// expert, or -1 when the entry has no expert or was not sent (slot -1). The slots are below M <= kLLMaxTokens.
+constexpr int kEntrySlotShift = 12;
+constexpr int kLLMaxTokens = 1 << (31 - kEntrySlotShift);  // mirrors config.LL_MAX_TOKENS
+static_assert(kLLMaxExperts <= 1 << kEntrySlotShift, "an expert id must fit below the slot's bits");
+__device__ __forceinline__ int entry_code(long long expert, int slot, int num_experts) {
+    return expert >= 0 && expert < num_experts && slot >= 0 ? (slot << kEntrySlotShift) | (int)expert : -1;
+}
+// This rank's own entries (the call's arguments: the dispatch's top-k and the handle's slots), f = t * K + k.
+template <typename TopkT>
+struct OwnEntries {
+    const TopkT* topk_idx;
+    const int* topk_slots;
+    int num_experts;
+    __device__ __forceinline__ int operator()(long long f) const {
+        return entry_code((long long)topk_idx[f], topk_slots[f], num_experts);
+    }
+};
+// A remote owner's entries: its meta's codes (read after its meta flag was acquired).
+struct MetaEntries {
+    const volatile int* codes;
+    __device__ __forceinline__ int operator()(long long f) const { return codes[f]; }
+};
 
 struct CombineShared {
-    // prepare_batch, per token j of the batch: its entries (expert, -1 = none) and weights, the earlier entries
-    // of each entry's expert (its slot), then what the sums need
-    int expert[kCombineBatch][kLLMaxTopk];
-    int earlier[kCombineBatch][kLLMaxTopk];
-    float entry_weight[kCombineBatch][kLLMaxTopk];
+    // prepare_batch, per token j of the batch: what the sums need
     long long row[kCombineBatch][kLLMaxTopk];  // the kept entries on this rank, k order: rows in the expert input
     float weight[kCombineBatch][kLLMaxTopk];   //   and their weights, num_kept[j] of them
     int num_kept[kCombineBatch];
@@ -732,75 +757,35 @@ __device__ __forceinline__ void stage_range_begins(const long long* layout_range
         begin[l] = (int)(layout_range[(long long)l * L.num_ranks + s] >> 32);
 }
 
-// The block's tokens t_j = t0 + j * stride (j < n <= kCombineBatch) of owner s; `experts` / `weights` hold s's
-// top-k, K entries per token, row-major (s's meta, or this rank's own arguments). Entry (t, k) of expert e has the
-// slot the dispatch gave it, #{(t', k') before (t, k) in row-major order with expert e} (reference.py), and is kept
-// if that is < M. The `threads` threads (the first of the block) count the earlier entries together: one pass over
-// the top-k up to the batch's last token, each entry compared with the batch's entries (no histogram of the tokens
-// before, no pass per token: a token's entries cost one round of loads, not one per token). Writes, per j:
-// sh.has[j]; the kept entries whose expert lives on this rank, compacted in k order: sh.row[j][i] (the row in
-// the expert input [local expert][R*M]: begin[local] + slot, begin from stage_range_begins), sh.weight[j][i];
-// sh.num_kept[j]. `sync` is a barrier of the `threads` threads; the caller syncs before reading the results.
-template <typename IdT, typename WeightT, typename Sync>
-__device__ __forceinline__ void prepare_batch(const IdT* experts, const WeightT* weights, int K, int t0, int stride,
+// The block's tokens t_j = t0 + j * stride (j < n <= kCombineBatch) of owner s, a warp each (warp j, lane k:
+// entry (t_j, k)); `entries(f)` is the code of s's entry f = t * K + k (OwnEntries or MetaEntries), `weights` s's
+// top-k weights. The codes carry the dispatch's slots, so a batch costs one round of loads and no counting.
+// Writes, per j: sh.has[j]; the kept entries whose expert lives on this rank, compacted in k order: sh.row[j][i]
+// (the row in the expert input [local expert][R*M]: begin[local] + slot, begin from stage_range_begins),
+// sh.weight[j][i]; sh.num_kept[j]. The caller syncs before reading them.
+template <typename Entries, typename WeightT>
+__device__ __forceinline__ void prepare_batch(Entries entries, const WeightT* weights, int K, int t0, int stride,
                                               int n, int rank, const LowLatencyLayout& L, const int* begin,
-                                              int threads, CombineShared& sh, Sync sync) {
-    const int E = L.num_experts, end = (t0 + (n - 1) * stride + 1) * K;  // the entries up to the last token's
-    const int j = warp_id(), lane = lane_id();
-    // this thread's first entries to count, loaded together with the batch's own entries
-    int e[kScanInFlight];
-    const auto load = [&](int f0) {
-#pragma unroll
-        for (int u = 0; u < kScanInFlight; ++u) {
-            const int f = f0 + u * threads;
-            const long long v = f < end ? (long long)experts[f] : -1;
-            e[u] = v >= 0 && v < E ? (int)v : -1;
-        }
-    };
-    load((int)threadIdx.x);
-    if (j < n && lane < kLLMaxTopk) {
-        const long long f = (long long)(t0 + j * stride) * K + lane;
-        const long long v = lane < K ? (long long)experts[f] : -1;
-        sh.expert[j][lane] = v >= 0 && v < E ? (int)v : -1;
-        sh.entry_weight[j][lane] = lane < K ? (float)weights[f] : 0.0f;
-        sh.earlier[j][lane] = 0;
+                                              CombineShared& sh) {
+    const int j = warp_id(), k = lane_id();
+    if (j >= n) return;  // uniform per warp
+    const long long f = (long long)(t0 + j * stride) * K + k;
+    const int code = k < K ? entries(f) : -1;
+    const bool kept = code >= 0;
+    const int ek = code & ((1 << kEntrySlotShift) - 1), slot = code >> kEntrySlotShift;
+    const int at = kept ? ek / L.num_local : 0;
+    const unsigned lo = __reduce_or_sync(0xffffffffu, kept && at < 32 ? 1u << at : 0u);
+    const unsigned hi = __reduce_or_sync(0xffffffffu, kept && at >= 32 ? 1u << (at - 32) : 0u);
+    const bool here = kept && at == rank;
+    const unsigned mask = __ballot_sync(0xffffffffu, here);
+    if (here) {
+        const int i = __popc(mask & ((1u << k) - 1u)), local = ek - rank * L.num_local;
+        sh.row[j][i] = (long long)local * L.num_ranks * L.num_max_tokens + begin[local] + slot;
+        sh.weight[j][i] = (float)weights[f];
     }
-    sync();
-    for (int f0 = threadIdx.x;;) {
-#pragma unroll
-        for (int u = 0; u < kScanInFlight; ++u) {
-            if (e[u] < 0) continue;
-            const int f = f0 + u * threads, tf = f / K, kf = f - tf * K;
-            // the batch tokens at or after entry f's token: f is earlier than all their entries, or (its own
-            // token) than the entries after it
-            for (int i = tf <= t0 ? 0 : (tf - t0 + stride - 1) / stride; i < n; ++i) {
-                const int from = t0 + i * stride == tf ? kf + 1 : 0;
-                for (int k = from; k < K; ++k)
-                    if (sh.expert[i][k] == e[u]) atomicAdd(&sh.earlier[i][k], 1);
-            }
-        }
-        f0 += kScanInFlight * threads;
-        if (f0 >= end) break;  // uniform per thread
-        load(f0);
-    }
-    sync();
-    if (j < n) {
-        const int k = lane, ek = k < K ? sh.expert[j][k] : -1, slot = k < K ? sh.earlier[j][k] : 0;
-        const bool kept = ek >= 0 && slot < L.num_max_tokens;
-        const int at = kept ? ek / L.num_local : 0;
-        const unsigned lo = __reduce_or_sync(0xffffffffu, kept && at < 32 ? 1u << at : 0u);
-        const unsigned hi = __reduce_or_sync(0xffffffffu, kept && at >= 32 ? 1u << (at - 32) : 0u);
-        const bool here = kept && at == rank;
-        const unsigned mask = __ballot_sync(0xffffffffu, here);
-        if (here) {
-            const int i = __popc(mask & ((1u << k) - 1u)), local = ek - rank * L.num_local;
-            sh.row[j][i] = (long long)local * L.num_ranks * L.num_max_tokens + begin[local] + slot;
-            sh.weight[j][i] = sh.entry_weight[j][k];
-        }
-        if (k == 0) {
-            sh.num_kept[j] = __popc(mask);
-            sh.has[j] = (unsigned long long)hi << 32 | lo;
-        }
+    if (k == 0) {
+        sh.num_kept[j] = __popc(mask);
+        sh.has[j] = (unsigned long long)hi << 32 | lo;
     }
 }
 
@@ -922,7 +907,7 @@ struct Blocks {
 
 // (A) blocks b < R: the meta for rank b (not for this rank itself).
 template <typename TopkT>
-__device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
+__device__ void combine_send_meta(OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
                                   bool bf16, char* base, const unsigned long long* peer_bases,
                                   const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx, Blocks blocks) {
     const int rank = ctx->rank;
@@ -931,11 +916,10 @@ __device__ void combine_send_meta(const TopkT* topk_idx, const float* topk_weigh
         const long long dst = L.recv_offset(buffer_idx) + L.combine_meta_in(rank);
         char* direct = reinterpret_cast<char*>(peer_bases[r]);
         char* meta = direct != nullptr ? direct + dst : base + L.recv_offset(buffer_idx) + L.combine_meta_out(r);
-        int* experts = reinterpret_cast<int*>(meta);
+        int* experts = reinterpret_cast<int*>(meta);  // entry codes
         float* weights = reinterpret_cast<float*>(meta + L.meta_weights());
         for (int i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
-            const long long e = (long long)topk_idx[i];
-            experts[i] = e >= 0 && e < L.num_experts ? (int)e : -1;
+            experts[i] = own(i);
             weights[i] = topk_weights[i];
         }
         __syncthreads();
@@ -961,7 +945,7 @@ __device__ __forceinline__ void hand_to_flagger(int t, CombineShared& sh, Handof
 }
 
 // (B), one owner s: the partial sums of its tokens t = index + j * count (T tokens, K entries each:
-// `experts` / `weights` are the owner's meta, or this rank's own arguments when s is this rank; begin: s's
+// `entries` / `weights` are the owner's meta, or this rank's own arguments when s is this rank; begin: s's
 // stage_range_begins), in s's wire format (bf16: the owner asked for bf16 partials).
 // Warp roles: the first blockDim - 32 threads (compute) prepare the block's tokens a batch at a time
 // (prepare_batch) and store each token's partial row; the last warp (flagger) flags each stored row, so the
@@ -974,8 +958,8 @@ __device__ __forceinline__ void hand_to_flagger(int t, CombineShared& sh, Handof
 // (compute_sync), not a named barrier: with `bar.sync 1, n` racecheck reported a race across the next
 // __syncthreads (S13C), most likely counting the flagger warp, which skips the named barrier, as a warp behind on
 // block barriers; with the mbarrier it reports none.
-template <typename IdT, typename WeightT>
-__device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, const WeightT* weights, int T, int K,
+template <typename Entries, typename WeightT>
+__device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, const WeightT* weights, int T, int K,
                                                      bool bf16, const int4* rows, const int* begin, int4* stage,
                                                      char* base,
                                                      const unsigned long long* peer_bases, const LowLatencyLayout& L,
@@ -1010,7 +994,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
         const int mine = tokens_of_block(T, blocks.index, blocks.count);
         for (int j0 = 0; j0 < mine; j0 += kCombineBatch) {
             const int n = min(kCombineBatch, mine - j0), t0 = blocks.index + j0 * blocks.count;
-            prepare_batch(experts, weights, K, t0, blocks.count, n, rank, L, begin, compute_threads, sh, sync);
+            prepare_batch(entries, weights, K, t0, blocks.count, n, rank, L, begin, sh);
             sync();
             for (int j = 0; j < n; ++j) {
                 if (sh.num_kept[j] == 0) continue;  // uniform: nothing to send for this token
@@ -1043,7 +1027,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, const IdT* experts, 
 // here like the others. begin: shared memory for stage_range_begins.
 template <typename TopkT>
 __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range,
-                                               const TopkT* topk_idx, const float* topk_weights, int num_tokens,
+                                               OwnEntries<TopkT> own, const float* topk_weights, int num_tokens,
                                                int num_topk, bool bf16, char* base,
                                                const unsigned long long* peer_bases,
                                                const LowLatencyLayout& L, int buffer_idx, int* meta_readers,
@@ -1062,7 +1046,7 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
     __syncthreads();
     HandoffPhases ph;
     if (!own_in_recv)
-        combine_reduce_owner(rank, topk_idx, topk_weights, num_tokens, num_topk, bf16, rows, begin, stage, base,
+        combine_reduce_owner(rank, own, topk_weights, num_tokens, num_topk, bf16, rows, begin, stage, base,
                              peer_bases, L, buffer_idx, ctx, sh, ph, blocks, stamps);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
     for (int i = 1; i < R; ++i) {
@@ -1094,23 +1078,22 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
         const bool owner_bf16 = (sh.value >> 28) & 1;  // the wire format owner s reads
         __syncthreads();  // sh.value is read by every thread before thread 0 waits for the next owner
         const char* meta = recv + L.combine_meta_in(s);
-        combine_reduce_owner(s, reinterpret_cast<const volatile int*>(meta),
+        combine_reduce_owner(s, MetaEntries{reinterpret_cast<const volatile int*>(meta)},
                              reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, owner_bf16,
                              rows, begin, stage, base, peer_bases, L, buffer_idx, ctx, sh, ph, blocks, stamps);
     }
 }
 
 template <typename TopkT>
-__device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, const TopkT* topk_idx,
+__device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, OwnEntries<TopkT> own,
                              const float* topk_weights, int num_tokens, int num_topk, bool bf16, char* base,
                              const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
                              int* workspace, const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh,
                              bool own_in_recv, Blocks blocks, long long* stamps) {
     stamp(stamps, kStampSendStart);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
-    combine_send_meta(topk_idx, topk_weights, num_tokens, num_topk, bf16, base, peer_bases, L, buffer_idx, ctx,
-                      blocks);
-    combine_reduce(x, zero_copy, layout_range, topk_idx, topk_weights, num_tokens, num_topk, bf16, base, peer_bases,
+    combine_send_meta(own, topk_weights, num_tokens, num_topk, bf16, base, peer_bases, L, buffer_idx, ctx, blocks);
+    combine_reduce(x, zero_copy, layout_range, own, topk_weights, num_tokens, num_topk, bf16, base, peer_bases,
                    L, buffer_idx, workspace + kWsMetaReaders, ctx, begin, stage, sh, own_in_recv, blocks, stamps);
     stamp_after_barrier(stamps, kStampSendEnd);
 }
@@ -1122,7 +1105,7 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
 // flags, sum. bf16: this rank's partials (its own and the peers') are bf16 on the wire, as its meta flag asked.
 template <typename TopkT>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
-                             const TopkT* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
+                             OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
                              bool bf16, char* base, const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx,
                              int* begin, int4* stage, CombineShared& sh, bool own_in_recv, Blocks blocks,
                              long long* stamps) {
@@ -1132,12 +1115,11 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
-    stage_range_begins(layout_range, rank, L, begin);  // read after prepare_batch's barriers
-    const auto sync = [] { __syncthreads(); };
+    stage_range_begins(layout_range, rank, L, begin);  // read after the barrier that follows prepare_batch
     const int mine = tokens_of_block(num_tokens, blocks.index, blocks.count);
     for (int j0 = 0; j0 < mine; j0 += kCombineBatch) {
         const int n = min(kCombineBatch, mine - j0), t0 = blocks.index + j0 * blocks.count;
-        prepare_batch(topk_idx, topk_weights, num_topk, t0, blocks.count, n, rank, L, begin, threads, sh, sync);
+        prepare_batch(own, topk_weights, num_topk, t0, blocks.count, n, rank, L, begin, sh);
         __syncthreads();
         if (own_in_recv) {
             for (int j = 0; j < n; ++j) {
@@ -1207,11 +1189,12 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
 }
 
 // combined_x [T][H] bf16; x [L][R*M][H] bf16 (unused with zero_copy: the rows are in the send buffer);
-// layout_range [L][R] from the dispatch handle; topk_idx [T][K], topk_weights [T][K] float32; bf16_partials: this
-// rank's tokens are reduced from bf16 partials (the peers learn it from the meta flag).
+// layout_range [L][R] and topk_slots [T][K] int32 from the dispatch handle; topk_idx [T][K] (the dispatch's),
+// topk_weights [T][K] float32; bf16_partials: this rank's tokens are reduced from bf16 partials (the peers learn
+// it from the meta flag).
 template <typename TopkT>
 __global__ void __launch_bounds__(kLLCombineThreads, 1)
-combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx,
+combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx, const int* topk_slots,
         const float* topk_weights, int num_tokens, int num_topk, int zero_copy, int bf16_partials, void* base,
         const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
         int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
@@ -1220,6 +1203,7 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     __shared__ CombineShared sh;
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
+    const OwnEntries<TopkT> own{topk_idx, topk_slots, num_experts};
     if (threadIdx.x == 0) sh.failed = 0;
     __syncthreads();
     const bool own_in_recv = (phases & kPhaseSend) && (phases & kPhaseRecv), bf16 = bf16_partials != 0;
@@ -1230,12 +1214,12 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
         // of the blocks (its own partials are 1/R of all partials); it only waits once its own work is done.
         const int owner_blocks = max(1, (int)gridDim.x / ctx->num_ranks), expert_blocks = gridDim.x - owner_blocks;
         if ((int)blockIdx.x < expert_blocks) {
-            combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, bf16, b,
+            combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, bf16, b,
                          peer_bases, L, buffer_idx, workspace, ctx, begin, ll_stage, sh, true,
                          Blocks{(int)blockIdx.x, expert_blocks}, stamps);
         } else {
             stamp(stamps, kStampSendStart);  // (the block's start: phase_breakdown's origin is the earliest)
-            combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk,
+            combine_recv(combined_x, x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk,
                          bf16, b, L, buffer_idx, ctx, begin, ll_stage, sh, true,
                          Blocks{(int)blockIdx.x - expert_blocks, owner_blocks}, stamps);
         }
@@ -1243,11 +1227,11 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     }
     const Blocks all{(int)blockIdx.x, (int)gridDim.x};
     if (phases & kPhaseSend)
-        combine_send(x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk, bf16, b,
+        combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, bf16, b,
                      peer_bases, L, buffer_idx, workspace, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
     __syncthreads();
     if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
-        combine_recv(combined_x, x, zero_copy != 0, layout_range, topk_idx, topk_weights, num_tokens, num_topk,
+        combine_recv(combined_x, x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk,
                      bf16, b, L, buffer_idx, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
 }
 

@@ -347,6 +347,9 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
 LL_MAX_EXPERTS = 4096
 LL_MAX_RANKS = 64
 LL_MAX_TOPK = LOW_LATENCY_MAX_TOPK
+#: Max num_max_dispatch_tokens_per_rank (kLLMaxTokens in low_latency.cu: a slot and an expert share one int32 in
+#: the combine's meta, the expert in the low 12 bits).
+LL_MAX_TOKENS = 1 << 19
 
 
 def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

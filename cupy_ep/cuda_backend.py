@@ -692,7 +692,9 @@ class CudaBuffer(Buffer):
             ``(recv_x | (recv_x, recv_x_scales), recv_count, handle, EventOverlap, hook)``: ``recv_x``
             ``[L, R*M, H]`` bf16 or float8_e4m3fn (CuPy: uint8); scales ``[L, R*M, H/128]`` float32 or
             ``[L, R*M, H/512]`` int32 (UE8M0), column-major in the last two dims; ``recv_count [L] int32``;
-            ``handle = (src_info [L, R*M] int32, layout_range [L, R] int64, M, H, E)``; ``hook`` launches the
+            ``handle``: a :class:`~cupy_ep.ll_handle.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32,
+            layout_range [L, R] int64, M, H, E)`` with ``.topk_slots [T, K] int32`` (each top-k entry's slot, which
+            the combine finds its rows by; -1: not sent); ``hook`` launches the
             receive phase when ``return_recv_hook`` (outputs are final only after it). Rows of a local expert:
             by source rank, then token, then k (deterministic); rows past ``recv_count`` are undefined.
         """
@@ -710,7 +712,9 @@ class CudaBuffer(Buffer):
         per expert rank over k ascending, rounded to 24 bits (``bf16_partials=True``: to bf16, a third fewer bytes
         across NVLink, one more rounding; this rank's choice, for its own tokens), then over the ranks ascending,
         rounded once to bf16 (:func:`cupy_ep.reference.low_latency_combine`). ``zero_copy``: the rows are in
-        :meth:`get_next_low_latency_combine_buffer`; ``out``: written in place and returned."""
+        :meth:`get_next_low_latency_combine_buffer`; ``out``: written in place and returned. ``topk_idx`` must be
+        the routing of the dispatch that made ``handle`` (its shape is checked: the kernel finds each entry's row
+        by ``handle.topk_slots``)."""
         check = self.check_values and not _capturing()
         return self._low_latency().combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                            return_recv_hook, out, combine_wait_recv_cost_stats, bf16_partials, check)

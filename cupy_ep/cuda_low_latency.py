@@ -46,6 +46,7 @@ import numpy as np
 from . import config as _config
 from . import interop, jit, validate
 from .event import EventOverlap, RecvHooks
+from .ll_handle import LowLatencyHandle
 from .reference import LOW_LATENCY_MAX_TOPK
 
 _FILE = "low_latency.cu"
@@ -247,6 +248,9 @@ class LowLatencyState:
             (use_fp8, "use_fp8"), (round_scale, "round_scale"), (use_ue8m0, "use_ue8m0"),
             (async_finish, "async_finish"), (return_recv_hook, "return_recv_hook"))]
         max_tokens = validate.check_positive_int(max_tokens, "num_max_dispatch_tokens_per_rank")
+        if max_tokens > _config.LL_MAX_TOKENS:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank: the low-latency kernels support up to "
+                             f"{_config.LL_MAX_TOKENS}, got {max_tokens}")
         if (R * max_tokens) % 4:
             raise ValueError(f"num_max_dispatch_tokens_per_rank: num_ranks * num_max_dispatch_tokens_per_rank "
                              f"must be a multiple of 4 (DeepEP's TMA requirement), got {R} * {max_tokens}")
@@ -295,6 +299,7 @@ class LowLatencyState:
         if num_tokens > max_tokens:
             raise ValueError(f"topk_idx: has {num_tokens} rows, more than num_max_dispatch_tokens_per_rank="
                              f"{max_tokens} (from the handle)")
+        slots = validate.check_low_latency_slots(handle, topk_idx, max_tokens, check_values, device=dev)
         validate.check_topk_weights(topk_weights, num_tokens, num_topk, device=dev)
         if out is not None:
             validate.check_array(out, "out", ("bfloat16",), ndim=2, device=dev)
@@ -307,7 +312,7 @@ class LowLatencyState:
         if use_logfmt:
             raise NotImplementedError("use_logfmt: the LogFMT-10 combine format is not implemented "
                                       "(use the default bf16 combine)")
-        return layout_range, max_tokens, hidden, num_experts, num_tokens, num_topk, flags
+        return layout_range, slots, max_tokens, hidden, num_experts, num_tokens, num_topk, flags
 
     def check_handle(self, handle, check_values: bool):
         """``(src_info raw, layout_range raw, M, H, E)`` of a low-latency dispatch handle (validate.py)."""
@@ -338,16 +343,18 @@ class LowLatencyState:
             count = cupy.empty(L, dtype=cupy.int32)
             src_info = cupy.empty((L, rows), dtype=cupy.int32)
             layout_range = cupy.empty((L, R), dtype=cupy.int64)
+            slots = cupy.empty(raw_idx.shape, dtype=cupy.int32)  # written by the send phase
         index = self.next_index()
         ctype = "long long" if raw_idx.dtype == np.int64 else "int"
         name = f"ep::dispatch<{'true' if use_fp8 else 'false'}, {ctype}>"
         common = self.common_args(index, max_tokens, hidden, num_experts)
 
         def args(phases):
-            return (recv_x, scales, count, src_info, layout_range, raw_stats, raw_x, raw_idx, np.int32(num_tokens),
+            return (recv_x, scales, count, src_info, layout_range, raw_stats, raw_x, raw_idx, slots,
+                    np.int32(num_tokens),
                     np.int32(raw_idx.shape[1]), np.int32(round_scale), np.int32(use_ue8m0)) + common + \
                    (np.int32(phases), self.stamps_of("dispatch"), self.buf._ctx)
-        keep = (raw_x, raw_idx, raw_stats, recv_x, scales, count, src_info, layout_range)
+        keep = (raw_x, raw_idx, raw_stats, recv_x, scales, count, src_info, layout_range, slots)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         event = self.run(kind, name, args, phases, async_finish, keep)
         hook = self.make_hook(kind, name, args, keep, "low_latency_dispatch") if return_recv_hook else None
@@ -356,14 +363,14 @@ class LowLatencyState:
         if scales is not None:
             out_x = (out_x, validate.last_two_transposed(
                 interop.wrap(scales, kind, "int32" if use_ue8m0 else "float32"), kind))
-        handle = (interop.wrap(src_info, kind, "int32"), interop.wrap(layout_range, kind, "int64"), max_tokens,
-                  hidden, num_experts)
+        handle = LowLatencyHandle((interop.wrap(src_info, kind, "int32"), interop.wrap(layout_range, kind, "int64"),
+                                   max_tokens, hidden, num_experts), interop.wrap(slots, kind, "int32"))
         return out_x, interop.wrap(count, kind, "int32"), handle, event, hook
 
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook,
                 out, wait_stats, bf16_partials, check_values: bool):
         import cupy
-        layout_range, max_tokens, hidden, num_experts, num_tokens, num_topk, flags = self.check_combine(
+        layout_range, slots, max_tokens, hidden, num_experts, num_tokens, num_topk, flags = self.check_combine(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
             wait_stats, bf16_partials, check_values)
         _, zero_copy, async_finish, return_recv_hook, bf16_partials = flags
@@ -384,9 +391,9 @@ class LowLatencyState:
         common = self.common_args(index, max_tokens, hidden, num_experts)
 
         def args(phases):
-            return (raw_out, raw_x, layout_range, raw_idx, raw_w, np.int32(num_tokens), np.int32(num_topk),
+            return (raw_out, raw_x, layout_range, raw_idx, slots, raw_w, np.int32(num_tokens), np.int32(num_topk),
                     np.int32(zero_copy), np.int32(bf16_partials)) + common + (np.int32(phases), self.stamps_of("combine"), self.buf._ctx)
-        keep = (raw_x, raw_idx, raw_w, raw_out, layout_range)
+        keep = (raw_x, raw_idx, slots, raw_w, raw_out, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         smem = combine_stage_bytes(num_topk)
         event = self.run(kind, name, args, phases, async_finish, keep, smem)

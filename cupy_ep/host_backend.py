@@ -61,6 +61,7 @@ from . import interop, reference, validate
 from .buffer import Buffer
 from .config import Config
 from .event import EventOverlap, RecvHooks
+from .ll_handle import LowLatencyHandle
 
 _HANDLE_FIELDS = (("rank_prefix_matrix", "int32", 2), ("channel_prefix_matrix", "int32", 2),
                   ("recv_channel_prefix_matrix", "int32", 2), ("recv_src_idx", "int32", 1),
@@ -483,8 +484,9 @@ class HostBuffer(Buffer):
             ``(recv_x | (recv_x, recv_x_scales), recv_count, handle, EventOverlap, hook)``: ``recv_x``
             ``[L, R*M, H]`` bf16 (or float8_e4m3fn with ``use_fp8``); ``recv_x_scales`` ``[L, R*M, H/128]``
             float32 or (UE8M0) ``[L, R*M, H/512]`` int32, column-major in the last two dims (a transposed
-            view of a ``[L, S, R*M]`` array, as DeepEP); ``recv_count [L] int32``; ``handle = (src_info
-            [L, R*M] int32, layout_range [L, R] int64, M, H, E)``; ``hook`` None unless
+            view of a ``[L, S, R*M]`` array, as DeepEP); ``recv_count [L] int32``; ``handle``: a
+            :class:`~cupy_ep.ll_handle.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32, layout_range
+            [L, R] int64, M, H, E)`` with ``.topk_slots [T, K] int32``; ``hook`` None unless
             ``return_recv_hook``. Rows of local expert e: by source rank, then token, then k (see
             :func:`reference.low_latency_dispatch`); rows past ``recv_count[e]`` are zero here but
             undefined on the GPU.
@@ -546,8 +548,9 @@ class HostBuffer(Buffer):
             out_x = (out_x, _last_two_transposed(wrap(base, scale_name), args.kind))
         if args.stats is not None:
             args.stats += recv_count
-        handle = (wrap(src_info, "int32"), wrap(layout_range, "int64"), args.max_tokens, args.hidden,
-                  args.num_experts)
+        slots = reference.low_latency_slots(args.topk_idx, args.max_tokens, args.num_experts)
+        handle = LowLatencyHandle((wrap(src_info, "int32"), wrap(layout_range, "int64"), args.max_tokens,
+                                   args.hidden, args.num_experts), wrap(slots, "int32"))
         hook = self._ll_hooks.make(_ready, "low_latency_dispatch") if args.return_recv_hook else None
         return out_x, wrap(recv_count, "int32"), handle, EventOverlap(), hook
 
@@ -613,7 +616,8 @@ class HostBuffer(Buffer):
                 ``zero_copy`` (may be None then; checked when given).
             topk_idx, topk_weights: ``[T, K]`` int32/int64 and float32: the routing this rank gave to the
                 dispatch that made ``handle`` (``T <= M``), and the weights.
-            handle: the dispatch's ``(src_info, layout_range, M, H, E)`` (not modified).
+            handle: the dispatch's :class:`~cupy_ep.ll_handle.LowLatencyHandle` (``(src_info, layout_range, M,
+                H, E)`` and ``.topk_slots``; not modified). ``topk_idx`` must have its ``topk_slots``' shape.
             use_logfmt: LogFMT-10 is not implemented: NotImplementedError (on every rank).
             zero_copy: take the expert outputs from :meth:`get_next_low_latency_combine_buffer` instead of x.
             async_finish, return_recv_hook: as in :meth:`low_latency_dispatch` (the hook does nothing).
@@ -720,6 +724,7 @@ class HostBuffer(Buffer):
         if num_tokens > max_tokens:
             raise ValueError(f"topk_idx: has {num_tokens} rows, more than num_max_dispatch_tokens_per_rank="
                              f"{max_tokens} (from the handle)")
+        validate.check_low_latency_slots(handle, topk_idx, max_tokens, self.check_values)
         validate.check_topk_weights(topk_weights, num_tokens, num_topk)
         if out is not None:
             validate.check_array(out, "out", ("bfloat16",), ndim=2)

@@ -399,6 +399,29 @@ def low_latency_rows(topk_idx_list, expert: int) -> list[tuple[int, int, int]]:
     return rows
 
 
+def low_latency_slots(topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int) -> np.ndarray:
+    """The slot low-latency dispatch gives each top-k entry of one source rank (``handle.topk_slots``).
+
+    Args:
+        topk_idx: ``[T, K]`` int32/int64, -1 = none.
+        num_max_dispatch_tokens_per_rank, num_experts: M and E.
+
+    Returns:
+        ``[T, K] int32``: entry (t, k)'s place among the entries before it (row-major) that select the same expert,
+        i.e. its row inside the block its expert receives from this rank (:func:`low_latency_rows`); -1 when it
+        names no expert in ``[0, E)`` or its slot is M or more (the kernels drop such an entry).
+    """
+    idx = np.asarray(topk_idx).astype(np.int64)
+    flat = idx.reshape(-1)
+    slots = np.full(flat.shape, -1, dtype=np.int32)
+    valid = np.flatnonzero((flat >= 0) & (flat < num_experts))
+    order = valid[np.argsort(flat[valid], kind="stable")]        # by expert, row-major inside each
+    experts = flat[order]
+    place = np.arange(order.size) - np.searchsorted(experts, experts, side="left")
+    slots[order] = np.where(place < num_max_dispatch_tokens_per_rank, place, -1)
+    return slots.reshape(idx.shape)
+
+
 def low_latency_pack_range(begin, count):
     """``layout_range`` entries: ``(begin << 32) | count`` as int64 (begin/count broadcast)."""
     return (np.asarray(begin, dtype=np.int64) << 32) | np.asarray(count, dtype=np.int64)

@@ -266,3 +266,25 @@ def check_low_latency_handle(handle, num_ranks: int, check_values: bool, device=
             raise ValueError(f"handle.layout_range: a (begin << 32) | count entry runs outside [0, {rows}) rows")
     return interop.unwrap(src_info), raw_range, max_tokens, hidden, num_experts
 
+
+
+def check_low_latency_slots(handle, topk_idx, max_tokens: int, check_values: bool, device=None):
+    """The raw ``topk_slots`` ``[T, K] int32`` a low-latency combine finds its rows by (the dispatch's slot of each
+    top-k entry of this rank: :class:`cupy_ep.ll_handle.LowLatencyHandle`), after checking that ``handle``
+    carries them, that ``topk_idx`` (already checked) has the dispatch's shape, and, with ``check_values``, that
+    every slot is -1 or below ``max_tokens`` (that reads them on the host)."""
+    slots = getattr(handle, "topk_slots", None)
+    if slots is None:
+        raise ValueError("handle: must be the LowLatencyHandle low_latency_dispatch returned (it carries the "
+                         f"dispatch's topk_slots), got a plain {type(handle).__name__}")
+    check_array(slots, "handle.topk_slots", ("int32",), ndim=2, device=device)
+    if tuple(topk_idx.shape) != tuple(slots.shape):
+        raise ValueError(f"topk_idx: must have the dispatch's shape {tuple(slots.shape)} (pass the routing of the "
+                         f"dispatch that made the handle), got {tuple(topk_idx.shape)}")
+    raw = interop.unwrap(slots)
+    if check_values and raw.size:
+        host = np.asarray(raw.get() if hasattr(raw, "get") else raw)
+        if host.min() < -1 or host.max() >= max_tokens:
+            raise ValueError(f"handle.topk_slots: slots must lie in [-1, {max_tokens}), got "
+                             f"[{int(host.min())}, {int(host.max())}]")
+    return raw

@@ -34,8 +34,8 @@ class MBarrier:
 def compute_thread(i, state, owners, kept, wait_empty, batch=0):
     """One compute thread: per owner, per token (then the owner's end, -1) store its part of the row (tokens with
     a row only), wait for the flagger to have read the previous token, publish (thread 0), sync, arrive on
-    `full`. With ``batch`` > 0 the tokens come in batches of that many, each with prepare_batch's compute syncs
-    (2, then the caller's) before its tokens and one after. The phase counts carry over from owner to owner."""
+    `full`. With ``batch`` > 0 the tokens come in batches of that many, each with one compute sync before its
+    tokens (after prepare_batch) and one after. The phase counts carry over from owner to owner."""
     handoff = sync = 0
 
     def compute_sync():
@@ -50,8 +50,7 @@ def compute_thread(i, state, owners, kept, wait_empty, batch=0):
         for g, group in enumerate(groups + [[-1]]):
             last = g == len(groups)
             if batch and not last:
-                for _ in range(3):
-                    yield from compute_sync()
+                yield from compute_sync()
             for t in group:
                 if t >= 0:
                     yield lambda: True

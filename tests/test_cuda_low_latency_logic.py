@@ -315,8 +315,9 @@ def _load_partial(row_bytes, H):
 
 
 def _combine_model(ys, idxs, ws, M, E, R, layout_ranges, own_in_recv):
-    """low_latency.cu's combine as a numpy model: (A) every owner's top-k as meta; (B) each expert rank X, per
-    owner s, the slots of s's entries from a running histogram of s's top-k (the dispatch's slots), and per token
+    """low_latency.cu's combine as a numpy model: (A) every owner's top-k as meta, each entry with the slot its
+    dispatch gave it (the handle's topk_slots: reference.low_latency_slots); (B) each expert rank X, per owner s and
+    per token
     one fp32 partial P_X[s][t] = 0 + sum over X's kept entries (k ascending) of fp32(w * row), stored in the wire
     format (_store_partial) into s's partial_in [X][t] with a flag; (C) the owner adds the flagged partials
     (_load_partial) over X ascending, one bf16 rounding. own_in_recv: the owner's own partial is computed in (C)
@@ -326,16 +327,16 @@ def _combine_model(ys, idxs, ws, M, E, R, layout_ranges, own_in_recv):
     partial_in = [np.full((R, M, 3 * H), 0xFF, np.uint8) for _ in range(R)]   # stale bytes (NaN) never read
     flags = [np.zeros((R, M), bool) for _ in range(R)]
 
-    def entries(X, s, t, hist):
+    slots = [reference.low_latency_slots(idx, M, E) for idx in idxs]
+
+    def entries(X, s, t):
         """X's kept entries of owner s's token t: (row in X's y[local], weight), k ascending."""
-        row = idxs[s][t]
         out = []
-        for k, e in enumerate(row):
-            if 0 <= e < E:
-                slot = hist[e] + sum(1 for j in range(k) if row[j] == e)
-                if slot < M and e // L == X:
-                    begin = int(layout_ranges[X][e % L, s]) >> 32
-                    out.append((e % L, begin + slot, ws[s][t, k]))
+        for k, e in enumerate(idxs[s][t]):
+            slot = int(slots[s][t, k])
+            if 0 <= e < E and slot >= 0 and e // L == X:
+                begin = int(layout_ranges[X][e % L, s]) >> 32
+                out.append((e % L, begin + slot, ws[s][t, k]))
         return out
 
     def partial(X, items):
@@ -348,23 +349,18 @@ def _combine_model(ys, idxs, ws, M, E, R, layout_ranges, own_in_recv):
         for s in range(R):
             if own_in_recv and s == X:
                 continue
-            hist = np.zeros(E, np.int64)
             for t in range(idxs[s].shape[0]):
-                items = entries(X, s, t, hist)
+                items = entries(X, s, t)
                 if items:
                     partial_in[s][X, t] = _store_partial(partial(X, items))
                     flags[s][X, t] = True
-                for e in idxs[s][t]:
-                    if 0 <= e < E:
-                        hist[e] += 1
     outs = []
     for s in range(R):            # (C) on every owner
         T = idxs[s].shape[0]
         acc = np.zeros((T, H), np.float32)
-        hist = np.zeros(E, np.int64)
         for t in range(T):
             for X in range(R):
-                items = entries(X, s, t, hist)
+                items = entries(X, s, t)
                 if not items:
                     assert not flags[s][X, t]
                     continue
@@ -373,9 +369,6 @@ def _combine_model(ys, idxs, ws, M, E, R, layout_ranges, own_in_recv):
                 else:
                     assert flags[s][X, t]
                     acc[t] = acc[t] + _load_partial(partial_in[s][X, t], H)
-            for e in idxs[s][t]:
-                if 0 <= e < E:
-                    hist[e] += 1
         outs.append(acc.astype(reference.bfloat16))
     return outs
 
@@ -423,57 +416,79 @@ def test_combine_sends_one_partial_per_token_and_rank():
     assert config.low_latency_layout(128, 7168, R, E)["part_bytes"] == 3 * 7168
 
 
-# ---- the combine's prepare_batch (the slots of a batch of tokens, counted without a histogram) ---------------
-def _prepare_batch_model(topk_idx, t0, stride, n, rank, M, E, R, begin, threads, in_flight=4):
-    """low_latency.cu's prepare_batch, loop for loop: ``threads`` threads count, for the batch's tokens
-    t_j = t0 + j * stride (j < n), the earlier entries of each entry's expert (thread tid loads entries tid +
-    u * threads, in_flight at a time, up to the last token's), then each token's kept entries. Returns per j
-    ``(has: set of ranks, [(row, k)] of the kept entries on `rank`, k ascending)``."""
-    T, K = topk_idx.shape
+# ---- the combine's entries: the dispatch's slots (handle.topk_slots) and prepare_batch ----------------------
+def _dispatch_slots(topk_idx, M, E):
+    """The slots low_latency.cu's dispatch send writes into topk_slots (token_slots: a histogram of the rows before
+    the token plus the same expert's earlier entries in its row; -1 past M or without an expert)."""
+    hist = np.zeros(E, np.int64)
+    out = np.full(topk_idx.shape, -1, np.int32)
+    for t, row in enumerate(topk_idx):
+        for k, e in enumerate(row):
+            if 0 <= e < E:
+                slot = hist[e] + sum(1 for j in range(k) if row[j] == e)
+                out[t, k] = slot if slot < M else -1
+        for e in row:
+            if 0 <= e < E:
+                hist[e] += 1
+    return out
+
+
+def _entry_code(e, slot, E):
+    """low_latency.cu's entry_code: slot << 12 | expert, -1 without an expert or a slot."""
+    return (int(slot) << 12) | int(e) if 0 <= e < E and slot >= 0 else -1
+
+
+def _prepare_batch_model(codes, t0, stride, n, rank, M, E, R, begin):
+    """low_latency.cu's prepare_batch: warp j takes token t_j = t0 + j * stride (j < n), lane k its entry code; per
+    j ``(has: the ranks of its kept entries, [(row, k)] of those on `rank`, k ascending)``, the row being
+    begin[local] + slot inside the local expert's R*M rows."""
     L = E // R
-    flat = topk_idx.reshape(-1)
-
-    def valid(v):
-        return int(v) if 0 <= v < E else -1
-
-    end = (t0 + (n - 1) * stride + 1) * K
-    expert = [[valid(flat[(t0 + j * stride) * K + k]) for k in range(K)] for j in range(n)]
-    earlier = [[0] * K for _ in range(n)]
-    for tid in range(threads):
-        f0 = tid
-        while True:
-            for u in range(in_flight):
-                f = f0 + u * threads
-                e = valid(flat[f]) if f < end else -1
-                if e < 0:
-                    continue
-                tf, kf = divmod(f, K)
-                first = 0 if tf <= t0 else -(-(tf - t0) // stride)
-                for i in range(first, n):
-                    for k in range(kf + 1 if t0 + i * stride == tf else 0, K):
-                        if expert[i][k] == e:
-                            earlier[i][k] += 1
-            f0 += in_flight * threads
-            if f0 >= end:
-                break
     out = []
     for j in range(n):
-        kept = [k for k in range(K) if expert[j][k] >= 0 and earlier[j][k] < M]
-        has = {expert[j][k] // L for k in kept}
-        rows = [((expert[j][k] - rank * L) * R * M + begin[expert[j][k] - rank * L] + earlier[j][k], k)
-                for k in kept if expert[j][k] // L == rank]
+        has, rows = set(), []
+        for k, code in enumerate(codes[t0 + j * stride]):
+            if code < 0:
+                continue
+            e, slot = code & 0xFFF, code >> 12
+            has.add(e // L)
+            if e // L == rank:
+                rows.append(((e - rank * L) * R * M + begin[e - rank * L] + slot, k))
         out.append((has, rows))
     return out
 
 
-@pytest.mark.parametrize("threads", [1, 5, 32, 480])
+def test_low_latency_slots_are_the_dispatch_slots():
+    """reference.low_latency_slots (what the host backend's handle carries) equals the slots the dispatch kernel
+    writes (token_slots' histogram) and each entry's place in reference.low_latency_rows, -1 past M, with masked
+    entries, ids out of range and duplicates within a token."""
+    rng = np.random.default_rng(5)
+    for case in range(40):
+        E, K, T = int(rng.integers(1, 20)), int(rng.integers(1, 12)), int(rng.integers(0, 40))
+        M = int(rng.integers(1, T + 3))
+        topk = rng.integers(-1, E + 1, size=(T, K))
+        got = reference.low_latency_slots(topk, M, E)
+        assert got.dtype == np.int32 and got.shape == (T, K)
+        assert np.array_equal(got, _dispatch_slots(topk, M, E)), case
+        for t, k in zip(*np.nonzero(got >= 0)):
+            assert reference.low_latency_rows([topk], int(topk[t, k])).index((0, t, k)) == got[t, k]
+
+
+def test_entry_codes_hold_the_largest_expert_and_slot():
+    """The meta's int32 entry code keeps the expert below kLLMaxExperts and the slot below LL_MAX_TOKENS, and a
+    kept entry's code is never negative (-1 means none)."""
+    code = _entry_code(config.LL_MAX_EXPERTS - 1, config.LL_MAX_TOKENS - 1, config.LL_MAX_EXPERTS)
+    assert 0 < code <= np.iinfo(np.int32).max
+    assert (code & 0xFFF, code >> 12) == (config.LL_MAX_EXPERTS - 1, config.LL_MAX_TOKENS - 1)
+    assert _entry_code(-1, 3, 8) == _entry_code(8, 3, 8) == _entry_code(2, -1, 8) == -1
+
+
 @pytest.mark.parametrize("batch", [1, 3, 15])
-def test_prepare_batch_gives_every_token_the_dispatch_slots(threads, batch):
+def test_prepare_batch_gives_every_token_the_dispatch_rows(batch):
     """Over all blocks and batches of a split (blocks stride over the tokens, kCombineBatch at a time), every
-    token's kept entries and the ranks holding them are those of reference.low_latency_rows (its slot: its place
-    among the expert's rows from this source; kept below M), with masked entries, duplicates within a token and
-    slots past M."""
-    rng = np.random.default_rng(threads * 100 + batch)
+    token's kept entries and the ranks holding them, found from the entry codes (expert and dispatch slot), are
+    those of reference.low_latency_rows (its slot: its place among the expert's rows from this source; kept below
+    M), with masked entries, duplicates within a token and slots past M."""
+    rng = np.random.default_rng(100 + batch)
     for case in range(12):
         R = int(rng.integers(1, 4))
         E = R * int(rng.integers(1, 6))
@@ -481,6 +496,8 @@ def test_prepare_batch_gives_every_token_the_dispatch_slots(threads, batch):
         T = int(rng.integers(1, 40))
         M = int(rng.integers(1, T + 3))
         topk = rng.integers(-1, E + 1, size=(T, K))   # -1 and E: no expert
+        slots = reference.low_latency_slots(topk, M, E)
+        codes = [[_entry_code(topk[t, k], slots[t, k], E) for k in range(K)] for t in range(T)]
         rank = int(rng.integers(0, R))
         begin = rng.integers(0, 1000, size=E // R)
         count = int(rng.integers(1, 8))
@@ -490,7 +507,7 @@ def test_prepare_batch_gives_every_token_the_dispatch_slots(threads, batch):
             for j0 in range(0, mine, batch):
                 n = min(batch, mine - j0)
                 t0 = index + j0 * count
-                got = _prepare_batch_model(topk, t0, count, n, rank, M, E, R, begin, threads)
+                got = _prepare_batch_model(codes, t0, count, n, rank, M, E, R, begin)
                 for j, (has, rows) in enumerate(got):
                     t = t0 + j * count
                     seen.append(t)

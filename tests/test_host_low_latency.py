@@ -15,6 +15,7 @@ import pytest
 
 from cupy_ep import config, reference
 from cupy_ep.host_backend import HostBuffer
+from cupy_ep.ll_handle import LowLatencyHandle
 from tests.helpers import (BF16, all_ok, bad_input_problem, gather_all, make_inputs, random_bf16, reference_combine,
                            reference_dispatch, same_bytes)
 
@@ -79,7 +80,7 @@ def _check_dispatch(bad, prefix, got, want, max_tokens, hidden, num_experts, use
         check("recv_x.dtype", recv_x.dtype == BF16)
         check("recv_x", same_bytes(recv_x, want.recv_x))
     check("recv_count", recv_count.dtype == np.int32 and same_bytes(recv_count, want.recv_count))
-    check("handle.len", len(handle) == 5)
+    check("handle.len", len(handle) == 5 and isinstance(handle, LowLatencyHandle))
     check("handle.src_info", same_bytes(handle[0], want.src_info))
     check("handle.layout_range", same_bytes(handle[1], want.layout_range))
     check("handle.ints", tuple(handle[2:]) == (max_tokens, hidden, num_experts))
@@ -291,7 +292,11 @@ def _on_a_normal_buffer(c):
 def _handle(c, index, value):
     h = list(c.handle)
     h[index] = value
-    return tuple(h)
+    return LowLatencyHandle(h, c.handle.topk_slots)
+
+
+def _slots(c, value):
+    return LowLatencyHandle(tuple(c.handle), value)
 
 
 # name -> (bad call on the context, how the error message starts)
@@ -339,6 +344,14 @@ BAD = {
     "combine/handle.layout_range-past-the-rows": (
         lambda c: _combine(c, handle=_handle(c, 1, c.handle[1] + (100 << 32))), "handle.layout_range:"),
     "combine/handle-other-M": (lambda c: _combine(c, handle=_handle(c, 2, M + 4)), "handle.src_info:"),
+    "combine/handle-plain-tuple": (lambda c: _combine(c, handle=tuple(c.handle)), "handle:"),
+    "combine/handle.topk_slots-int64": (lambda c: _combine(c, handle=_slots(c, c.handle.topk_slots.astype(np.int64))),
+                                        "handle.topk_slots:"),
+    "combine/handle.topk_slots-past-M": (lambda c: _combine(c, handle=_slots(c, c.handle.topk_slots + M)),
+                                         "handle.topk_slots:"),
+    "combine/topk_idx-fewer-rows-than-the-dispatch": (
+        lambda c: _combine(c, topk_idx=np.ascontiguousarray(c.topk_idx[1:]),
+                           topk_weights=np.ascontiguousarray(c.w[1:])), "topk_idx:"),
     "combine/topk_idx-not-the-dispatch-routing": (
         lambda c: _combine(c, topk_idx=np.full_like(c.topk_idx, -1) if _rank(c) == 0 else c.topk_idx),
         "topk_idx:"),

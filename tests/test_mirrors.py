@@ -87,6 +87,10 @@ def test_low_latency_limits_mirror_the_cuda_constants():
     assert constant(SRC / "buffer.cuh", "kLLMaxTopk") == config.LL_MAX_TOPK == reference.LOW_LATENCY_MAX_TOPK
     assert constant(SRC / "low_latency.cu", "kLLMaxExperts") == config.LL_MAX_EXPERTS
     assert constant(SRC / "low_latency.cu", "kLLMaxRanks") == config.LL_MAX_RANKS
+    # the combine's entry code: slot << kEntrySlotShift | expert in an int32
+    shift = constant(SRC / "low_latency.cu", "kEntrySlotShift")
+    assert "constexpr int kLLMaxTokens = 1 << (31 - kEntrySlotShift);" in (SRC / "low_latency.cu").read_text()
+    assert config.LL_MAX_TOKENS == 1 << (31 - shift) and config.LL_MAX_EXPERTS <= 1 << shift
 
 
 def test_low_latency_combine_shared_memory_mirrors_the_kernel():

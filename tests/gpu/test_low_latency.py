@@ -166,8 +166,14 @@ def _small_int_rows(rng, shape):
     return rng.integers(-8, 9, size=shape).astype(np.float32).astype(reference.bfloat16)
 
 
-def _compare_dispatch(errors, got, want, case: Case):
+def _compare_dispatch(errors, got, want, case: Case, idx):
+    """Append to ``errors`` what differs from the reference: the valid rows, their scales and src_info, the counts,
+    layout_range, and the handle's topk_slots (reference.low_latency_slots of this rank's ``idx``, numpy)."""
     recv_x, count, handle = got
+    slots = to_numpy(handle.topk_slots)
+    max_tokens, num_experts = handle[2], handle[4]
+    if not np.array_equal(slots, reference.low_latency_slots(idx, max_tokens, num_experts)) or slots.dtype != np.int32:
+        errors.append("handle.topk_slots differ from reference.low_latency_slots")
     data, scales = (recv_x if isinstance(recv_x, tuple) else (recv_x, None))
     data, count = to_numpy(data), to_numpy(count)
     src_info, layout_range = to_numpy(handle[0]), to_numpy(handle[1])
@@ -245,7 +251,7 @@ def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_ou
     errors: list = []
 
     def check_dispatch():
-        _compare_dispatch(errors, (out_x, count, handle), want, case)
+        _compare_dispatch(errors, (out_x, count, handle), want, case, idx)
         if not np.array_equal(to_numpy(stats), want.recv_count):
             errors.append("cumulative_local_expert_recv_stats != recv_count")
 
@@ -373,6 +379,25 @@ def test_a_hook_runs_once_and_before_the_next_call(comm, ll_buf):
     assert all_ok(comm, not problems and not errors), f"rank {comm.Get_rank()}: {problems} {errors}"
 
 
+def test_combine_checks_the_handles_topk_slots(comm, ll_buf):
+    """A combine whose handle lost its topk_slots (a plain tuple of its items) or whose topk_idx has another shape
+    than the dispatch's raises ValueError before launching anything; a valid round still matches the reference."""
+    case = CASES[1]
+    x, idx, w, E = _inputs(case, comm, 80)
+    R = comm.Get_size()
+    y = _dev(np.zeros((E // R, R * MAX_TOKENS, case.hidden), dtype=np.uint16)).view(cupy_ep.interop.BF16)
+    _, _, handle, _, _ = ll_buf.low_latency_dispatch(_dev(x), _dev(idx), MAX_TOKENS, E)
+    idx_d, w_d = _dev(idx), _dev(np.asarray(w, np.float32))
+    problems = [bad_input_problem(lambda: ll_buf.low_latency_combine(y, idx_d, w_d, tuple(handle)), "handle:",
+                                  (ValueError,)),
+                bad_input_problem(lambda: ll_buf.low_latency_combine(y, idx_d[1:], w_d[1:], handle), "topk_idx:",
+                                  (ValueError,))]
+    problems = [p for p in problems if p is not None]
+    ll_buf.low_latency_combine(y, idx_d, w_d, handle)  # the dispatch's combine, so the buffers keep alternating
+    errors = _round(ll_buf, comm, case, seed=81)
+    assert all_ok(comm, not problems and not errors), f"rank {comm.Get_rank()}: {problems} {errors}"
+
+
 def test_cuda_graph_capture_and_replay_with_new_data(comm, ll_buf):
     """Dispatch + combine captured once; replays after new inputs are copied in give the reference's answers."""
     import cupy
@@ -443,7 +468,7 @@ def test_cuda_graph_capture_and_replay_with_new_data(comm, ll_buf):
         _step(ll_buf, comm, f"replay {it}", replay)
 
         def compare():
-            _compare_dispatch(errors, ((data, scales), count, handle), want, case)
+            _compare_dispatch(errors, ((data, scales), count, handle), want, case, idx)
             if not same_bytes(combined, want_c):
                 errors.append(f"replay {it}: combined_x differs")
 
