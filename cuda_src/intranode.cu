@@ -947,6 +947,45 @@ __device__ __forceinline__ void warp_sum_rows(TmaCopier& tma, const int4* const 
     }
 }
 
+// Both combines (ring and zero-copy) add a token's rows in one order, so that their results are the same bit for
+// bit (and the reference's): bias0, bias1, then every rank holding the token, ascending. These two helpers keep
+// that order in one place; rows[r] is the token's row from rank r (-1: none), and the caller says where it lies
+// (a ring slot or an inbox row; the own rank's row is in x).
+
+// Lane 0 lists the token's sources into srcs for warp_sum_rows, row_of(r, row) addressing rank r's row; every
+// lane returns their count.
+template <int kNumRanks, typename RowOf>
+__device__ __forceinline__ int token_sources(const int4* volatile* srcs, const int4* bias0, const int4* bias1, int t,
+                                             int hidden_int4, const volatile int* rows, RowOf row_of) {
+    int num_src = 0;
+    if (lane_id() == 0) {
+        if (bias0 != nullptr) srcs[num_src++] = bias0 + (long long)t * hidden_int4;
+        if (bias1 != nullptr) srcs[num_src++] = bias1 + (long long)t * hidden_int4;
+        for (int r = 0; r < kNumRanks; ++r) {
+            const int row = rows[r];
+            if (row >= 0) srcs[num_src++] = row_of(r, row);
+        }
+    }
+    return __shfl_sync(0xffffffffu, num_src, 0);
+}
+
+// The token's combined top-k weights into out[0 .. num_topk): 0 + the weight from each rank holding it, ascending;
+// weight_of(r, row, k) loads weight k of rank r's row. One lane per k.
+template <int kNumRanks, typename WeightOf>
+__device__ __forceinline__ void sum_token_weights(float* out, int num_topk, const volatile int* rows,
+                                                  WeightOf weight_of) {
+    for (int k = lane_id(); k < num_topk; k += kWarpSize) {
+        float w = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kNumRanks; ++r) {
+            const int row = rows[r];
+            if (row < 0) continue;
+            w += weight_of(r, row, k);
+        }
+        out[k] = w;
+    }
+}
+
 template <int kNumRanks>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
 combine(int4* combined_x, float* combined_topk_weights, const int4* x, const float* topk_weights,
@@ -1066,30 +1105,19 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
                     slot[lane_id()] = h < 0 ? -1 : lane_id() == rank ? own_row_begin + h : h % num_slots;
                 }
                 __syncwarp();
-                // The token's sources in reduction order: bias0, bias1, then every rank holding it, ascending.
                 const int4* volatile* srcs = s_src[warp_id()];
-                int num_src = 0;
-                if (lane_id() == 0) {
-                    if (bias0 != nullptr) srcs[num_src++] = bias0 + (long long)t * hidden_int4;
-                    if (bias1 != nullptr) srcs[num_src++] = bias1 + (long long)t * hidden_int4;
-                    for (int r = 0; r < kNumRanks; ++r)
-                        if (slot[r] >= 0)
-                            srcs[num_src++] = (r == rank ? x : layout.x.on(mine, channel, r)) + (long long)slot[r] * hidden_int4;
-                }
-                num_src = __shfl_sync(0xffffffffu, num_src, 0);
+                const auto row_of = [&](int r, int row) {
+                    return (r == rank ? x : layout.x.on(mine, channel, r)) + (long long)row * hidden_int4;
+                };
+                const int num_src = token_sources<kNumRanks>(srcs, bias0, bias1, t, hidden_int4, slot, row_of);
                 warp_sum_rows(tma, srcs, num_src, combined_x + (long long)t * hidden_int4, hidden_int4);
-                if (combined_topk_weights != nullptr) {
-                    for (int k = lane_id(); k < num_topk; k += kWarpSize) {
-                        float w = 0.0f;
-#pragma unroll
-                        for (int r = 0; r < kNumRanks; ++r) {
-                            if (slot[r] < 0) continue;
-                            w += r == rank ? topk_weights[(long long)slot[r] * num_topk + k]
-                                           : ld_volatile(layout.topk_weights.on(mine, channel, r) + slot[r] * num_topk + k);
-                        }
-                        combined_topk_weights[(long long)t * num_topk + k] = w;
-                    }
-                }
+                const auto weight_of = [&](int r, int row, int k) {
+                    return r == rank ? topk_weights[(long long)row * num_topk + k]
+                                     : ld_volatile(layout.topk_weights.on(mine, channel, r) + row * num_topk + k);
+                };
+                if (combined_topk_weights != nullptr)
+                    sum_token_weights<kNumRanks>(combined_topk_weights + (long long)t * num_topk, num_topk, slot,
+                                                 weight_of);
                 __syncwarp();  // the lanes are done with `slot` before the next token overwrites it
             }
             __syncthreads();  // the batch's slots are read
@@ -1198,34 +1226,20 @@ combine_direct(int4* combined_x, float* combined_topk_weights, const int4* x, co
         }
         if (!__all_sync(0xffffffffu, ok)) return;  // the buffer is stopped; no block barrier follows
         const volatile int* rows = s_row[warp_id()];
-        const int4* volatile* srcs = s_src[warp_id()];  // 0 + bias0 + bias1 + the ranks' rows, ascending
-        int num_src = 0;
-        if (lane_id() == 0) {
-            fence_proxy_async();  // the bulk loads read what the peers wrote (acquired above)
-            if (bias0 != nullptr) srcs[num_src++] = bias0 + (long long)t * hidden_int4;
-            if (bias1 != nullptr) srcs[num_src++] = bias1 + (long long)t * hidden_int4;
-            for (int r = 0; r < kNumRanks; ++r) {
-                const int row = rows[r];
-                if (row >= 0)
-                    srcs[num_src++] = r == rank ? x + (long long)(own_first + row) * hidden_int4
-                                                : inbox + ((long long)r * capacity + row) * hidden_int4;
-            }
-        }
-        num_src = __shfl_sync(0xffffffffu, num_src, 0);
+        if (lane_id() == 0) fence_proxy_async();  // the bulk loads read what the peers wrote (acquired above)
+        const int4* volatile* srcs = s_src[warp_id()];
+        const auto row_of = [&](int r, int row) {
+            return r == rank ? x + (long long)(own_first + row) * hidden_int4
+                             : inbox + ((long long)r * capacity + row) * hidden_int4;
+        };
+        const int num_src = token_sources<kNumRanks>(srcs, bias0, bias1, t, hidden_int4, rows, row_of);
         warp_sum_rows(tma, srcs, num_src, combined_x + (long long)t * hidden_int4, hidden_int4);
-        if (combined_topk_weights != nullptr) {
-            for (int k = lane_id(); k < num_topk; k += kWarpSize) {
-                float w = 0.0f;
-#pragma unroll
-                for (int r = 0; r < kNumRanks; ++r) {
-                    const int row = rows[r];
-                    if (row < 0) continue;
-                    w += r == rank ? topk_weights[(long long)(own_first + row) * num_topk + k]
-                                   : ld_volatile(inbox_weights + ((long long)r * capacity + row) * num_topk + k);
-                }
-                combined_topk_weights[(long long)t * num_topk + k] = w;
-            }
-        }
+        const auto weight_of = [&](int r, int row, int k) {
+            return r == rank ? topk_weights[(long long)(own_first + row) * num_topk + k]
+                             : ld_volatile(inbox_weights + ((long long)r * capacity + row) * num_topk + k);
+        };
+        if (combined_topk_weights != nullptr)
+            sum_token_weights<kNumRanks>(combined_topk_weights + (long long)t * num_topk, num_topk, rows, weight_of);
         __syncwarp();  // the lanes are done with s_row before the next token overwrites it
     }
 }
