@@ -1115,7 +1115,8 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
-    stage_range_begins(layout_range, rank, L, begin);  // read after the barrier that follows prepare_batch
+    stage_range_begins(layout_range, rank, L, begin);
+    __syncthreads();  // begin is read by prepare_batch (racecheck caught its absence in S15B)
     const int mine = tokens_of_block(num_tokens, blocks.index, blocks.count);
     for (int j0 = 0; j0 < mine; j0 += kCombineBatch) {
         const int n = min(kCombineBatch, mine - j0), t0 = blocks.index + j0 * blocks.count;
