@@ -430,14 +430,17 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_sl
                         recv + L.dispatch_recv_msg(rank, t), dispatch_msg_int4(kUseFP8, L.hidden), sh);
             __syncthreads();  // every put of this token is complete
         }
-        send_index_entries(t, num_topk, base, L, recv, rank, sh);
         if (t + (int)gridDim.x < num_tokens) {  // the next token's slots count the rows before it
             advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
         }
-        __syncthreads();  // sh is reused by the next token
+        __syncthreads();  // hist is advanced
+        // After the barrier, so that the other warps go on (to the next token's message, or after the last token to
+        // the receive phase) while warp 0's releases wait for the NVLink stores (~2 us). Warp 0 itself writes the
+        // slots it reads here (token_slots), and nobody else reads them.
+        send_index_entries(t, num_topk, base, L, recv, rank, sh);
     }
     stamp(stamps, kStampSendWritten);  // thread 0 is past the last token's first index entry
-    stamp_after_barrier(stamps, kStampSendEnd);
+    stamp(stamps, kStampSendEnd);
 }
 
 // Dispatch receive, shared memory (the counts' prefix over (local expert, source) pairs lives in hist's space: up
@@ -499,9 +502,9 @@ __device__ __forceinline__ int pair_of_row(const int* prefix, int n, int row) {
 // false on a timeout.
 __device__ __forceinline__ bool read_counts(const long long* counts, int n, int epoch, int* prefix,
                                             DispatchRecvShared& rs, const LowLatencyLayout& L, const DeviceCtx* ctx) {
-    if (threadIdx.x == 0) rs.failed = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    // not warp 0: in a launch with both phases it is still releasing the send phase's last index entries
+    for (int i = (int)threadIdx.x - kWarpSize; i < n; i += (int)blockDim.x - kWarpSize) {
+        if (i < 0) continue;
         long long v = 0;
         const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, i / L.num_ranks, i % L.num_ranks},
                                    [&] { return (int)((v = ld_volatile(counts + i)) >> 32) == epoch; },
@@ -609,7 +612,9 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
                               int* packed_recv_src_info, long long* packed_recv_layout_range, int* cumulative_stats,
                               bool use_ue8m0, char* base, const LowLatencyLayout& L, int buffer_idx, int* workspace,
                               const DeviceCtx* ctx, int* prefix, DispatchRecvShared& rs, long long* stamps) {
-    __syncthreads();  // prefix reuses the send phase's histograms
+    // No barrier first: prefix reuses hist, which the send phase last touched before its last barrier (warp 0 is
+    // past it, releasing the last token's index entries: ~2 us of system-scope fences, which the other warps'
+    // reading of the counts now overlaps).
     stamp(stamps, kStampRecvStart);
     const int R = L.num_ranks, n = L.num_local * R, epoch = dispatch_epoch(workspace, buffer_idx);
     const char* recv = base + L.recv_offset(buffer_idx);
@@ -660,6 +665,8 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
     __shared__ DispatchRecvShared rs;
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
+    if (threadIdx.x == 0) rs.failed = 0;  // read_counts'
+    __syncthreads();
     if (phases & kPhaseSend)
         dispatch_send<kUseFP8>(x, topk_idx, topk_slots, num_tokens, num_topk, round_scale != 0, b, peer_bases, L,
                                buffer_idx, workspace, ctx, hists, hists + kLLMaxExperts, sh, stamps);
