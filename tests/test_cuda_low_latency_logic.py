@@ -524,3 +524,23 @@ def test_prepare_batch_gives_every_token_the_dispatch_rows(batch):
                             want_rows.append(((e - rank * (E // R)) * R * M + begin[e - rank * (E // R)] + slot, k))
                     assert has == want_has and rows == want_rows, (case, t)
         assert sorted(seen) == list(range(T))
+
+
+def test_low_latency_handle_unpacks_as_deepeps_5_tuple_and_carries_the_slots():
+    """LowLatencyHandle: indexing, len and unpacking as DeepEP's (src_info, layout_range, M, H, E); the slots ride
+    along as an attribute, which a plain tuple of its items loses (the combine then raises)."""
+    from cupy_ep import validate
+    from cupy_ep.ll_handle import LowLatencyHandle
+    src_info, layout_range = np.zeros((2, 8), np.int32), np.zeros((2, 2), np.int64)
+    slots = np.array([[0, -1], [1, 0]], np.int32)
+    h = LowLatencyHandle((src_info, layout_range, 4, 128, 4), slots)
+    a, b, m, hidden, e = h
+    assert len(h) == 5 and a is src_info and b is layout_range and (m, hidden, e) == (4, 128, 4)
+    assert h[1] is layout_range and h.topk_slots is slots and "topk_slots" in repr(h)
+    assert validate.check_low_latency_slots(h, np.zeros((2, 2), np.int64), 4, True) is slots
+    with pytest.raises(ValueError, match="^handle:"):
+        validate.check_low_latency_slots(tuple(h), np.zeros((2, 2), np.int64), 4, True)
+    with pytest.raises(ValueError, match="^topk_idx:"):
+        validate.check_low_latency_slots(h, np.zeros((3, 2), np.int64), 4, True)
+    with pytest.raises(ValueError, match="^handle.topk_slots:"):
+        validate.check_low_latency_slots(LowLatencyHandle(tuple(h), slots + 4), np.zeros((2, 2), np.int64), 4, True)
