@@ -502,9 +502,9 @@ __device__ __forceinline__ int pair_of_row(const int* prefix, int n, int row) {
 // false on a timeout.
 __device__ __forceinline__ bool read_counts(const long long* counts, int n, int epoch, int* prefix,
                                             DispatchRecvShared& rs, const LowLatencyLayout& L, const DeviceCtx* ctx) {
-    // not warp 0: in a launch with both phases it is still releasing the send phase's last index entries
-    for (int i = (int)threadIdx.x - kWarpSize; i < n; i += (int)blockDim.x - kWarpSize) {
-        if (i < 0) continue;
+    // not warp 0 (i < 0 there): in a launch with both phases it is still releasing the send phase's last index
+    // entries
+    for (int i = (int)threadIdx.x - kWarpSize; i >= 0 && i < n; i += (int)blockDim.x - kWarpSize) {
         long long v = 0;
         const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, i / L.num_ranks, i % L.num_ranks},
                                    [&] { return (int)((v = ld_volatile(counts + i)) >> 32) == epoch; },
