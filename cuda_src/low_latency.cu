@@ -147,6 +147,14 @@ __device__ __forceinline__ void send_signal(char* base, const unsigned long long
     }
 }
 
+// A barrier of the threads that share `bar` (initialised with their count): arrive (release), then wait for the
+// phase to complete (acquire).
+__device__ __forceinline__ void group_mbarrier_sync(unsigned long long* bar, int& phase) {
+    mbarrier_arrive(bar);
+    mbarrier_wait(bar, phase & 1);
+    ++phase;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Deterministic slots: hist[e] = top-k entries selecting e in the rows before the current token.
 // ---------------------------------------------------------------------------------------------------
@@ -216,13 +224,12 @@ struct DispatchShared {
 // first k) sorted into store targets and put destinations. They do not depend on the slots, so the message can
 // go out before the histograms are built: a (t, k) past its expert's M slots is dropped by getting no index
 // entry (its message may then travel for nothing; as T <= M only a row naming one expert twice can do that).
-// `recv_msg`: the message's offset in a recv region; `send_msg`: this rank's send slot of the token.
-template <typename TopkT>
-__device__ __forceinline__ void token_targets(const TopkT* topk_idx, int t, int num_topk, int num_experts,
-                                              int num_local, long long recv_msg, char* send_msg, DispatchShared& sh) {
+// `e`: lane k's expert (TokenLoads::expert); `recv_msg`: the message's offset in a recv region; `send_msg`: this
+// rank's send slot of the token.
+__device__ __forceinline__ void token_targets(long long e, int num_experts, int num_local, long long recv_msg,
+                                              char* send_msg, DispatchShared& sh) {
     if (warp_id() != 0) return;
     const int lane = lane_id();
-    const long long e = lane < num_topk ? (long long)topk_idx[(long long)t * num_topk + lane] : -1;
     const bool valid = e >= 0 && e < num_experts;
     const int dst = valid ? (int)(e / num_local) : -1 - lane;  // lanes without an expert: a key of their own
     const unsigned same = __match_any_sync(0xffffffffu, dst);
@@ -341,29 +348,38 @@ __device__ __forceinline__ void send_counts(const int* hist_all, char* base, con
     }
 }
 
-// x[t]'s int4 number threadIdx.x (zero past the row or the tokens).
-__device__ __forceinline__ int4 load_first_chunk(const int4* x, int t, int num_tokens, int hidden_int4) {
-    if (t >= num_tokens || (int)threadIdx.x >= hidden_int4) return make_int4(0, 0, 0, 0);
-    return ld_nc_v4(x + (long long)t * hidden_int4 + threadIdx.x);
+// A token's first loads, issued before anything waits on memory (they start its message's critical path):
+// per thread x[t]'s int4 number threadIdx.x (zero past the row or the tokens), and in warp 0 lane k's expert
+// topk_idx[t][k] (-1 for k >= K; token_targets reads it).
+struct TokenLoads {
+    int4 first;
+    long long expert;
+};
+template <typename TopkT>
+__device__ __forceinline__ TokenLoads load_token(const int4* x, const TopkT* topk_idx, int t, int num_tokens,
+                                                 int num_topk, int hidden_int4) {
+    TokenLoads in{make_int4(0, 0, 0, 0), -1};
+    if (t >= num_tokens) return in;
+    if (warp_id() == 0 && lane_id() < num_topk) in.expert = (long long)topk_idx[(long long)t * num_topk + lane_id()];
+    if ((int)threadIdx.x < hidden_int4) in.first = ld_nc_v4(x + (long long)t * hidden_int4 + threadIdx.x);
+    return in;
 }
 
 // Dispatch, one token's message: its targets (warp 0), then every thread casts its part of the row and stores the
 // bytes straight from registers into every mapped destination (and the send slot for puts). The stores are issued,
 // not ordered: the caller's block barrier and the index entries' releases follow.
-template <bool kUseFP8, typename TopkT>
-__device__ __forceinline__ void send_message(const int4* x, const TopkT* topk_idx, int t, int num_tokens,
-                                             int num_topk, bool round_scale, char* send, long long recv,
-                                             const LowLatencyLayout& L,
+template <bool kUseFP8>
+__device__ __forceinline__ void send_message(const int4* x, const TokenLoads& in, int t, bool round_scale,
+                                             char* send, long long recv, const LowLatencyLayout& L,
                                              int rank, DispatchShared& sh, long long* stamps) {
     const int hidden_int4 = L.hidden / 8;
     // this thread's first x chunk is in flight while warp 0 works out where the token goes
-    const int4 first = load_first_chunk(x, t, num_tokens, hidden_int4);
-    token_targets(topk_idx, t, num_topk, L.num_experts, L.num_local, recv + L.dispatch_recv_msg(rank, t),
+    token_targets(in.expert, L.num_experts, L.num_local, recv + L.dispatch_recv_msg(rank, t),
                   send + (long long)t * L.msg_bytes, sh);
     __syncthreads();  // the targets are visible to the block
     stamp(stamps, kStampSendRouted);
     const int num_target = sh.num_target;
-    encode_token<kUseFP8>(first, x + (long long)t * hidden_int4, L.hidden, round_scale,
+    encode_token<kUseFP8>(in.first, x + (long long)t * hidden_int4, L.hidden, round_scale,
                           [&](long long offset, auto value) {
         for (int j = 0; j < num_target; ++j) *reinterpret_cast<decltype(value)*>(sh.target[j] + offset) = value;
     });
@@ -404,21 +420,24 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_sl
                               char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
                               int buffer_idx, int* workspace, const DeviceCtx* ctx, int* hist,
                               int* hist_all, DispatchShared& sh, long long* stamps) {
-    const int rank = ctx->rank, E = L.num_experts;
+    const int rank = ctx->rank, E = L.num_experts, hidden_int4 = L.hidden / 8;
     stamp(stamps, kStampSendStart);
-    check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
+    // the first token's loads go out before warp 0's staging waits on its own loads (which would hold back warp
+    // 0's share of them by a memory round trip), and the buffer check after its message is out
+    const TokenLoads first = load_token(x, topk_idx, blockIdx.x, num_tokens, num_topk, hidden_int4);
     stage_send_shared(peer_bases, L.num_ranks, workspace, buffer_idx, sh);
     const long long recv = L.recv_offset(buffer_idx);  // (the send slot is recomputed where used: registers)
     if ((int)blockIdx.x < num_tokens)
-        send_message<kUseFP8>(x, topk_idx, blockIdx.x, num_tokens, num_topk, round_scale,
-                              base + L.send_offset(buffer_idx), recv, L, rank, sh, stamps);
+        send_message<kUseFP8>(x, first, blockIdx.x, round_scale, base + L.send_offset(buffer_idx), recv, L, rank,
+                              sh, stamps);
+    check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
     stamp(stamps, kStampSendPrepared);  // build_histograms ends with a block barrier
     send_counts(hist_all, base, L, buffer_idx, rank, sh);
 
     for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
         if (t != (int)blockIdx.x)
-            send_message<kUseFP8>(x, topk_idx, t, num_tokens, num_topk, round_scale,
+            send_message<kUseFP8>(x, load_token(x, topk_idx, t, num_tokens, num_topk, hidden_int4), t, round_scale,
                                   base + L.send_offset(buffer_idx), recv, L, rank, sh, stamps);
         if (warp_id() == 0)  // the slots of t's entries (hist: the rows before t)
             token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot, topk_slots);
@@ -446,15 +465,29 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_sl
 // Dispatch receive, shared memory (the counts' prefix over (local expert, source) pairs lives in hist's space: up
 // to kLLMaxExperts + 1 ints).
 struct DispatchRecvShared {
-    int warp_sums[kLLWarps];  // block_exclusive_scan
+    int warp_sums[kLLWarps];  // scan_counts
     int failed;
+    // The receive phase's counters (warps 1..; warp 0 may still be releasing the send phase's last index entries)
+    // sync among themselves on `scan` and arrive once on `prefix_ready` when the prefix is written, which warp 0
+    // waits for. mbarriers, not named barriers: racecheck miscounts a warp that skips a `bar.sync id, n` (S13C).
+    unsigned long long scan, prefix_ready;
 };
 
-// a[0..n) -> exclusive prefix sums, a[n] = the total (n < kLLMaxExperts + 1). Each thread scans a contiguous
-// chunk; warp shuffles and one pass over the warp totals join them. Ends with a block barrier.
-__device__ __forceinline__ void block_exclusive_scan(int* a, int n, int* warp_sums) {
-    const int per = (n + blockDim.x - 1) / blockDim.x;
-    const int lo = min(n, (int)threadIdx.x * per), hi = min(n, lo + per), lane = lane_id(), warp = warp_id();
+// Thread 0 at the kernel's start, before its first block barrier.
+__device__ __forceinline__ void init_recv_shared(DispatchRecvShared& rs) {
+    rs.failed = 0;
+    mbarrier_init(&rs.scan, kLLThreads - kWarpSize);
+    mbarrier_init(&rs.prefix_ready, kLLThreads - kWarpSize);
+}
+
+// The counters (warps 1.. of the receive phase): a[0..n) -> exclusive prefix sums, a[n] = the total
+// (n < kLLMaxExperts + 1). Each counter scans a contiguous chunk; warp shuffles and one pass over the warp totals
+// join them. `sync()` is their barrier; the last one is the caller's.
+template <typename Sync>
+__device__ __forceinline__ void scan_counts(int* a, int n, int* warp_sums, Sync sync) {
+    constexpr int kThreads = kLLThreads - kWarpSize, kWarps = kLLWarps - 1;
+    const int c = (int)threadIdx.x - kWarpSize, per = (n + kThreads - 1) / kThreads;
+    const int lo = min(n, c * per), hi = min(n, lo + per), lane = lane_id(), warp = warp_id() - 1;
     int sum = 0;
     for (int i = lo; i < hi; ++i) sum += a[i];
     int inclusive = sum;
@@ -464,26 +497,25 @@ __device__ __forceinline__ void block_exclusive_scan(int* a, int n, int* warp_su
         if (lane >= o) inclusive += v;
     }
     if (lane == kWarpSize - 1) warp_sums[warp] = inclusive;
-    __syncthreads();
+    sync();
     if (warp == 0) {
-        const int own = lane < (int)(blockDim.x / kWarpSize) ? warp_sums[lane] : 0;
+        const int own = lane < kWarps ? warp_sums[lane] : 0;
         int w = own;
 #pragma unroll
         for (int o = 1; o < kWarpSize; o <<= 1) {
             const int v = __shfl_up_sync(0xffffffffu, w, o);
             if (lane >= o) w += v;
         }
-        if (lane < (int)(blockDim.x / kWarpSize)) warp_sums[lane] = w - own;  // exclusive over the warps
+        if (lane < kWarps) warp_sums[lane] = w - own;  // exclusive over the warps
     }
-    __syncthreads();
+    sync();
     int run = warp_sums[warp] + inclusive - sum;
     for (int i = lo; i < hi; ++i) {
         const int v = a[i];
         a[i] = run;
         run += v;
     }
-    if (threadIdx.x == blockDim.x - 1) a[n] = run;  // its chunk is the last one (or empty at n)
-    __syncthreads();
+    if (c == kThreads - 1) a[n] = run;  // its chunk is the last one (or empty at n)
 }
 
 // Largest i < n with prefix[i] <= row (row < prefix[n]): the (local expert, source) pair holding global row `row`.
@@ -498,13 +530,14 @@ __device__ __forceinline__ int pair_of_row(const int* prefix, int n, int row) {
 }
 
 // Every block: the counts of every (local expert e, source s) pair into prefix[e * R + s], waiting for each to carry
-// the call's epoch (counts are never consumed, so any number of blocks may read them); then their prefix. Returns
-// false on a timeout.
-__device__ __forceinline__ bool read_counts(const long long* counts, int n, int epoch, int* prefix,
+// the call's epoch (counts are never consumed, so any number of blocks may read them); then their prefix. Only the
+// counters (warps 1..) do this: in a launch with both phases warp 0 is still releasing the send phase's last index
+// entries (~1.6 us of system-scope fences), and the prefix should not wait for them. They sync on rs.scan and
+// then arrive on rs.prefix_ready; warp 0 waits there (wait_for_prefix) before it reads the prefix or rs.failed.
+__device__ __forceinline__ void read_counts(const long long* counts, int n, int epoch, int* prefix,
                                             DispatchRecvShared& rs, const LowLatencyLayout& L, const DeviceCtx* ctx) {
-    // not warp 0 (i < 0 there): in a launch with both phases it is still releasing the send phase's last index
-    // entries
-    for (int i = (int)threadIdx.x - kWarpSize; i >= 0 && i < n; i += (int)blockDim.x - kWarpSize) {
+    if (warp_id() == 0) return;
+    for (int i = (int)threadIdx.x - kWarpSize; i < n; i += (int)blockDim.x - kWarpSize) {
         long long v = 0;
         const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, i / L.num_ranks, i % L.num_ranks},
                                    [&] { return (int)((v = ld_volatile(counts + i)) >> 32) == epoch; },
@@ -516,9 +549,17 @@ __device__ __forceinline__ bool read_counts(const long long* counts, int n, int 
         prefix[i] = ok ? (int)(v & 0xffffffff) : 0;
         if (!ok) rs.failed = 1;
     }
-    __syncthreads();
-    block_exclusive_scan(prefix, n, rs.warp_sums);
-    return !rs.failed;
+    int phase = 0;
+    const auto sync = [&] { group_mbarrier_sync(&rs.scan, phase); };
+    sync();
+    scan_counts(prefix, n, rs.warp_sums, sync);
+    sync();
+    mbarrier_arrive(&rs.prefix_ready);
+}
+
+// Warp 0 of the receive phase: the counters' prefix (and rs.failed) is written.
+__device__ __forceinline__ void wait_for_prefix(DispatchRecvShared& rs) {
+    if (warp_id() == 0) mbarrier_wait(&rs.prefix_ready, 0);
 }
 
 // One row of the global (local expert, source, slot) order, by lane 0 of a warp: wait until its index entry carries
@@ -559,7 +600,8 @@ __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* pr
     const int data_int4 = kUseFP8 ? L.hidden / 16 : L.hidden / 8;
     const int words = kUseFP8 ? (use_ue8m0 ? L.hidden / 512 : L.hidden / 128) : 0;  // scale words per row
     const int part_int4 = (data_int4 + parts - 1) / parts;
-    for (int u = warp_id(); u < rows * parts; u += kLLWarps) {
+    // warp 0 takes the block's last units: in a launch with both phases it comes from the send phase's releases
+    for (int u = (warp_id() + kLLWarps - 1) % kLLWarps; u < rows * parts; u += kLLWarps) {
         const int j = u / parts, part = u - j * parts, row = lo + j;
         const int pair = pair_of_row(prefix, n, row), s = pair % R, e = pair / R;
         int token = 0;
@@ -567,7 +609,7 @@ __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* pr
         token = __shfl_sync(0xffffffffu, token, 0);
         __syncwarp();  // the message's bytes are read after lane 0's acquire of its entry
         if (token < 0) return false;  // uniform over the warp
-        if (u == 0) stamp(stamps, kStampRecvFirstData);  // thread 0: the block's first row is in
+        if (u == 0) stamp_by(stamps, kStampRecvFirstData, lane == 0);  // the block's first row is in
         const int out_row = e * rows_per_expert + (row - prefix[e * R]);
         const char* msg = recv + L.dispatch_recv_msg(s, token);
         const int4* src = reinterpret_cast<const int4*>(msg + 16);
@@ -613,14 +655,16 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
                               bool use_ue8m0, char* base, const LowLatencyLayout& L, int buffer_idx, int* workspace,
                               const DeviceCtx* ctx, int* prefix, DispatchRecvShared& rs, long long* stamps) {
     // No barrier first: prefix reuses hist, which the send phase last touched before its last barrier (warp 0 is
-    // past it, releasing the last token's index entries: ~2 us of system-scope fences, which the other warps'
-    // reading of the counts now overlaps).
+    // past it, releasing the last token's index entries: ~1.6 us of system-scope fences, which the counters'
+    // reading and prefixing of the counts overlaps, and the copies of the rows that are in already).
     stamp(stamps, kStampRecvStart);
     const int R = L.num_ranks, n = L.num_local * R, epoch = dispatch_epoch(workspace, buffer_idx);
     const char* recv = base + L.recv_offset(buffer_idx);
     const long long* counts = reinterpret_cast<const long long*>(base + L.signal_offset(buffer_idx));
-    if (read_counts(counts, n, epoch, prefix, rs, L, ctx)) {
-        stamp(stamps, kStampRecvPrepared);  // read_counts ends with a block barrier
+    read_counts(counts, n, epoch, prefix, rs, L, ctx);
+    wait_for_prefix(rs);
+    if (!rs.failed) {
+        stamp_by(stamps, kStampRecvPrepared, threadIdx.x == kWarpSize);  // a counter, past the counters' last sync
         for (int e = blockIdx.x; e < L.num_local; e += gridDim.x) {
             const int begin = prefix[e * R];
             if ((int)threadIdx.x < R) {
@@ -665,7 +709,7 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
     __shared__ DispatchRecvShared rs;
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
     char* b = static_cast<char*>(base);
-    if (threadIdx.x == 0) rs.failed = 0;  // read_counts'
+    if (threadIdx.x == 0) init_recv_shared(rs);
     __syncthreads();
     if (phases & kPhaseSend)
         dispatch_send<kUseFP8>(x, topk_idx, topk_slots, num_tokens, num_topk, round_scale != 0, b, peer_bases, L,
@@ -745,16 +789,8 @@ struct CombineShared {
 // uses them), carried over the owners of one call.
 struct HandoffPhases {
     int handoff = 0;  // rows handed to the flagger (full / empty)
-    int sync = 0;     // compute_sync barriers
+    int sync = 0;     // group_mbarrier_sync barriers on sh.compute
 };
-
-// A barrier of the threads that share `bar` (initialised with their count): arrive (release), then wait for the
-// phase to complete (acquire).
-__device__ __forceinline__ void compute_sync(unsigned long long* bar, int& phase) {
-    mbarrier_arrive(bar);
-    mbarrier_wait(bar, phase & 1);
-    ++phase;
-}
 
 // begin[l] = where owner s's rows start inside local expert l's R*M rows of the expert input (layout_range's
 // begin), for every local expert; read by prepare_batch after a barrier.
@@ -946,7 +982,7 @@ __device__ void combine_send_meta(OwnEntries<TopkT> own, const float* topk_weigh
 __device__ __forceinline__ void hand_to_flagger(int t, CombineShared& sh, HandoffPhases& ph) {
     if (ph.handoff > 0) mbarrier_wait(&sh.empty, (ph.handoff - 1) & 1);
     if (threadIdx.x == 0) sh.flag_token[ph.handoff & 1] = t;
-    compute_sync(&sh.compute, ph.sync);  // flag_token written
+    group_mbarrier_sync(&sh.compute, ph.sync);  // flag_token written
     mbarrier_arrive(&sh.full);
     ++ph.handoff;
 }
@@ -962,7 +998,7 @@ __device__ __forceinline__ void hand_to_flagger(int t, CombineShared& sh, Handof
 // release at CTA scope; the flagger's wait acquires, so its release at system scope covers those stores) and
 // `empty` (the flagger has read the token number: the compute side may publish the next one, at most one row
 // ahead of the flagger). Token -1 ends the owner. The compute warps sync among themselves on a third mbarrier
-// (compute_sync), not a named barrier: with `bar.sync 1, n` racecheck reported a race across the next
+// (group_mbarrier_sync), not a named barrier: with `bar.sync 1, n` racecheck reported a race across the next
 // __syncthreads (S13C), most likely counting the flagger warp, which skips the named barrier, as a warp behind on
 // block barriers; with the mbarrier it reports none.
 template <typename Entries, typename WeightT>
@@ -997,7 +1033,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, con
             }
         }
     } else {
-        const auto sync = [&] { compute_sync(&sh.compute, ph.sync); };
+        const auto sync = [&] { group_mbarrier_sync(&sh.compute, ph.sync); };
         const int mine = tokens_of_block(T, blocks.index, blocks.count);
         for (int j0 = 0; j0 < mine; j0 += kCombineBatch) {
             const int n = min(kCombineBatch, mine - j0), t0 = blocks.index + j0 * blocks.count;
