@@ -6,6 +6,8 @@ epoch, the receive's even split of all rows over the blocks) on the layout's byt
 older epochs, checked against the reference.
 The model is written from the kernel's description, not run from it: it checks the scheme, not the CUDA code."""
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,6 +183,53 @@ def _send_model(rank, x_cast, scales, topk_idx, M, E, R, recv, signals, lay, log
                 hist[e] += 1
 
 
+_LL_THREADS = int(re.search(r"constexpr int kLLThreads = (\d+);",
+                            (Path(__file__).resolve().parents[1] / "cuda_src" / "low_latency.cu").read_text()).group(1))
+
+
+def _scan_counts_model(counts, threads):
+    """read_counts + scan_counts as the dispatch's counters (warps 1.. of a `threads`-thread block) split them:
+    counter c loads counts c, c + C, ... (C = threads - 32), then scans the contiguous chunk [c * per, c * per + per)
+    (per = ceil(n / C)); an inclusive scan over each warp's chunk sums, one warp's exclusive scan over the warp
+    totals, then each chunk's running sums; the last counter writes the total at a[n]. Returns a[0..n]."""
+    C, n = threads - 32, len(counts)
+    a = [None] * (n + 1)
+    for c in range(C):                      # the loads: every count by exactly one counter
+        for i in range(c, n, C):
+            assert a[i] is None
+            a[i] = int(counts[i])
+    assert all(v is not None for v in a[:n])
+    per = -(-n // C)
+    chunk = [(min(n, c * per), min(n, min(n, c * per) + per)) for c in range(C)]
+    sums = [sum(a[lo:hi]) for lo, hi in chunk]
+    inclusive = []                           # within each warp of 32 counters (warp w = counters 32w .. 32w+31)
+    for c in range(C):
+        w0 = c - c % 32
+        inclusive.append(sum(sums[w0:c + 1]))
+    warps = C // 32
+    totals = [inclusive[32 * w + 31] for w in range(warps)]
+    before = [sum(totals[:w]) for w in range(warps)]  # exclusive over the warps
+    for c, (lo, hi) in enumerate(chunk):
+        run = before[c // 32] + inclusive[c] - sums[c]
+        for i in range(lo, hi):
+            v = a[i]
+            a[i] = run
+            run += v
+        if c == C - 1:
+            a[n] = run
+    return a
+
+
+@pytest.mark.parametrize("threads", [512, 1024])
+@pytest.mark.parametrize("n", [1, 2, 31, 256, 991, 992, 993, 1984, 2048, 4097])
+def test_scan_counts_model_is_the_prefix(threads, n):
+    """The counters' decomposition gives the exclusive prefix and the total for every count size the kernel
+    accepts (up to kLLMaxExperts + 1 pairs), including sizes where the last counters' chunks are empty."""
+    counts = np.random.default_rng(n).integers(0, 300, size=n)
+    got = _scan_counts_model(counts, threads)
+    assert got == [0] + np.cumsum(counts).tolist()[:-1] + [int(counts.sum())]
+
+
 def _recv_model(rank, M, E, R, H, recv, signals, lay, use_ue8m0, epoch, blocks):
     """The dispatch receive of `rank` as dispatch_recv splits it: every block reads all counts (checking their
     epoch) and their prefix over (local expert, source); block b takes global rows [b*N/G, (b+1)*N/G), finds each
@@ -198,9 +247,7 @@ def _recv_model(rank, M, E, R, H, recv, signals, lay, use_ue8m0, epoch, blocks):
         v = _get64(signals[rank], 8 * i)
         assert v >> 32 == epoch
         counts.append(v & 0xffffffff)
-    prefix = [0]
-    for c in counts:
-        prefix.append(prefix[-1] + c)
+    prefix = _scan_counts_model(counts, _LL_THREADS)
     layout_range = np.array([[((prefix[e * R + s] - prefix[e * R]) << 32) | counts[e * R + s] for s in range(R)]
                              for e in range(L)], np.int64).reshape(L, R)
     count = np.array([prefix[e * R + R] - prefix[e * R] for e in range(L)], np.int32)

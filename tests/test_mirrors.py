@@ -101,5 +101,7 @@ def test_low_latency_combine_shared_memory_mirrors_the_kernel():
     text = (SRC / "low_latency.cu").read_text()
     assert f"constexpr int kCombineChunks = {cll._COMBINE_CHUNKS};" in text
     assert f"constexpr int kLLCombineThreads = {cll._COMBINE_THREADS};" in text
+    # the dispatch is launched with the block size its __launch_bounds__ and its warp roles assume
+    assert f"constexpr int kLLThreads = {cll._THREADS};" in text
     assert "stage + (i * kCombineChunks + q) * kLLCombineThreads + threadIdx.x" in text
     assert cll.combine_stage_bytes(reference.LOW_LATENCY_MAX_TOPK) + 20 * 1024 <= 227 * 1024
