@@ -787,8 +787,11 @@ def parse_args(argv=None, gpu: bool = True):
                    help="ops back to back per graph in the steady timing (GpuTimer.steady; default 10; 0: no steady "
                         "timing; rounded up to even in --mode low-latency, where two buffers alternate)")
     p.add_argument("--ll-token-sweep", type=ints, default=[0, 128],
-                   help="--mode low-latency: tokens per rank T of the steady sweep, at the same max tokens M = "
-                        "--tokens (default 0,128; T=0 is the fixed cost; T > M is skipped)")
+                   help="--mode low-latency: tokens per rank T of the steady sweep, at the same max tokens M "
+                        "(--ll-max-tokens, default --tokens; default 0,128; T=0 is the fixed cost; T > M is skipped)")
+    p.add_argument("--ll-max-tokens", type=int, default=None,
+                   help="--mode low-latency: the buffer's max tokens per rank M (num_max_dispatch_tokens_per_rank; "
+                        "default: --tokens); serving often sizes M above the batch")
     p.add_argument("--ll-stamps", action="store_true",
                    help="--mode low-latency: also report where a call's time goes (the kernels' phase stamps)")
     p.add_argument("--backend", choices=["cuda", "host"], default=None)
@@ -799,6 +802,8 @@ def parse_args(argv=None, gpu: bool = True):
     args = p.parse_args(argv)
     if args.steady_n < 0:
         p.error(f"--steady-n must be >= 0, got {args.steady_n}")
+    if args.ll_max_tokens is not None and args.ll_max_tokens < 1:
+        p.error(f"--ll-max-tokens must be >= 1, got {args.ll_max_tokens}")
     return args
 
 
@@ -816,6 +821,8 @@ def main(argv=None):
         from . import bench_ll
         if not any(a.startswith("--tokens") for a in (sys.argv[1:] if argv is None else argv)):
             args.tokens = 128
+        if args.tokens > bench_ll.max_tokens(args):
+            raise SystemExit(f"cupy_ep.bench: --tokens {args.tokens} is above --ll-max-tokens {args.ll_max_tokens}")
         bench_ll.main(args, comm)
         return
     if args.mode == "internode":

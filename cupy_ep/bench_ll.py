@@ -14,7 +14,7 @@ Per op: median and p99 over ``--iters`` (>= 200) iterations, timed three ways (f
 
 NCCL grouped send/recv of the same per-peer bytes is measured in the same run: as graph replays for the call and
 graph rows, steady for the steady rows. Further records: a steady token sweep (``--ll-token-sweep``: T tokens per
-rank at the same max M = ``--tokens``; T = 0 is the fixed cost) and the host time per call (timing ``host``:
+rank at the same max M, ``--ll-max-tokens`` (default ``--tokens``); T = 0 is the fixed cost) and the host time per call (timing ``host``:
 200 plain calls back to back), and with ``--ll-stamps`` where a call's time goes (timing ``stamps``: the
 kernels' %globaltimer phase stamps, ``phases_us``). Results are verified against :mod:`cupy_ep.reference` before any timing (a
 mismatch aborts). Records are written to ``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``.
@@ -79,7 +79,7 @@ class LowLatencyBench:
         self.args, self.comm = args, comm
         self.rank, self.R = comm.Get_rank(), comm.Get_size()
         a = args
-        self.M = a.tokens
+        self.M = max_tokens(a)
         self.steady_n = even_steady_n(a.steady_n)
         rdma = cfgmod.low_latency_rdma_size_hint(self.M, a.hidden, self.R, a.experts)
         self.buf = Buffer(comm, num_rdma_bytes=rdma, low_latency_mode=True, check_values=False, backend="cuda")
@@ -271,11 +271,11 @@ class LowLatencyBench:
             ll.stamps = None
 
     def token_sweep(self, timer, y) -> None:
-        """Steady records at T tokens per rank (``--ll-token-sweep``), same max M; T = M is the main run's."""
+        """Steady records at T tokens per rank (``--ll-token-sweep``), same max M; T = --tokens is the main run's."""
         import cupy
         a, buf = self.args, self.buf
         for T in a.ll_token_sweep:
-            if T == self.M:
+            if T == a.tokens:  # the main run's
                 continue
             if not 0 <= T <= self.M:
                 self.log(f"  (token sweep: T={T} skipped: needs 0 <= T <= max tokens {self.M})")
@@ -347,7 +347,7 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
     steady = [r for r in records if r.get("timing") == "steady"]
     n = steady[0]["steady_n"] if steady else None
     out = [f"# cupy_ep low-latency benchmark (EP{num_ranks}, {common['gpu']})", "",
-           f"commit `{common['commit']}`; {args.tokens} tokens/rank (max tokens M = {args.tokens}), hidden "
+           f"commit `{common['commit']}`; {args.tokens} tokens/rank (max tokens M = {max_tokens(args)}), hidden "
            f"{args.hidden}, top-{args.topk} of {args.experts}; {args.iters} iterations, median and p99 of the "
            "slowest rank per iteration.", "",
            "Timings: *call* = CUDA events around the Python call (host overhead included); *graph* = two ops per "
@@ -368,7 +368,7 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
                        f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {r.get('nccl_timing') or '-'} | "
                        f"{_f(r.get('ratio_to_nccl'), '.2f')} |")
     if steady:
-        out += ["", f"Token sweep (steady): T tokens per rank, max tokens M = {args.tokens}. T = 0 is the fixed "
+        out += ["", f"Token sweep (steady): T tokens per rank, max tokens M = {max_tokens(args)}. T = 0 is the fixed "
                 "cost of a call: the launch, the signals and their round trip, "
                 "no payload.", "",
                 "| op | dtype | T | median us | p99 us | NCCL us (steady, same bytes) | ours/NCCL |",
@@ -416,6 +416,11 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
             out.append(f"| {op_label(r)} | {r['dtype']} | {r['tokens']} | {r['host_us_per_call']:.1f} | "
                        f"{r['host_wall_us_per_call']:.1f} |")
     return out
+
+
+def max_tokens(args) -> int:
+    """M, the buffer's ``num_max_dispatch_tokens_per_rank``: ``--ll-max-tokens``, or ``--tokens`` when not given."""
+    return getattr(args, "ll_max_tokens", None) or args.tokens
 
 
 def main(args, comm) -> None:

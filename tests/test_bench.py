@@ -221,6 +221,17 @@ def test_options():
     assert args.steady_n == 0 and args.ll_token_sweep == [0, 1, 32, 128]
     with pytest.raises(SystemExit):
         bench.parse_args(["--steady-n", "-1"])
+    # the low-latency buffer's M defaults to --tokens; --ll-max-tokens sets it apart from the batch
+    assert bench_ll.max_tokens(bench.parse_args(["--tokens", "96"])) == 96
+    assert bench_ll.max_tokens(bench.parse_args(["--tokens", "96", "--ll-max-tokens", "256"])) == 256
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ll-max-tokens", "0"])
+
+
+def test_low_latency_mode_refuses_more_tokens_than_max_tokens(capsys):
+    """--tokens above --ll-max-tokens stops before any buffer or GPU is touched, naming both options."""
+    with pytest.raises(SystemExit, match="--tokens 300 is above --ll-max-tokens 256"):
+        bench.main(["--mode", "low-latency", "--tokens", "300", "--ll-max-tokens", "256"])
 
 
 def _run_host_bench(out_dir) -> dict | None:
