@@ -272,6 +272,15 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, int phase
         "@!done bra WAIT_%=;\n"
         "}\n" ::"r"(smem_addr(bar)), "r"(phase) : "memory");
 }
+// A barrier of the threads that share `bar` (mbarrier_init with their count; `phase` counts the
+// completed phases, alike on every thread that uses it): arrive (release), then wait for
+// the phase to complete (acquire).
+__device__ __forceinline__ void group_mbarrier_sync(unsigned long long* bar, int& phase) {
+    mbarrier_arrive(bar);
+    mbarrier_wait(bar, phase & 1);
+    ++phase;
+}
+
 __device__ __forceinline__ void tma_load(void* smem, const void* gmem, int bytes, unsigned long long* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(smem_addr(smem)), "l"(gmem), "r"(bytes), "r"(smem_addr(bar)) : "memory");

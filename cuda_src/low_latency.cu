@@ -147,14 +147,6 @@ __device__ __forceinline__ void send_signal(char* base, const unsigned long long
     }
 }
 
-// A barrier of the threads that share `bar` (initialised with their count): arrive (release), then wait for the
-// phase to complete (acquire).
-__device__ __forceinline__ void group_mbarrier_sync(unsigned long long* bar, int& phase) {
-    mbarrier_arrive(bar);
-    mbarrier_wait(bar, phase & 1);
-    ++phase;
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Deterministic slots: hist[e] = top-k entries selecting e in the rows before the current token.
 // ---------------------------------------------------------------------------------------------------
