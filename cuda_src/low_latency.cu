@@ -16,7 +16,7 @@
 //                              probe of the NVSHMEM device link and barriers)
 //   ll_carve_probe             writes LowLatencyLayout's sizes (a GPU test compares them with config.py)
 //
-// Shape of both kernels: one block per SM (1024 threads for the dispatch, 512 for the combine; grid <= the SM
+// Shape of both kernels: one block per SM (512 threads each; grid <= the SM
 // count, so every block is resident and blocks may wait for each other without a grid barrier). `phases` selects
 // SEND (1), RECV (2) or both: return_recv_hook launches SEND, the hook launches RECV.
 //
@@ -66,7 +66,9 @@
 
 namespace ep {
 
-constexpr int kLLThreads = 1024;
+// The dispatch runs 512 threads per block (S17A/B: against 1024, the 0-token call 1.3-2.7 us shorter and the
+// 128-token kernel ~0.8 us shorter; its rows take two passes of the block, TokenLoads holds both first loads).
+constexpr int kLLThreads = 512;
 constexpr int kLLWarps = kLLThreads / kWarpSize;
 // The combine runs 512 threads per block: 128 registers each (its owner loop spills at 64), and its token rows
 // (H/8 columns) take two passes of the block.
@@ -84,7 +86,7 @@ constexpr int kWsLastSend = 2, kWsEpoch = 4, kWsRecvDone = 6, kWsMetaReaders = 3
 // Optional phase stamps (profiling; built only with -DCUPY_EP_LL_STAMPS=1, cuda_low_latency.STAMPS_OPTION, and
 // then written where stamps != nullptr): per block kLLStamps int64 %globaltimer values, written by thread 0 (most
 // right after a block-wide barrier, so they mark when the whole block got there). Without the option the stamping
-// code compiles away: its branches cost the 1024-thread dispatch registers it does not have.
+// code compiles away: its branches and barriers take registers from the kernels' common paths.
 #ifdef CUPY_EP_LL_STAMPS
 constexpr bool kStampsBuilt = true;
 #else
@@ -289,15 +291,36 @@ __device__ __forceinline__ int dispatch_msg_int4(bool use_fp8, int hidden) {
     return use_fp8 ? (16 + hidden + hidden / 32) / 16 : (16 + 2 * hidden) / 16;
 }
 
+// A token's first loads, issued before anything waits on memory (they start its message's critical path):
+// per thread x[t]'s int4 number threadIdx.x (zero past the row or the tokens), and in warp 0 lane k's expert
+// topk_idx[t][k] (-1 for k >= K; token_targets reads it).
+struct TokenLoads {
+    int4 first, second;  // x[t][threadIdx.x], x[t][threadIdx.x + blockDim.x]
+    long long expert;
+};
+template <typename TopkT>
+__device__ __forceinline__ TokenLoads load_token(const int4* x, const TopkT* topk_idx, int t, int num_tokens,
+                                                 int num_topk, int hidden_int4) {
+    TokenLoads in{make_int4(0, 0, 0, 0), make_int4(0, 0, 0, 0), -1};
+    if (t >= num_tokens) return in;
+    if (warp_id() == 0 && lane_id() < num_topk) in.expert = (long long)topk_idx[(long long)t * num_topk + lane_id()];
+    const int4* row = x + (long long)t * hidden_int4;
+    if ((int)threadIdx.x < hidden_int4) in.first = ld_nc_v4(row + threadIdx.x);
+    if ((int)(threadIdx.x + blockDim.x) < hidden_int4) in.second = ld_nc_v4(row + threadIdx.x + blockDim.x);
+    return in;
+}
+
 // A token's message after its 16-byte header (unused): the FP8 bytes and
 // float scales, or the BF16 row, element by element to emit(byte offset in the message, value) for value int4,
-// uint2 or float. `first` is x_row[threadIdx.x] (loaded early by the caller, ahead of a barrier).
+// uint2 or float. `in.first` / `in.second` are x_row[threadIdx.x] and x_row[threadIdx.x + blockDim.x] (loaded early
+// by the caller, ahead of a barrier).
 // hidden % 512 == 0 for FP8: whole warps iterate together, 16 lanes per 128-channel group.
 template <bool kUseFP8, typename Emit>
-__device__ __forceinline__ void encode_token(int4 first, const int4* x_row, int hidden, bool round_scale, Emit emit) {
+__device__ __forceinline__ void encode_token(const TokenLoads& in, const int4* x_row, int hidden, bool round_scale,
+                                             Emit emit) {
     const int hidden_int4 = hidden / 8;
-    for (int i = threadIdx.x; i < hidden_int4; i += blockDim.x) {
-        const int4 v = i == (int)threadIdx.x ? first : ld_nc_v4(x_row + i);
+    for (int i = threadIdx.x, j = 0; i < hidden_int4; i += blockDim.x, ++j) {
+        const int4 v = j == 0 ? in.first : j == 1 ? in.second : ld_nc_v4(x_row + i);
         if constexpr (kUseFP8) {
             const unsigned w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
             float f[8];
@@ -340,23 +363,6 @@ __device__ __forceinline__ void send_counts(const int* hist_all, char* base, con
     }
 }
 
-// A token's first loads, issued before anything waits on memory (they start its message's critical path):
-// per thread x[t]'s int4 number threadIdx.x (zero past the row or the tokens), and in warp 0 lane k's expert
-// topk_idx[t][k] (-1 for k >= K; token_targets reads it).
-struct TokenLoads {
-    int4 first;
-    long long expert;
-};
-template <typename TopkT>
-__device__ __forceinline__ TokenLoads load_token(const int4* x, const TopkT* topk_idx, int t, int num_tokens,
-                                                 int num_topk, int hidden_int4) {
-    TokenLoads in{make_int4(0, 0, 0, 0), -1};
-    if (t >= num_tokens) return in;
-    if (warp_id() == 0 && lane_id() < num_topk) in.expert = (long long)topk_idx[(long long)t * num_topk + lane_id()];
-    if ((int)threadIdx.x < hidden_int4) in.first = ld_nc_v4(x + (long long)t * hidden_int4 + threadIdx.x);
-    return in;
-}
-
 // Dispatch, one token's message: its targets (warp 0), then every thread casts its part of the row and stores the
 // bytes straight from registers into every mapped destination (and the send slot for puts). The stores are issued,
 // not ordered: the caller's block barrier and the index entries' releases follow.
@@ -371,7 +377,7 @@ __device__ __forceinline__ void send_message(const int4* x, const TokenLoads& in
     __syncthreads();  // the targets are visible to the block
     stamp(stamps, kStampSendRouted);
     const int num_target = sh.num_target;
-    encode_token<kUseFP8>(in.first, x + (long long)t * hidden_int4, L.hidden, round_scale,
+    encode_token<kUseFP8>(in, x + (long long)t * hidden_int4, L.hidden, round_scale,
                           [&](long long offset, auto value) {
         for (int j = 0; j < num_target; ++j) *reinterpret_cast<decltype(value)*>(sh.target[j] + offset) = value;
     });
@@ -380,7 +386,7 @@ __device__ __forceinline__ void send_message(const int4* x, const TokenLoads& in
 // Dispatch, the destinations without an NVLink mapping: the message from this rank's send slot by NVSHMEM puts,
 // the warps split evenly over them, each warp one part of the row after the 16-byte header (the entries follow
 // once the puts are complete: each warp quiets its own). Kept out of line: only the put path calls it, and
-// inlined its NVSHMEM code would take registers from the 1024-thread kernel's common path.
+// inlined its NVSHMEM code would take registers from the kernel's common path.
 __device__ __noinline__ void put_message(char* base, const char* send_msg, long long recv_msg, int msg_int4,
                                          const DispatchShared& sh) {
     const int num_put = sh.num_put, warps_per_dest = kLLWarps / num_put, row_int4 = msg_int4 - 1;
@@ -585,7 +591,7 @@ __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* pr
                                                    int* packed_recv_src_info, bool use_ue8m0,
                                                    const LowLatencyLayout& L, const DeviceCtx* ctx,
                                                    long long* stamps) {
-    constexpr int kInFlight = 4, kMaxParts = 8;
+    constexpr int kInFlight = 8, kMaxParts = 8;  // 8 loads per lane: a unit (half a row at 512 threads) in one pass
     const int rows = hi - lo, R = L.num_ranks, rows_per_expert = R * L.num_max_tokens, lane = lane_id();
     if (rows <= 0) return true;
     const int parts = max(1, min(kMaxParts, kLLWarps / rows));

@@ -50,7 +50,7 @@ from .ll_handle import LowLatencyHandle
 from .reference import LOW_LATENCY_MAX_TOPK
 
 _FILE = "low_latency.cu"
-_THREADS = 1024                 # kLLThreads (dispatch)
+_THREADS = 512                  # kLLThreads (dispatch)
 _COMBINE_THREADS = 512          # kLLCombineThreads
 _COMBINE_CHUNKS = 2             # kCombineChunks
 
@@ -66,7 +66,7 @@ _SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv
 
 
 # The build option that compiles the phase stamps into low_latency.cu's kernels (without it they have none: the
-# stamps' branches and barriers cost registers the 1024-thread dispatch does not have to spare).
+# stamps' branches and barriers take registers from the kernels' common paths).
 STAMPS_OPTION = "-DCUPY_EP_LL_STAMPS=1"
 
 # low_latency.cu LLStamp, in order
