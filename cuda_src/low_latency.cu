@@ -66,8 +66,8 @@
 
 namespace ep {
 
-// The dispatch runs 512 threads per block (S17A/B: against 1024, the 0-token call 1.3-2.7 us shorter and the
-// 128-token kernel ~0.8 us shorter; its rows take two passes of the block, TokenLoads holds both first loads).
+// The dispatch runs 512 threads per block: against 1024 its kernel ends ~1 us earlier and a 0-token call costs ~1 us
+// less (docs/performance.md, session 17). A token's row takes two passes of the block (TokenLoads holds both).
 constexpr int kLLThreads = 512;
 constexpr int kLLWarps = kLLThreads / kWarpSize;
 // The combine runs 512 threads per block: 128 registers each (its owner loop spills at 64), and its token rows
