@@ -252,6 +252,15 @@ def _check_host_doc(doc):
         for key in ISSUE_RESULT + STEADY_RESULT:
             assert key in rec, key
         assert rec["time_us_steady"] is None  # the host backend has no device time
+    # the warm start's parts add up to the process's age (the rest is unaccounted_s, logged not hidden)
+    st = doc["startup"]
+    parts = ("process_age_at_main_s", "mpi_init_s", "gpu_probe_s", "buffer_sizes_s", "buffer_s",
+             "first_layout_dispatch_s")
+    for key in parts:
+        assert st[key] is not None and st[key] >= 0, key
+    if st["process_to_first_dispatch_s"] is not None:  # Linux /proc
+        assert st["unaccounted_s"] == pytest.approx(st["process_to_first_dispatch_s"] - sum(st[k] for k in parts))
+        assert st["warm_start_s"] == pytest.approx(st["process_to_first_dispatch_s"] - st["mpi_init_s"])
 
 
 @pytest.mark.mpi(min_size=2)  # the benchmark needs 2..8 ranks
