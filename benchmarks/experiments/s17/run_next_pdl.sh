@@ -1,6 +1,6 @@
 #!/bin/bash
 # Prepared in session 17 for the next device session (not run): programmatic dependent launch for the low-latency
-# calls. First the microbenchmark (pdl_gap.py: the gap between back-to-back kernels shaped like ours, with and
+# calls, and a copy-engine combine probe (issue 4). First the microbenchmarks (pdl_gap.py: the gap between back-to-back kernels shaped like ours, with and
 # without PDL, with and without the event pairs cupy_ep's calls put around a launch); then branch s17-pdl (in
 # .carry/vpdl: `git archive s17-pdl cupy_ep cuda_src tests pyproject.toml | tar x -C .carry/vpdl`): its LL tests,
 # soak and racecheck, and the LL benchmark with stamps against the checkout, alternating, twice each.
@@ -14,6 +14,8 @@ T="python3 -m pytest --with-mpi -p no:cacheprovider -q -rs --color=no --timeout=
 D=/tmp/pdl; mkdir -p $D
 pack() { tar czf $OUT/pdl.tgz -C /tmp pdl; }
 timeout 60 python3 benchmarks/experiments/s17/pdl_gap.py > $D/pdl_gap.log 2>&1; echo "pdl_gap rc=$?"; cat $D/pdl_gap.log; pack
+# issue 4's combine by copy engines: does a chunked cudaMemcpyAsync + flags + an SM reduce beat 206 us (179 = 0.90)?
+timeout 120 $M -n 2 python3 benchmarks/experiments/s17/ce_combine_probe.py > $D/ce_combine_probe.log 2>&1; echo "ce_combine_probe rc=$?"; cat $D/ce_combine_probe.log; pack
 V=$PWD/.carry/vpdl
 s=$(date +%s); (cd $V && PYTHONPATH=/tmp/site:$PWD timeout 170 $M -n 2 $T tests/gpu/test_low_latency.py tests/gpu/test_nvshmem.py tests/gpu/test_zz_low_latency_timeout.py) > $D/ll_tests.log 2>&1; echo "vpdl ll tests rc=$? $(( $(date +%s)-s ))s"; grep -a -E "passed|failed" $D/ll_tests.log | head -n 4; pack
 s=$(date +%s); (cd $V && CUPY_EP_TIMEOUT_S=15 PYTHONPATH=/tmp/site:$PWD timeout 60 $M -n 2 python3 -m cupy_ep.soak --mode low-latency --iters 1000) > $D/ll_soak.log 2>&1; echo "vpdl soak rc=$? $(( $(date +%s)-s ))s"; tail -n 1 $D/ll_soak.log; pack
