@@ -132,10 +132,10 @@ class Probe:
             if not copies:  # the reduce alone: every chunk already "in"
                 with self.reduce_stream:
                     self.flags.fill(np.int32(self.epoch))
-            self.reduce_k((blocks,), (512,), (self.own, self.recv, self.out, self.flags, np.int32(self.epoch),
-                                             np.int32(TOKENS), np.int32(rows_per_chunk), np.int32(ROW_BYTES // 16),
-                                             self.timeouts),
-                          stream=self.reduce_stream)
+            with self.reduce_stream:  # (RawKernel launches on the current stream)
+                self.reduce_k((blocks,), (512,), (self.own, self.recv, self.out, self.flags, np.int32(self.epoch),
+                                                 np.int32(TOKENS), np.int32(rows_per_chunk), np.int32(ROW_BYTES // 16),
+                                                 self.timeouts))
         used = self.copy_streams[:streams]
         for s in used:
             s.wait_event(start)
@@ -152,7 +152,8 @@ class Probe:
                 if rc != 0:
                     raise RuntimeError(f"cuStreamWriteValue32_v2 returned {rc}")
             else:
-                self.flag_k((1,), (1,), (np.uint64(self.peer_flags + 4 * c), np.int32(self.epoch)), stream=s)
+                with s:
+                    self.flag_k((1,), (1,), (np.uint64(self.peer_flags + 4 * c), np.int32(self.epoch)))
         for s in used + ([self.reduce_stream] if reduce else []):
             self.main.wait_event(s.record())
         return start, self.main.record()
