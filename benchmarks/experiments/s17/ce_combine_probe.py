@@ -173,6 +173,7 @@ class Probe:
         """The combine's output against numpy (own + what the peer sent): "" when right on both ranks, else why.
         Every rank returns the same answer (an error on one rank does not leave the other in a collective)."""
         self.out.fill(0)
+        self.timeouts.fill(0)
         cupy.cuda.runtime.deviceSynchronize()
         self.comm.Barrier()
         try:
