@@ -280,6 +280,7 @@ class LowLatencyBench:
             if not 0 <= T <= self.M:
                 self.log(f"  (token sweep: T={T} skipped: needs 0 <= T <= max tokens {self.M})")
                 continue
+            started = time.perf_counter()
             x_np, idx_np, w_np = self.inputs(T)
             x, idx, w = _bf16_dev(x_np), cupy.asarray(idx_np), cupy.asarray(w_np)
             handle = buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True)[2]
@@ -287,6 +288,8 @@ class LowLatencyBench:
             self.time_ops(timer, runs, T, ("steady",), with_nccl=T > 0)
             if getattr(a, "ll_stamps", False):  # where a call's time goes at this T too (T = 0: the fixed cost)
                 self.phases(runs, T, flush=timer.flush)
+            # (what each size costs in wall time, to plan device sessions: each took ~20 s in S17B)
+            self.log(f"  (token sweep T={T}: {time.perf_counter() - started:.1f} s)")
 
     def run(self):
         import cupy
