@@ -60,6 +60,8 @@ def combine_stage_bytes(num_topk: int) -> int:
     entry): kLLCombineThreads x kCombineChunks x K x 16 (180 KB at K = 11, with the kernel's ~19 KB of static
     shared memory under the 227 KB a block may have)."""
     return _COMBINE_THREADS * _COMBINE_CHUNKS * num_topk * 16
+
+
 _WORKSPACE_INTS = 32 + _config.LL_MAX_RANKS  # kWsMetaReaders + meta readers (below: buffer index, epochs)
 WS_EPOCH = 4                    # kWsEpoch: per buffer, the dispatches whose receive phase finished
 _SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv

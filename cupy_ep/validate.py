@@ -267,7 +267,6 @@ def check_low_latency_handle(handle, num_ranks: int, check_values: bool, device=
     return interop.unwrap(src_info), raw_range, max_tokens, hidden, num_experts
 
 
-
 def check_low_latency_slots(handle, topk_idx, max_tokens: int, check_values: bool, device=None):
     """The raw ``topk_slots`` ``[T, K] int32`` a low-latency combine finds its rows by (the dispatch's slot of each
     top-k entry of this rank: :class:`cupy_ep.ll_handle.LowLatencyHandle`), after checking that ``handle``

@@ -6,11 +6,7 @@
 # soak and racecheck, and the LL benchmark with stamps against the checkout, alternating, twice each.
 # Run from the repository root with the pytest-mpi wheel in .carry/wheels (see benchmarks/results/gpu_tests_h200x2.md).
 set -u
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
-export NVSHMEM_REMOTE_TRANSPORT=none PYTHONUNBUFFERED=1 CUPY_EP_CACHE_DIR=/tmp/epc CUPY_EP_TEST_TIMEOUT_S=15
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/wheels/*.whl >/dev/null 2>&1
-M="mpirun --oversubscribe --bind-to none"
-T="python3 -m pytest --with-mpi -p no:cacheprovider -q -rs --color=no --timeout=100 --timeout-method=thread"
+source benchmarks/experiments/device_env.sh  # exports, $M, $T
 D=/tmp/pdl; mkdir -p $D
 pack() { tar czf $OUT/pdl.tgz -C /tmp pdl; }
 timeout 60 python3 benchmarks/experiments/s17/pdl_gap.py > $D/pdl_gap.log 2>&1; echo "pdl_gap rc=$?"; cat $D/pdl_gap.log; pack
