@@ -1,5 +1,5 @@
 """The gap between back-to-back kernels shaped like the low-latency ones, with and without programmatic dependent
-launch (PDL). Not run yet: prepared in session 17 for the next device session (one GPU is enough).
+launch (PDL). Prepared in session 17; first run in session 18 (one GPU is enough).
 
 Why: a 0-token low-latency dispatch is ~4.7 us of kernel (stamps) but 7.0-7.8 us per call in the steady timing,
 so ~2.5-3 us of every call sits between kernels. PDL (``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``
@@ -13,7 +13,9 @@ block end, so the gap between kernel i's last end and kernel i+1's first start i
 
 Variants: ``plain`` (cuLaunchKernelEx without attributes, one stream); ``pdl`` (the attribute, every kernel
 waits first and triggers its dependents at its start); ``pdl_no_trigger`` (the attribute and the wait, no
-trigger: the implicit trigger at block exit); ``events`` and ``pdl_events`` (each launch on a second stream
+trigger: the implicit trigger at block exit); ``pdl_after_plain`` (plain and PDL launches alternate, only a
+plain kernel's end -> the next PDL kernel's start counted: the low-latency call after a model's kernel or the
+steady timing's L2 flush); ``events`` and ``pdl_events`` (each launch on a second stream
 bracketed by event record / wait pairs with the capturing stream, as cupy_ep's calls do: comm stream waits for
 the compute stream, launch, compute waits for the comm stream).
 
@@ -86,8 +88,10 @@ def launch(function_ptr: int, grid: int, block: int, smem: int, stream, params, 
 
 
 def run_variant(kernel, name: str, n: int, busy_ns: int, reps: int, sms: int):
-    pdl = name.startswith("pdl")
-    mode = {"plain": 0, "events": 0, "pdl": 3, "pdl_events": 3, "pdl_no_trigger": 1}[name]
+    # pdl_after_plain: every other kernel is a plain launch that never waits or triggers (as the steady timing's
+    # L2 flush before each op, or a model's own kernel), the next one a PDL launch; only those pairs are measured.
+    alternate = name == "pdl_after_plain"
+    mode = {"plain": 0, "events": 0, "pdl": 3, "pdl_events": 3, "pdl_no_trigger": 1, "pdl_after_plain": 1}[name]
     with_events = name.endswith("events")
     compute = cupy.cuda.Stream(non_blocking=True)
     comm = cupy.cuda.Stream(non_blocking=True)
@@ -97,7 +101,9 @@ def run_variant(kernel, name: str, n: int, busy_ns: int, reps: int, sms: int):
 
     def body():
         for i in range(n):
-            params = [ctypes.c_void_p(stamps.data.ptr), ctypes.c_int(i), ctypes.c_longlong(busy_ns), ctypes.c_int(mode)]
+            pdl = name.startswith("pdl") and (not alternate or i % 2 == 1)
+            params = [ctypes.c_void_p(stamps.data.ptr), ctypes.c_int(i), ctypes.c_longlong(busy_ns),
+                      ctypes.c_int(mode if pdl else 0)]
             keep.append(params)
             if with_events:
                 fork.record(compute)
@@ -111,14 +117,17 @@ def run_variant(kernel, name: str, n: int, busy_ns: int, reps: int, sms: int):
     compute.begin_capture()
     body()
     graph = compute.end_capture()
+    pairs = np.arange(1, n)  # measured gaps: kernel i-1's end -> kernel i's start, for these i
+    if alternate:
+        pairs = pairs[pairs % 2 == 1]
     times, gaps, waits = [], [], []
     with compute:  # the stamps' resets in stream order with the replays
         for r in range(reps + 3):
-            replay(graph, compute, stamps, r >= 3, n, times, gaps, waits)
+            replay(graph, compute, stamps, r >= 3, n, pairs, times, gaps, waits)
     return np.median(times), np.median(gaps), np.median(waits)
 
 
-def replay(graph, compute, stamps, record: bool, n: int, times, gaps, waits) -> None:
+def replay(graph, compute, stamps, record: bool, n: int, pairs, times, gaps, waits) -> None:
     stamps.fill(np.iinfo(np.uint64).max)
     stamps[:, 2] = 0
     start = compute.record()
@@ -129,8 +138,8 @@ def replay(graph, compute, stamps, record: bool, n: int, times, gaps, waits) -> 
         return
     times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / n)
     s = stamps.get().astype(np.int64)
-    gaps.append(np.median(s[1:, 0] - s[:-1, 2]) / 1e3)     # next grid's first start - this grid's last end
-    waits.append(np.median(s[1:, 1] - s[:-1, 2]) / 1e3)    # next grid past its wait - this grid's last end
+    gaps.append(np.median(s[pairs, 0] - s[pairs - 1, 2]) / 1e3)   # next grid's first start - this grid's last end
+    waits.append(np.median(s[pairs, 1] - s[pairs - 1, 2]) / 1e3)  # next grid past its wait - this grid's last end
 
 
 def main():
@@ -146,7 +155,7 @@ def main():
     print(f"{sms} blocks x 512 threads, {SMEM // 1024} KB dynamic shared memory, {a.n} kernels per graph, "
           f"busy {a.busy_us} us each, {a.reps} replays; us per kernel (median) / gap last end -> next first "
           f"start / last end -> next past its wait")
-    for name in ("plain", "pdl", "pdl_no_trigger", "events", "pdl_events"):
+    for name in ("plain", "pdl", "pdl_no_trigger", "pdl_after_plain", "events", "pdl_events"):
         try:
             t, g, w = run_variant(kernel, name, a.n, int(a.busy_us * 1000), a.reps, sms)
             print(f"  {name:15s} {t:7.2f} us per kernel  gap {g:6.2f} us  wait released {w:6.2f} us", flush=True)
