@@ -1,0 +1,25 @@
+#!/bin/bash
+# Prepared in session 18 for the next device session (kind nvidia-h200-x2; not run). In order of value:
+#  1. racecheck and synccheck over the LL soak (the combine's buffer check moved before the block split in
+#     8f1af6a; racecheck last ran on a82c642's kernels), and the LL soak at one rank (EP1, new in session 18);
+#  2. issue 4's copy-engine combine probe (benchmarks/experiments/s17/ce_combine_probe.py: does a chunked
+#     cudaMemcpyAsync + flags + an SM reduce beat the kernel's 206 us, 179 = 0.90 of the ceiling?);
+#  3. tests/gpu at 4 ranks (2 per GPU) and the intranode file at 8 (not run since session 17);
+#  4. the normal-mode results benchmark (scripts/bench.sh): the warm-start split (gpu_probe_s, buffer_sizes_s,
+#     unaccounted_s) has never run on a GPU.
+# Run from the repository root with the pytest-mpi wheel in .carry/wheels: `bash run_next.sh` runs 1-3 (~7 min),
+# `bash run_next.sh bench` runs 4 alone (a call of its own: the benchmark takes minutes).
+set -u
+source benchmarks/experiments/device_env.sh  # exports, $M, $T
+export PYTHONPATH=/tmp/site:$PWD
+D=/tmp/next; mkdir -p $D
+pack() { tar czf $OUT/next.tgz -C /tmp next; }
+run() { local name=$1 lim=$2; shift 2; s=$(date +%s); timeout $lim "$@" > $D/$name.log 2>&1; echo "$name rc=$? $(( $(date +%s)-s ))s"; grep -a -h -E "passed|failed|mismatches|SUMMARY" $D/$name.log | sort | uniq -c | tail -n 4; pack; }
+if [ "${1:-}" = bench ]; then run bench 560 bash scripts/bench.sh --out $D/bench; exit; fi
+for tool in racecheck synccheck; do
+  (export CUPY_EP_TIMEOUT_S=60; run san_${tool}_ll 100 $M -n 2 compute-sanitizer --tool $tool --error-exitcode 3 --print-limit 20 python3 -m cupy_ep.soak --mode low-latency --iters 8 --check-every 1)
+done
+(export CUPY_EP_TIMEOUT_S=15; run ll_soak_1rank 60 $M -n 1 python3 -m cupy_ep.soak --mode low-latency --iters 1000)
+run ce_combine_probe 120 $M -n 2 python3 benchmarks/experiments/s17/ce_combine_probe.py
+run gpu4 150 $M -n 4 $T tests/gpu
+run intranode8 120 $M -n 8 $T tests/gpu/test_intranode.py
