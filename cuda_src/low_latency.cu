@@ -96,14 +96,20 @@ constexpr bool kStampsBuilt = false;
 //   dispatch: routed = the last token's destinations known; prepared = histograms built; encoded = its bytes
 //             stored; written = thread 0 past its index entry (released); recv_prepared = the counts read and
 //             prefixed; recv_first_data = the block's first row in.
+//             The receive side's first row, finer (session 18: at one rank it comes 1.7 us after the prefix
+//             although every entry is released before it): recv_copy_start = the warp of the block's first unit
+//             starts waiting for its row (past the per-expert outputs); recv_row_seen = its lane 0 has the row's
+//             index entry (recv_first_data follows after the warp's shuffle and __syncwarp). send_first_stored =
+//             thread 0's part of the block's first message stored (before the histograms).
 //   combine:  prepared = the own tokens' partials flagged (hook mode); routed = the first remote owner's meta in;
 //             encoded = the last partial row stored; written = its flag sent; recv_prepared = the block's own
 //             partials computed (one launch); recv_first_data = the first token's partials in.
-constexpr int kLLStamps = 10;
+constexpr int kLLStamps = 13;
 enum LLStamp : int {
     kStampSendStart = 0, kStampSendPrepared = 1, kStampSendRouted = 2, kStampSendEncoded = 3,
     kStampSendWritten = 4, kStampSendEnd = 5, kStampRecvStart = 6, kStampRecvPrepared = 7,
-    kStampRecvFirstData = 8, kStampRecvEnd = 9,
+    kStampRecvFirstData = 8, kStampRecvEnd = 9, kStampSendFirstStored = 10, kStampRecvCopyStart = 11,
+    kStampRecvRowSeen = 12,
 };
 __device__ __forceinline__ void stamp_by(long long* stamps, int which, bool writer) {
     if (kStampsBuilt && stamps != nullptr && writer) stamps[blockIdx.x * kLLStamps + which] = (long long)globaltimer_ns();
@@ -428,6 +434,7 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_sl
     if ((int)blockIdx.x < num_tokens)
         send_message<kUseFP8>(x, first, blockIdx.x, round_scale, base + L.send_offset(buffer_idx), recv, L, rank,
                               sh, stamps);
+    stamp(stamps, kStampSendFirstStored);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
     build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
     stamp(stamps, kStampSendPrepared);  // build_histograms ends with a block barrier
@@ -603,7 +610,9 @@ __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* pr
         const int j = u / parts, part = u - j * parts, row = lo + j;
         const int pair = pair_of_row(prefix, n, row), s = pair % R, e = pair / R;
         int token = 0;
+        if (u == 0) stamp_by(stamps, kStampRecvCopyStart, lane == 0);
         if (lane == 0) token = wait_row(row, pair, s, prefix, recv, epoch, L, ctx);
+        if (u == 0) stamp_by(stamps, kStampRecvRowSeen, lane == 0);
         token = __shfl_sync(0xffffffffu, token, 0);
         __syncwarp();  // the message's bytes are read after lane 0's acquire of its entry
         if (token < 0) return false;  // uniform over the warp

@@ -73,7 +73,8 @@ STAMPS_OPTION = "-DCUPY_EP_LL_STAMPS=1"
 
 # low_latency.cu LLStamp, in order
 STAMP_NAMES = ("send_start", "send_prepared", "send_routed", "send_encoded", "send_written", "send_end",
-               "recv_start", "recv_prepared", "recv_first_data", "recv_end")
+               "recv_start", "recv_prepared", "recv_first_data", "recv_end", "send_first_stored", "recv_copy_start",
+               "recv_row_seen")
 
 
 def phase_breakdown(stamps, stat=np.median) -> dict:
