@@ -341,6 +341,90 @@ def test_hook_zero_copy_out_and_alternating_buffers(comm, ll_buf, force_put):
     assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
 
 
+_SLOW_FILL = r"""
+extern "C" __global__ void slow_fill(unsigned short* x, long long n, unsigned short value, long long spin_ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (unsigned long long)spin_ns);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] = value;
+}
+"""
+
+
+def _bf16_bits(v: float) -> int:
+    return int(np.array(v, np.float32).view(np.uint32)) >> 16  # exact for the small integers used here
+
+
+@pytest.mark.parametrize("hook,two_streams", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["one-launch", "hook", "one-launch-two-streams", "hook-two-streams"])
+def test_calls_are_ordered_after_the_kernels_before_them(comm, ll_buf, hook, two_streams):
+    """Each round a slow kernel on 8 blocks (it spins 50 us first, leaving most SMs free) fills x, then the
+    expert outputs, right before the dispatch and the combine on the caller's stream, with no sync between:
+    every received row must hold this round's value and every combined row the round's sum. Calls without a
+    hook launch on the caller's stream itself, hooks' phases on the comm stream behind it. With two streams
+    the dispatch runs under one non-blocking stream and the combine under another, and the host waits for the
+    combine's stream only: the combine must still follow the dispatch (it reads the dispatch's handle, and two
+    low-latency kernels must never run at once), and the next round's dispatch the combine."""
+    import cupy
+    rank, R = comm.Get_rank(), comm.Get_size()
+    T, H, K, L = 64, 2048, 8, 8
+    E = L * R
+    fill = cupy.RawKernel(_SLOW_FILL, "slow_fill")
+    rng = np.random.default_rng([5, rank])
+    idx = cupy.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64))
+    w = cupy.full((T, K), 1.0 / K, dtype=cupy.float32)  # the combine's sum is the rows' value, exactly
+    x = cupy.zeros((T, H), dtype=cupy.uint16).view(cupy_ep.interop.BF16)
+    y = cupy.zeros((L, R * MAX_TOKENS, H), dtype=cupy.uint16).view(cupy_ep.interop.BF16)
+    cupy.cuda.runtime.deviceSynchronize()
+    streams = ((cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)) if two_streams
+               else (cupy.cuda.get_current_stream(),) * 2)
+    errors: list = []
+    for i in range(6):
+        value = 4 * i + rank + 1          # this round's rows from this rank
+        expected = {_bf16_bits(4 * i + r + 1) for r in range(R)}
+
+        def dispatch():
+            with streams[0]:
+                fill((8,), (256,), (x.view(cupy.uint16), np.int64(x.size), np.uint16(_bf16_bits(value)),
+                                    np.int64(50_000)))
+                recv_x, count, handle, _, h = ll_buf.low_latency_dispatch(x, idx, MAX_TOKENS, E, use_fp8=False,
+                                                                          return_recv_hook=hook)
+                if hook:
+                    h()
+                return recv_x, count, handle
+
+        def combine():
+            with streams[1]:
+                fill((8,), (256,), (y.view(cupy.uint16), np.int64(y.size), np.uint16(_bf16_bits(value + 64)),
+                                    np.int64(50_000)))
+                out, _, h = ll_buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook)
+                if hook:
+                    h()
+                streams[1].synchronize()  # only the combine's stream: the dispatch's must be done too
+                return out
+
+        recv_x, count, handle = _step(ll_buf, comm, f"round {i}: dispatch", dispatch)
+        out = _step(ll_buf, comm, f"round {i}: combine", combine)
+        with streams[1]:
+            got, n, got_c = to_numpy(recv_x).view(np.uint16), to_numpy(count), to_numpy(out).view(np.uint16)
+        for e in range(L):
+            seen = set(np.unique(got[e, :n[e]]).tolist())
+            if not seen <= expected:
+                errors.append(f"round {i}: expert {e} received values {sorted(seen - expected)[:4]} (bf16 bits), "
+                              f"expected only this round's {sorted(expected)}")
+        # each token's 8 entries: its experts' ranks send value(r) + 64 rows weighted 1/8 each
+        owners = to_numpy(idx) // L
+        # (multiples of 1/8 below 128: exact in fp32 and in the 24-bit partials, whatever the order; one rounding
+        # to bf16, to nearest even, as the kernel's)
+        want = np.array([sum(4 * i + r + 1 + 64 for r in row) / K for row in owners], np.float32)
+        want_bits = want.astype(reference.bfloat16).view(np.uint16)
+        if not np.array_equal(got_c, np.repeat(want_bits[:, None], H, axis=1)):
+            errors.append(f"round {i}: combined rows differ from this round's weighted sums")
+    cupy.cuda.runtime.deviceSynchronize()
+    assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors[:4]}"
+
+
 def test_dispatch_epoch_wraps_past_zero(comm, ll_buf):
     """The dispatch tells this call's counts, index entries and flags from older ones by the buffer's epoch, counted
     on the device. Started 3 dispatches before its int32 count wraps to -1 (epoch 0, the value of zeroed memory),
