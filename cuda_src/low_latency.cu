@@ -1132,7 +1132,6 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
                              int* workspace, const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh,
                              bool own_in_recv, Blocks blocks, long long* stamps) {
     stamp(stamps, kStampSendStart);
-    check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
     combine_send_meta(own, topk_weights, num_tokens, num_topk, bf16, base, peer_bases, L, buffer_idx, ctx, blocks);
     combine_reduce(x, zero_copy, layout_range, own, topk_weights, num_tokens, num_topk, bf16, base, peer_bases,
                    L, buffer_idx, workspace + kWsMetaReaders, ctx, begin, stage, sh, own_in_recv, blocks, stamps);
@@ -1247,6 +1246,9 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     char* b = static_cast<char*>(base);
     const OwnEntries<TopkT> own{topk_idx, topk_slots, num_experts};
     if (threadIdx.x == 0) sh.failed = 0;
+    // Here, not in combine_send: with one rank the split below leaves no expert-side block, and a combine that
+    // did not record its buffer made the next dispatch report a reuse (S18, the LL tests at one rank).
+    if (phases & kPhaseSend) check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
     __syncthreads();
     const bool own_in_recv = (phases & kPhaseSend) && (phases & kPhaseRecv), bf16 = bf16_partials != 0;
     if (own_in_recv && gridDim.x >= 2) {
