@@ -302,7 +302,11 @@ class Kernel:
         self._module = module        # keeps the CUmodule alive
         self._function = function
         self.name = name
-        self._smem_limit = 48 * 1024
+        # The dynamic shared memory the function may take (its MAX_DYNAMIC_SHARED_SIZE_BYTES, set on demand).
+        # Without the attribute, static + dynamic must fit in 48 KB, so it is set for any dynamic size, not only
+        # above 48 KB: the low-latency combine (~19 KB static) failed to launch with 32-48 KB dynamic (top-k 2-3)
+        # as its first call (CUDA_ERROR_INVALID_VALUE, found in S18).
+        self._smem_limit = 0
 
     def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
         if shared_mem > self._smem_limit:
