@@ -365,9 +365,10 @@ def _bf16_bits(v: float) -> int:
 def test_calls_are_ordered_after_the_kernels_before_them(comm, ll_buf, hook, two_streams):
     """Each round a slow kernel on 8 blocks (it spins 50 us first, leaving most SMs free) fills x, then the
     expert outputs, right before the dispatch and the combine on the caller's stream, with no sync between:
-    every received row must hold this round's value and every combined row the round's sum (the calls run on the
-    comm stream, which waits for the caller's stream before each launch). With two streams
-    the dispatch runs under one non-blocking stream and the combine under another, and the host waits for the
+    every received row must hold this round's value and every combined row the round's sum. Calls without a
+    hook launch on the caller's stream itself, hooks' phases on the comm stream behind it (with
+    CUPY_EP_LL_COMM_STREAM=1 every call runs on the comm stream, which waits for the caller's stream). With two
+    streams the dispatch runs under one non-blocking stream and the combine under another, and the host waits for the
     combine's stream only: the combine must still follow the dispatch (it reads the dispatch's handle, and two
     low-latency kernels must never run at once), and the next round's dispatch the combine."""
     import cupy
