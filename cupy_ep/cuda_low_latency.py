@@ -148,8 +148,9 @@ class LowLatencyState:
         self.nvlink_peers = cupy.asarray(peers)
         self.no_peers = cupy.zeros(buf.num_ranks, dtype=cupy.uint64)
         self.force_put = os.environ.get("CUPY_EP_LL_FORCE_PUT", "0") not in ("", "0")
-        # Calls with both phases and no async_finish launch on the caller's stream: the comm stream's event pair
-        # cost ~1.1 us per call (S18A: 1.95 us between two kernels against 0.83 on one stream).
+        # Calls with both phases and no async_finish launch on the caller's stream: without the comm stream's
+        # event pair a call costs 4-9 us less host time (S18B/S18E benchmark; the device time did not move
+        # measurably, though the pair cost 1.1 us between two bare kernels in S18A's microbenchmark).
         # CUPY_EP_LL_COMM_STREAM=1 puts every call on the comm stream, as before (for A/B timing).
         self.direct = direct_launch_enabled()
         self.last_stream = None  # where the previous low-latency kernel was launched (ordering across streams)
@@ -240,7 +241,8 @@ class LowLatencyState:
         """Launch; returns the EventOverlap.
 
         A call with both phases and no async_finish runs on the caller's stream itself: it is ordered after the
-        caller's kernels by the stream, and an event pair to the comm stream and back costs ~1.1 us a call.
+        caller's kernels by the stream, and the event pair to the comm stream and back costs host time (4-9 us
+        a call, S18).
         Async calls and a hook's two phases run on the communication stream bracketed by the caller's stream,
         as the normal-mode calls do (the hook's receive phase may run under another current stream than its
         send phase; the comm stream keeps them in order). Either way the kernel waits for the previous
@@ -430,7 +432,8 @@ class LowLatencyState:
 
         def args(phases):
             return (raw_out, raw_x, layout_range, raw_idx, slots, raw_w, np.int32(num_tokens), np.int32(num_topk),
-                    np.int32(zero_copy), np.int32(bf16_partials)) + common + (np.int32(phases), self.stamps_of("combine"), self.buf._ctx)
+                    np.int32(zero_copy), np.int32(bf16_partials)) + common + \
+                   (np.int32(phases), self.stamps_of("combine"), self.buf._ctx)
         keep = (raw_x, raw_idx, slots, raw_w, raw_out, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         smem = combine_stage_bytes(num_topk)
