@@ -6,7 +6,8 @@
 #     cudaMemcpyAsync + flags + an SM reduce beat the kernel's 206 us, 179 = 0.90 of the ceiling?);
 #  3. the LL benchmark with stamps at two ranks and at one (cfee17d's finer stamps split the 1.7 us between the
 #     counts' prefix and the first row: recv_copy_start, recv_row_seen; and the histograms: send_first_stored);
-#     then tests/gpu at 4 ranks (2 per GPU) and the intranode file at 8 (not run since session 17);
+#     where a call's host time goes (ll_host_profile.py, cProfile; 55-100 us per call now), then tests/gpu at
+#     4 ranks (2 per GPU) and the intranode file at 8 (not run since session 17);
 #  4. the normal-mode results benchmark (scripts/bench.sh): the warm-start split (gpu_probe_s, buffer_sizes_s,
 #     unaccounted_s) has never run on a GPU.
 # Run from the repository root with the pytest-mpi wheel in .carry/wheels. `bash run_next.sh` runs 1-3 (~7.5 min
@@ -28,5 +29,7 @@ run llb_stamps2 120 $M -n 2 python3 -m cupy_ep.bench --mode low-latency --ll-sta
 grep -a "phases" $D/llb_stamps2.log | head -4
 run llb_stamps1 120 $M -n 1 python3 -m cupy_ep.bench --mode low-latency --ll-stamps --out $D/llb1
 grep -a "phases" $D/llb_stamps1.log | head -4
+run ll_host_profile 90 $M -n 1 python3 benchmarks/experiments/s18/ll_host_profile.py
+grep -a -A 12 "^== " $D/ll_host_profile.log | head -30
 run gpu4 150 $M -n 4 $T tests/gpu
 run intranode8 120 $M -n 8 $T tests/gpu/test_intranode.py
