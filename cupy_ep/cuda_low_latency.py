@@ -266,10 +266,10 @@ class LowLatencyState:
         last = self.last_stream
         if last is None or last.ptr == stream.ptr or (also_skip is not None and last.ptr == also_skip.ptr):
             return
-        capturing = _is_capturing(stream)
+        capturing = bool(stream.is_capturing())
         if capturing and last.ptr in _LEGACY_STREAMS:
             return  # never in a capture, and querying it during a global-mode capture is an error
-        if capturing != _is_capturing(last):
+        if capturing != bool(last.is_capturing()):
             return
         stream.wait_event(last.record())
 
@@ -535,10 +535,6 @@ def direct_launch_enabled() -> bool:
 
 
 _LEGACY_STREAMS = (0, 1)  # the legacy default stream's handles (0, cudaStreamLegacy)
-
-
-def _is_capturing(stream) -> bool:
-    return bool(stream.is_capturing())
 
 
 def check_ll_experts(num_experts: int) -> None:
