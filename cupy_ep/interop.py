@@ -100,6 +100,25 @@ def device_of(x) -> int | None:
     return None
 
 
+def array_signature(x):
+    """Everything :func:`cupy_ep.validate.check_array` reads of ``x``, as a tuple that compares equal only for
+    arrays it would treat alike: the type (its library; for torch ``device`` says whether it is on the GPU), the
+    dtype, the shape, whether it is C-contiguous and the device. None for None; for anything that is not a CuPy
+    array or torch tensor a fresh object, equal to nothing (those never pass the GPU checks anyway).
+
+    Why: a low-latency call remembers the signature of the last arguments that passed its checks and skips them
+    when the next call's signature is the same (host time per call, :mod:`cupy_ep.cuda_low_latency`), so this must
+    cost far less than the checks: attributes only, no string work."""
+    if x is None:
+        return None
+    lib = _lib(x)
+    if lib == "cupy":
+        return type(x), x.dtype, x.shape, x.flags.c_contiguous, x.data.device_id
+    if lib == "torch":
+        return type(x), x.dtype, x.shape, x.is_contiguous(), x.device
+    return object()
+
+
 def raw_dtype(name: str) -> np.dtype:
     try:
         return _RAW[name]
