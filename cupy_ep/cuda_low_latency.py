@@ -65,6 +65,9 @@ def combine_stage_bytes(num_topk: int) -> int:
 _WORKSPACE_INTS = 32 + _config.LL_MAX_RANKS  # kWsMetaReaders + meta readers (below: buffer index, epochs)
 WS_EPOCH = 4                    # kWsEpoch: per buffer, the dispatches whose receive phase finished
 _SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv
+# The int32 kernel arguments that take a few values (a flag, a buffer index, the phases), made once: a numpy scalar
+# costs ~0.15 us of host time to create, and a call passes about ten.
+_INT32_ARGS = tuple(np.int32(i) for i in range((_SEND | _RECV) + 1))
 
 
 # The build option that compiles the phase stamps into low_latency.cu's kernels (without it they have none: the
@@ -220,13 +223,25 @@ class LowLatencyState:
             self.clean(max_tokens, hidden, num_experts)
         return lay
 
+    # Every call needs the layout and the shape's kernel arguments of its (M, H, E); computing them costs a few us of
+    # host time, so the last shape's are kept: (key, value), class defaults for states made without __init__.
+    _last_layout: tuple | None = None
+    _last_shape_args: tuple | None = None
+
     def layout(self, max_tokens: int, hidden: int, num_experts: int) -> dict:
+        """The (M, H, E) layout (:func:`cupy_ep.config.low_latency_layout`), checked against the buffer's size. The
+        last shape's dict is kept and returned again: read it, do not change it."""
+        key = (max_tokens, hidden, num_experts)
+        last = self._last_layout
+        if last is not None and last[0] == key:
+            return last[1]
         lay = _config.low_latency_layout(max_tokens, hidden, self.buf.num_ranks, num_experts)
         if lay["total_bytes"] > self.num_bytes:
             raise ValueError(f"num_rdma_bytes: {self.num_bytes} bytes are too few for "
                              f"num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, "
                              f"num_experts={num_experts} (needs {lay['total_bytes']}; use "
                              "Buffer.get_low_latency_rdma_size_hint)")
+        self._last_layout = (key, lay)
         return lay
 
     def next_index(self) -> int:
@@ -234,8 +249,15 @@ class LowLatencyState:
         return index
 
     def common_args(self, index: int, max_tokens: int, hidden: int, num_experts: int):
-        return (np.uint64(self.base), self.peer_bases, np.int32(index), np.int32(max_tokens), np.int32(hidden),
-                np.int32(num_experts), self.workspace)
+        """The kernel arguments every low-latency kernel takes (buffer, peers, buffer index, M, H, E, workspace);
+        the numpy scalars of the last (M, H, E) are kept."""
+        key = (max_tokens, hidden, num_experts)
+        last = self._last_shape_args
+        if last is None or last[0] != key:
+            last = self._last_shape_args = (key, (np.uint64(self.base), np.int32(max_tokens), np.int32(hidden),
+                                                  np.int32(num_experts)))
+        base, m, h, e = last[1]
+        return (base, self.peer_bases, _INT32_ARGS[index], m, h, e, self.workspace)
 
     def run(self, kind, name: str, args_for_phases, phases: int, async_finish: bool, keep, shared_mem: int = 0):
         """Launch; returns the EventOverlap.
@@ -442,8 +464,8 @@ class LowLatencyState:
         def args(phases):
             return (recv_x, scales, count, src_info, layout_range, raw_stats, raw_x, raw_idx, slots,
                     np.int32(num_tokens),
-                    np.int32(raw_idx.shape[1]), np.int32(round_scale), np.int32(use_ue8m0)) + common + \
-                   (np.int32(phases), self.stamps_of("dispatch"), self.buf._ctx)
+                    np.int32(raw_idx.shape[1]), _INT32_ARGS[round_scale], _INT32_ARGS[use_ue8m0]) + common + \
+                   (_INT32_ARGS[phases], self.stamps_of("dispatch"), self.buf._ctx)
         keep = (raw_x, raw_idx, raw_stats, recv_x, scales, count, src_info, layout_range, slots)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         event = self.run(kind, name, args, phases, async_finish, keep)
@@ -482,8 +504,8 @@ class LowLatencyState:
 
         def args(phases):
             return (raw_out, raw_x, layout_range, raw_idx, slots, raw_w, np.int32(num_tokens), np.int32(num_topk),
-                    np.int32(zero_copy), np.int32(bf16_partials)) + common + \
-                   (np.int32(phases), self.stamps_of("combine"), self.buf._ctx)
+                    _INT32_ARGS[zero_copy], _INT32_ARGS[bf16_partials]) + common + \
+                   (_INT32_ARGS[phases], self.stamps_of("combine"), self.buf._ctx)
         keep = (raw_x, raw_idx, slots, raw_w, raw_out, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         smem = combine_stage_bytes(num_topk)
