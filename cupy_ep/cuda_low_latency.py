@@ -31,14 +31,17 @@ Decisions (research/deepep.md §1.8, §4 is the model):
 * peers reachable over NVLink (``nvshmem_ptr`` != 0) get direct stores, others NVSHMEM puts.
   ``CUPY_EP_LL_FORCE_PUT=1`` (or ``state.force_put = True``) sends everything through puts (tests use it to
   cover both paths on one NVLink box);
-* outputs are fresh arrays allocated on the caller's stream (capturable: CuPy's pool is stream-ordered); the
-  combine's ``zero_copy`` buffer is the send region of the buffer the next call uses;
+* outputs are fresh arrays allocated on the caller's stream (capturable: CuPy's pool is stream-ordered); a
+  dispatch's come from two allocations (:func:`carve`): recv_x with its scales, and the count with the handle's
+  arrays, each kept alive by any of its arrays; the combine's ``zero_copy`` buffer is the send region of the buffer
+  the next call uses;
 * ``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats`` are checked and left unchanged (as the
   host backend), ``use_logfmt`` raises NotImplementedError; a token naming one expert more than M times
   in total (only possible with duplicate top-k entries) loses the rows past M.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -60,6 +63,26 @@ def combine_stage_bytes(num_topk: int) -> int:
     entry): kLLCombineThreads x kCombineChunks x K x 16 (180 KB at K = 11, with the kernel's ~19 KB of static
     shared memory under the 227 KB a block may have)."""
     return _COMBINE_THREADS * _COMBINE_CHUNKS * num_topk * 16
+
+
+_UINT8, _UINT16, _INT32, _INT64, _FLOAT32 = map(np.dtype, (np.uint8, np.uint16, np.int32, np.int64, np.float32))
+CARVE_ALIGN = 256  # bytes; the kernels need 16 (int4 accesses)
+
+
+def carve(specs):
+    """Fresh CuPy arrays of the given ``(shape, dtype)`` pairs (C-contiguous, uninitialised) over ONE allocation
+    (``cupy.cuda.alloc``, the allocator ``cupy.empty`` uses, on the current stream), each at a
+    ``CARVE_ALIGN``-aligned offset. Why: host time per call. Each ``cupy.empty`` takes a block from CuPy's memory
+    pool (locks, the stream's free lists, two objects) and gives it back when its array dies; an array over a
+    ``MemoryPointer`` into a block it is given (``ndarray.__init__`` with ``memptr``) only sets its shape and
+    strides. The arrays keep the whole allocation alive while any of them lives."""
+    import cupy
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        offsets.append(total)
+        total += _config.align_up(math.prod(shape) * dtype.itemsize, CARVE_ALIGN)
+    block = cupy.cuda.alloc(total)
+    return [cupy.ndarray(shape, dtype, block + offset) for (shape, dtype), offset in zip(specs, offsets)]
 
 
 _WORKSPACE_INTS = 32 + _config.LL_MAX_RANKS  # kWsMetaReaders + meta readers (below: buffer index, epochs)
@@ -447,15 +470,17 @@ class LowLatencyState:
         raw_stats = interop.unwrap(stats)
         compute = interop.current_stream(kind, self.buf.device_id)
         with compute:
-            recv_x = cupy.empty((L, rows, hidden), dtype=cupy.uint8 if use_fp8 else cupy.uint16)
-            scales = None
+            # recv_x and its scales share one allocation, the count and the handle's arrays another (small: the
+            # handle, which may be kept longer, does not keep recv_x's memory alive)
             if use_fp8:
                 columns = hidden // 512 if use_ue8m0 else hidden // 128
-                scales = cupy.empty((L, columns, rows), dtype=cupy.int32 if use_ue8m0 else cupy.float32)
-            count = cupy.empty(L, dtype=cupy.int32)
-            src_info = cupy.empty((L, rows), dtype=cupy.int32)
-            layout_range = cupy.empty((L, R), dtype=cupy.int64)
-            slots = cupy.empty(raw_idx.shape, dtype=cupy.int32)  # written by the send phase
+                recv_x, scales = carve((((L, rows, hidden), _UINT8),
+                                        ((L, columns, rows), _INT32 if use_ue8m0 else _FLOAT32)))
+            else:
+                recv_x, scales = cupy.empty((L, rows, hidden), dtype=_UINT16), None
+            count, src_info, layout_range, slots = carve((
+                ((L,), _INT32), ((L, rows), _INT32), ((L, R), _INT64),
+                (raw_idx.shape, _INT32)))  # slots: written by the send phase
         index = self.next_index()
         ctype = "long long" if raw_idx.dtype == np.int64 else "int"
         name = f"ep::dispatch<{'true' if use_fp8 else 'false'}, {ctype}>"

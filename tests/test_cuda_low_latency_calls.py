@@ -190,6 +190,31 @@ def test_dispatch_kernel_arguments(ll, use_fp8, round_scale, use_ue8m0, idx_dtyp
     assert len({a for a, _, _ in allocations}) == len(allocations)
 
 
+def test_dispatch_outputs_share_two_allocations(ll):
+    """recv_x with its scales, and the count with the handle's arrays (kept apart: a handle kept for longer must
+    not keep recv_x's memory alive)."""
+    state, launches, allocations, _ = ll
+    dispatch(state)
+    recv_x, scales, count, src_info, layout_range, _, _, _, slots = launches[-1]["args"][:9]
+
+    def allocation(a):
+        return next(address for address, nbytes, _ in allocations if address <= a.data.ptr < address + nbytes)
+    assert len(allocations) == 2
+    assert allocation(recv_x) == allocation(scales) != allocation(count)
+    assert {allocation(a) for a in (count, src_info, layout_range, slots)} == {allocation(count)}
+
+
+def test_carve_gives_aligned_disjoint_arrays_of_one_allocation(ll):
+    _, _, allocations, _ = ll
+    specs = (((3, 5), np.dtype(np.uint8)), ((0, 4), np.dtype(np.int32)), ((7,), np.dtype(np.int64)),
+             ((2, 3, 4), np.dtype(np.float32)))
+    arrays = cll.carve(specs)
+    (address, nbytes, _), = allocations
+    assert [(a.shape, a.dtype) for a in arrays] == [(s, d) for s, d in specs]
+    assert [a.data.ptr - address for a in arrays] == [0, 256, 256, 512]
+    assert nbytes == 768 and all(a.flags.c_contiguous and a.base is None for a in arrays)
+
+
 def test_dispatch_hook_launches_the_receive_phase_with_the_same_arguments(ll):
     state, launches, _, _ = ll
     _, _, (_, _, _, _, hook) = dispatch(state, return_recv_hook=True)
