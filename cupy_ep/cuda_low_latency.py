@@ -41,6 +41,7 @@ Decisions (research/deepep.md §1.8, §4 is the model):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -83,6 +84,16 @@ def carve(specs):
         total += _config.align_up(math.prod(shape) * dtype.itemsize, CARVE_ALIGN)
     block = cupy.cuda.alloc(total)
     return [cupy.ndarray(shape, dtype, block + offset) for (shape, dtype), offset in zip(specs, offsets)]
+
+
+_ALREADY_CURRENT = contextlib.nullcontext()
+
+
+def allocating_on(compute, kind: interop.Kind):
+    """The context in which a call allocates its outputs on the caller's stream ``compute``
+    (``interop.current_stream(kind)``): that stream for torch callers; nothing for CuPy callers, whose current
+    stream it already is (entering and leaving a CuPy stream costs host time, about a us, for nothing)."""
+    return _ALREADY_CURRENT if kind.lib == "cupy" else compute
 
 
 _WORKSPACE_INTS = 32 + _config.LL_MAX_RANKS  # kWsMetaReaders + meta readers (below: buffer index, epochs)
@@ -469,7 +480,7 @@ class LowLatencyState:
         raw_x, raw_idx = interop.unwrap(x), interop.unwrap(topk_idx)
         raw_stats = interop.unwrap(stats)
         compute = interop.current_stream(kind, self.buf.device_id)
-        with compute:
+        with allocating_on(compute, kind):
             # recv_x and its scales share one allocation, the count and the handle's arrays another (small: the
             # handle, which may be kept longer, does not keep recv_x's memory alive)
             if use_fp8:
@@ -520,7 +531,7 @@ class LowLatencyState:
         if out is not None:
             raw_out = interop.unwrap(out)
         else:
-            with compute:
+            with allocating_on(compute, kind):
                 raw_out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
         index = self.next_index()
         ctype = "long long" if raw_idx.dtype == np.int64 else "int"

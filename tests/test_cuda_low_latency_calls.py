@@ -27,17 +27,18 @@ def gpu_array(shape, dtype, address=1 << 40):
 
 
 class FakeStream:
+    """A stream; ``current`` is CuPy's current-stream stack (entering a stream makes it current)."""
     ptr = 77
 
-    def __init__(self, log):
-        self.log = log
+    def __init__(self, current):
+        self.current = current
 
     def __enter__(self):
-        self.log.append("enter")
+        self.current.append(self)
         return self
 
     def __exit__(self, *exc):
-        self.log.append("exit")
+        assert self.current.pop() is self
         return False
 
     def is_capturing(self):
@@ -55,11 +56,10 @@ class FakeDevice:
 class FakeBuf:
     device_id, num_ranks, rank = 0, R, 0
 
-    def __init__(self, log):
-        self.log = log
+    def __init__(self, current):
         self._ctx = gpu_array((64,), np.uint8, 1 << 41)
         self._device = FakeDevice()
-        self.comm_stream = FakeStream(log)
+        self.comm_stream = FakeStream(current)
         self.comm_stream.ptr = 1
 
     def _check_usable(self):
@@ -75,16 +75,18 @@ class FakeBuf:
 
 @pytest.fixture
 def ll(monkeypatch):
-    """``(state, launches, allocations, log)``: a LowLatencyState over fakes."""
-    log, launches, allocations = [], [], []
-    buf = FakeBuf(log)
-    buf.compute = FakeStream(log)
-    monkeypatch.setattr(cll.interop, "current_stream", lambda kind, device_id=None: buf.compute)
+    """``(state, launches, allocations, current)``: a LowLatencyState over fakes, called from CuPy code whose
+    current stream is ``current[-1]`` (``state.buf.compute``, the caller's stream)."""
+    current, launches, allocations = [], [], []
+    buf = FakeBuf(current)
+    buf.compute = FakeStream(current)
+    current.append(buf.compute)
+    monkeypatch.setattr(cll.interop, "current_stream", lambda kind, device_id=None: current[-1])
     next_address = [1 << 45]
 
-    def alloc(nbytes):  # a bump allocator; records whether the caller's stream was current
+    def alloc(nbytes):  # a bump allocator; records the stream it allocates on (CuPy's current one)
         address, next_address[0] = next_address[0], next_address[0] + (1 << 32)
-        allocations.append((address, nbytes, log.count("enter") > log.count("exit")))
+        allocations.append((address, nbytes, current[-1]))
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(address, max(nbytes, 1), None, 0), 0)
 
     monkeypatch.setattr(cupy.cuda, "alloc", alloc)
@@ -105,7 +107,7 @@ def ll(monkeypatch):
             launches.append(dict(name=self.name, grid=grid, block=block, args=args, shared_mem=shared_mem,
                                  stream=stream))
     state.kernel = Kernel
-    return state, launches, allocations, log
+    return state, launches, allocations, current
 
 
 def span(a):
@@ -140,7 +142,7 @@ def dispatch(state, use_fp8=True, round_scale=False, use_ue8m0=False, return_rec
                          ids=["fp8", "fp8-ue8m0", "bf16"])
 @pytest.mark.parametrize("idx_dtype", [np.int64, np.int32])
 def test_dispatch_kernel_arguments(ll, use_fp8, round_scale, use_ue8m0, idx_dtype):
-    state, launches, allocations, log = ll
+    state, launches, allocations, current = ll
     stats = gpu_array((L,), np.int32, 1 << 36)
     for call in range(3):
         x, topk_idx, (out_x, count, handle, event, hook) = dispatch(state, use_fp8, round_scale, use_ue8m0,
@@ -185,8 +187,9 @@ def test_dispatch_kernel_arguments(ll, use_fp8, round_scale, use_ue8m0, idx_dtyp
         assert isinstance(handle, LowLatencyHandle) and tuple(handle[2:]) == (M, H, E)
         assert handle[0] is src_info and handle[1] is layout_range and handle.topk_slots is slots
         assert event.event is None and hook is None
-    # every output allocated while the caller's stream was current; fresh memory on every call
-    assert allocations and all(current for _, _, current in allocations)
+    # every output allocated on the caller's stream, left current; fresh memory on every call
+    assert allocations and all(stream is state.buf.compute for _, _, stream in allocations)
+    assert current == [state.buf.compute]
     assert len({a for a, _, _ in allocations}) == len(allocations)
 
 
@@ -269,6 +272,17 @@ def test_combine_kernel_arguments(ll, with_out, zero_copy, bf16_partials):
         assert_int32(args[17], cll._SEND | cll._RECV)
         assert args[18] is None and args[19] is state.buf._ctx
         assert event.event is None and hook is None
+    assert all(stream is state.buf.compute for _, _, stream in allocations)
+    assert len(allocations) == 2 + (0 if with_out else 3)  # the dispatch's two, a combined_x per combine
+
+
+def test_outputs_of_torch_callers_are_allocated_inside_their_stream():
+    """interop.current_stream gives torch callers their torch stream, not CuPy's current one: enter it. A CuPy
+    caller's stream is CuPy's current stream already."""
+    stream = FakeStream([])
+    assert cll.allocating_on(stream, interop.Kind("torch", True)) is stream
+    with cll.allocating_on(stream, interop.Kind("cupy", True)):
+        assert stream.current == []
 
 
 def test_force_put_switches_the_peer_table_of_a_cached_shape(ll):
