@@ -301,6 +301,13 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
 }
+// cp_async_small<N>: one N-byte (4 or 8) copy, through L1 (.ca: .cg takes 16 bytes only), for arrays of 4- or
+// 8-byte elements that need not be 16-byte aligned.
+template <int N>
+__device__ __forceinline__ void cp_async_small(void* smem, const void* gmem) {
+    static_assert(N == 4 || N == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(smem)), "l"(gmem), "n"(N) : "memory");
+}
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 constexpr int kTmaChunkBytes = 8192;  // per warp (dynamic shared memory); mirrors cuda_backend._TMA_BYTES_PER_WARP

@@ -23,7 +23,7 @@
 // Slots are deterministic: (token t, slot k) for expert e gets slot
 // #{(t', k') before (t, k) in row-major order with topk_idx[t', k'] == e}, computed from a shared-memory
 // histogram of topk_idx (each block builds the counts of the rows before its first token, then advances
-// it token by token). Rows of a local expert are therefore ordered (source rank, token, k) exactly as
+// it token by token; topk_idx itself is copied into shared memory at the kernel's start when it fits: stage_topk). Rows of a local expert are therefore ordered (source rank, token, k) exactly as
 // cupy_ep/reference.py says. The dispatch also writes them into the handle's topk_slots, and the combine finds its
 // rows by them (the owner sends each entry's slot with its expert in the meta), so it counts nothing.
 //
@@ -158,21 +158,33 @@ __device__ __forceinline__ void send_signal(char* base, const unsigned long long
 // ---------------------------------------------------------------------------------------------------
 // Deterministic slots: hist[e] = top-k entries selecting e in the rows before the current token.
 // ---------------------------------------------------------------------------------------------------
+// Dispatch send, at the kernel's start (before the first block barrier, which makes them visible): both histograms
+// zeroed, and the call's whole topk_idx copied into shared memory by cp.async (no registers held while it travels)
+// when it fits in kTopkStageBytes (128 tokens x top-8 of int64 does), so that the histograms and the slots read it
+// there after the first message instead of paying a global load round trip each on the critical path (S19).
+// Returns where to read topk_idx from: the stage, or topk_idx itself. Each thread waits for its copies
+// (cp_async_wait_all) before that barrier.
+constexpr int kTopkStageBytes = 8192;
+template <typename TopkT>
+__device__ __forceinline__ const TopkT* stage_topk(const TopkT* topk_idx, int count, int num_experts, int* hist,
+                                                   int* hist_all, TopkT* stage) {
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) hist[e] = hist_all[e] = 0;
+    if ((long long)count * (long long)sizeof(TopkT) > kTopkStageBytes) return topk_idx;
+    for (int f = threadIdx.x; f < count; f += blockDim.x) cp_async_small<sizeof(TopkT)>(stage + f, topk_idx + f);
+    return stage;
+}
+
+// Counts into the zeroed histograms (stage_topk; a block barrier since): hist[e] over the rows before
+// first_token, hist_all[e] over all rows. Ends with a block barrier.
 template <typename TopkT>
 __device__ void build_histograms(const TopkT* topk_idx, int num_tokens, int num_topk, int num_experts,
                                  int first_token, int* hist, int* hist_all) {
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-        hist[e] = 0;
-        if (hist_all != nullptr) hist_all[e] = 0;
-    }
-    __syncthreads();
     const int prefix = min(first_token, num_tokens) * num_topk;
-    const int limit = hist_all != nullptr ? num_tokens * num_topk : prefix;
-    for (int f = threadIdx.x; f < limit; f += blockDim.x) {
+    for (int f = threadIdx.x; f < num_tokens * num_topk; f += blockDim.x) {
         const long long e = (long long)topk_idx[f];
         if (e < 0 || e >= num_experts) continue;
         if (f < prefix) atomicAdd(&hist[e], 1);
-        if (hist_all != nullptr) atomicAdd(&hist_all[e], 1);
+        atomicAdd(&hist_all[e], 1);
     }
     __syncthreads();
 }
@@ -423,29 +435,33 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_sl
                               bool round_scale,
                               char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
                               int buffer_idx, int* workspace, const DeviceCtx* ctx, int* hist,
-                              int* hist_all, DispatchShared& sh, long long* stamps) {
+                              int* hist_all, TopkT* topk_stage, DispatchShared& sh, long long* stamps) {
     const int rank = ctx->rank, E = L.num_experts, hidden_int4 = L.hidden / 8;
     stamp(stamps, kStampSendStart);
     // the first token's loads go out before warp 0's staging waits on its own loads (which would hold back warp
     // 0's share of them by a memory round trip), and the buffer check after its message is out
     const TokenLoads first = load_token(x, topk_idx, blockIdx.x, num_tokens, num_topk, hidden_int4);
+    const TopkT* idx = stage_topk(topk_idx, num_tokens * num_topk, E, hist, hist_all, topk_stage);
     stage_send_shared(peer_bases, L.num_ranks, workspace, buffer_idx, sh);
     const long long recv = L.recv_offset(buffer_idx);  // (the send slot is recomputed where used: registers)
+    cp_async_wait_all();  // this thread's part of the stage; the next block barrier publishes it and the zeroes
     if ((int)blockIdx.x < num_tokens)
         send_message<kUseFP8>(x, first, blockIdx.x, round_scale, base + L.send_offset(buffer_idx), recv, L, rank,
                               sh, stamps);
+    else
+        __syncthreads();  // (uniform) as send_message's first barrier
     stamp(stamps, kStampSendFirstStored);
     check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyDispatch);
-    build_histograms(topk_idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
+    build_histograms(idx, num_tokens, num_topk, E, blockIdx.x, hist, hist_all);
     stamp(stamps, kStampSendPrepared);  // build_histograms ends with a block barrier
     send_counts(hist_all, base, L, buffer_idx, rank, sh);
 
     for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
         if (t != (int)blockIdx.x)
-            send_message<kUseFP8>(x, load_token(x, topk_idx, t, num_tokens, num_topk, hidden_int4), t, round_scale,
+            send_message<kUseFP8>(x, load_token(x, idx, t, num_tokens, num_topk, hidden_int4), t, round_scale,
                                   base + L.send_offset(buffer_idx), recv, L, rank, sh, stamps);
         if (warp_id() == 0)  // the slots of t's entries (hist: the rows before t)
-            token_slots(topk_idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot, topk_slots);
+            token_slots(idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot, topk_slots);
         __syncthreads();  // every store of the message is issued (bar.sync orders them before the entries'
                           // releases); the slots are visible
         stamp(stamps, kStampSendEncoded);
@@ -454,10 +470,12 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_sl
                         recv + L.dispatch_recv_msg(rank, t), dispatch_msg_int4(kUseFP8, L.hidden), sh);
             __syncthreads();  // every put of this token is complete
         }
-        if (t + (int)gridDim.x < num_tokens) {  // the next token's slots count the rows before it
-            advance_histogram(topk_idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
+        if (t + (int)gridDim.x < num_tokens) {  // the next token's slots count the rows before it (uniform)
+            advance_histogram(idx, t, min(t + (int)gridDim.x, num_tokens), num_topk, E, hist);
+            __syncthreads();  // hist is advanced (after the last token nobody reads hist: warp 0 read its slots
+                              // before the barrier above, and the receive phase's prefix, in hist's space, is
+                              // written by warps past that barrier)
         }
-        __syncthreads();  // hist is advanced
         // After the barrier, so that the other warps go on (to the next token's message, or after the last token to
         // the receive phase) while warp 0's releases wait for the NVLink stores (~2 us). Warp 0 itself writes the
         // slots it reads here (token_slots), and nobody else reads them.
@@ -712,6 +730,7 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
          const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
          int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hists[2 * kLLMaxExperts];  // send: the two histograms; receive: the counts' prefix
+    __shared__ alignas(16) unsigned char topk_stage[kTopkStageBytes];  // send: topk_idx (stage_topk)
     __shared__ DispatchShared sh;
     __shared__ DispatchRecvShared rs;
     const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
@@ -720,7 +739,8 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
     __syncthreads();
     if (phases & kPhaseSend)
         dispatch_send<kUseFP8>(x, topk_idx, topk_slots, num_tokens, num_topk, round_scale != 0, b, peer_bases, L,
-                               buffer_idx, workspace, ctx, hists, hists + kLLMaxExperts, sh, stamps);
+                               buffer_idx, workspace, ctx, hists, hists + kLLMaxExperts,
+                               reinterpret_cast<TopkT*>(topk_stage), sh, stamps);
     if (phases & kPhaseRecv)
         dispatch_recv<kUseFP8>(packed_recv_x, packed_recv_scales, packed_recv_count, packed_recv_src_info,
                                packed_recv_layout_range, cumulative_stats, use_ue8m0 != 0, b, L, buffer_idx,
