@@ -75,8 +75,8 @@ def carve(specs):
     (``cupy.cuda.alloc``, the allocator ``cupy.empty`` uses, on the current stream), each at a
     ``CARVE_ALIGN``-aligned offset. Why: host time per call. Each ``cupy.empty`` takes a block from CuPy's memory
     pool (locks, the stream's free lists, two objects) and gives it back when its array dies; an array over a
-    ``MemoryPointer`` into a block it is given (``ndarray.__init__`` with ``memptr``) only sets its shape and
-    strides. The arrays keep the whole allocation alive while any of them lives."""
+    ``MemoryPointer`` into a block it is given (``ndarray.__init__`` with ``memptr``) only sets its shape, strides
+    and bounds. The arrays keep the whole allocation alive while any of them lives."""
     import cupy
     offsets, total = [], 0
     for shape, dtype in specs:
