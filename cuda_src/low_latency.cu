@@ -370,8 +370,8 @@ __device__ __forceinline__ void encode_token(const TokenLoads& in, const int4* x
 // They order nothing: a receiver waits for each row's index entry to carry the epoch too.
 __device__ __forceinline__ void send_counts(const int* hist_all, char* base, const LowLatencyLayout& L,
                                             int buffer_idx, int rank, const DispatchShared& sh) {
-    if (lane_id() != 0) return;
-    for (int e = blockIdx.x + gridDim.x * warp_id(); e < L.num_experts; e += gridDim.x * kLLWarps) {
+    if (lane_id() != 0 || warp_id() == 0) return;  // (warp 0 goes on to the token's slots)
+    for (int e = blockIdx.x + gridDim.x * (warp_id() - 1); e < L.num_experts; e += gridDim.x * (kLLWarps - 1)) {
         const int count = min(hist_all[e], L.num_max_tokens), pe = e / L.num_local;
         const long long offset = L.signal_offset(buffer_idx) + 8LL * L.dispatch_count(e % L.num_local, rank);
         const long long value = ((long long)sh.epoch << 32) | (unsigned)count;
