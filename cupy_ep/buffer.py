@@ -64,7 +64,9 @@ class Buffer:
             more than one such domain, the internode path runs (cupy_ep/cuda_internode.py).
         internode_transport: ``"nvshmem"`` (default; env ``CUPY_EP_INTERNODE_TRANSPORT``) or ``"ipc"`` (the RDMA
             domain through CUDA-IPC stores: for testing several "nodes" on one box). CUDA backend only.
-        check_values: check ``topk_idx`` values on the host (costs a device sync; off for benchmarks).
+        check_values: check ``topk_idx`` values on the host (costs a device sync; off for benchmarks). With
+            False, a low-latency call whose arguments look like the last ones that passed (types, dtypes, shapes,
+            contiguity, device, scalar values) also skips re-checking them (host time per call).
     """
 
     #: SMs used by dispatch/combine unless a Config says otherwise (even; Config explains how they are used).
