@@ -381,7 +381,7 @@ class LowLatencyState:
                              f"must be a multiple of 4 (DeepEP's TMA requirement), got {R} * {max_tokens}")
         validate.check_num_experts(num_experts, R)
         check_ll_experts(num_experts)
-        validate.check_array(x, "x", ("bfloat16",), ndim=2, device=dev)
+        validate.check_array(x, "x", ("bfloat16",), ndim=2, device=dev, aligned=True)
         num_tokens, hidden = x.shape
         if hidden <= 0 or hidden % 128:
             raise ValueError(f"x: hidden (shape[1]) must be a positive multiple of 128 in low-latency mode, "
@@ -437,7 +437,7 @@ class LowLatencyState:
         if use_logfmt and zero_copy:
             raise ValueError("use_logfmt: cannot be used together with zero_copy=True (as in DeepEP)")
         if x is not None or not zero_copy:
-            validate.check_array(x, "x", ("bfloat16",), ndim=3, device=dev)
+            validate.check_array(x, "x", ("bfloat16",), ndim=3, device=dev, aligned=True)
             if tuple(x.shape) != shape:
                 raise ValueError(f"x: must have shape {shape} ([L, R*M, H] from the handle), got {tuple(x.shape)}")
         validate.check_low_latency_topk(topk_idx, num_experts, check_values, device=dev)
@@ -448,7 +448,7 @@ class LowLatencyState:
         slots = validate.check_low_latency_slots(handle, topk_idx, max_tokens, check_values, device=dev)
         validate.check_topk_weights(topk_weights, num_tokens, num_topk, device=dev)
         if out is not None:
-            validate.check_array(out, "out", ("bfloat16",), ndim=2, device=dev)
+            validate.check_array(out, "out", ("bfloat16",), ndim=2, device=dev, aligned=True)
             if tuple(out.shape) != (num_tokens, hidden):
                 raise ValueError(f"out: must have shape {(num_tokens, hidden)}, got {tuple(out.shape)}")
         if wait_stats is not None:

@@ -90,6 +90,16 @@ def is_contiguous(x) -> bool:
     return bool(x.flags.c_contiguous)
 
 
+def data_ptr(x) -> int:
+    """Address of the first element of a CuPy array, torch tensor or numpy array."""
+    lib = _lib(x)
+    if lib == "cupy":
+        return x.data.ptr
+    if lib == "torch":
+        return x.data_ptr()
+    return x.ctypes.data
+
+
 def device_of(x) -> int | None:
     """CUDA device ordinal of a GPU array, None for host arrays."""
     lib = _lib(x)
@@ -103,8 +113,9 @@ def device_of(x) -> int | None:
 def array_signature(x):
     """Everything :func:`cupy_ep.validate.check_array` reads of ``x``, as a tuple that compares equal only for
     arrays it would treat alike: the type (its library; for torch ``device`` says whether it is on the GPU), the
-    dtype, the shape, whether it is C-contiguous and the device. None for None; for anything that is not a CuPy
-    array or torch tensor a fresh object, equal to nothing (those never pass the GPU checks anyway).
+    dtype, the shape, whether it is C-contiguous, the device and the address modulo 16 (``aligned``). None for
+    None; for anything that is not a CuPy array or torch tensor a fresh object, equal to nothing (those never pass
+    the GPU checks anyway).
 
     Why: a low-latency call remembers the signature of the last arguments that passed its checks and skips them
     when the next call's signature is the same (host time per call, :mod:`cupy_ep.cuda_low_latency`), so this must
@@ -113,9 +124,10 @@ def array_signature(x):
         return None
     lib = _lib(x)
     if lib == "cupy":
-        return type(x), x.dtype, x.shape, x.flags.c_contiguous, x.data.device_id
+        memory = x.data
+        return type(x), x.dtype, x.shape, x.flags.c_contiguous, memory.device_id, memory.ptr % 16
     if lib == "torch":
-        return type(x), x.dtype, x.shape, x.is_contiguous(), x.device
+        return type(x), x.dtype, x.shape, x.is_contiguous(), x.device, x.data_ptr() % 16
     return object()
 
 

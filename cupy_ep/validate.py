@@ -18,9 +18,14 @@ def _fail(name: str, what: str, exc=ValueError):
     raise exc(f"{name}: {what}")
 
 
+ROW_ALIGN = 16  # bytes: the kernels move token rows in 16-byte pieces (int4 loads and stores, TMA bulk copies)
+
+
 def check_array(x, name: str, dtypes: tuple, ndim: int | None = None, device: int | None = None,
-                contiguous: bool = True):
-    """Kind, dtype, rank, contiguity and device of one array argument; returns its logical dtype name."""
+                contiguous: bool = True, aligned: bool = False):
+    """Kind, dtype, rank, contiguity and device of one array argument; returns its logical dtype name.
+    ``aligned``: a GPU array of token rows must start at a multiple of ROW_ALIGN bytes (a view at an odd element
+    offset would otherwise fail inside a kernel with a misaligned address, which poisons the CUDA context)."""
     if x is None:
         _fail(name, "must not be None", TypeError)
     try:
@@ -39,6 +44,10 @@ def check_array(x, name: str, dtypes: tuple, ndim: int | None = None, device: in
               TypeError)
     if device is not None and kind.on_gpu and interop.device_of(x) != device:
         _fail(name, f"is on GPU {interop.device_of(x)}, but this buffer uses GPU {device}")
+    if aligned and device is not None and interop.data_ptr(x) % ROW_ALIGN:
+        _fail(name, f"must start at a multiple of {ROW_ALIGN} bytes (the kernels move rows in {ROW_ALIGN}-byte "
+                    f"pieces); this one starts {interop.data_ptr(x) % ROW_ALIGN} bytes past one (a view at an odd "
+                    "element offset?)")
     return dt
 
 
@@ -84,7 +93,7 @@ def check_x(x, device=None, name: str = "x") -> XInfo:
         if len(x) != 2:
             _fail(name, f"an FP8 input must be the pair (x_e4m3, scales), got {len(x)} items")
         data, scales = x
-        check_array(data, f"{name}[0]", ("float8_e4m3fn", "uint8"), ndim=2, device=device)
+        check_array(data, f"{name}[0]", ("float8_e4m3fn", "uint8"), ndim=2, device=device, aligned=True)
         if scales is None:
             _fail(f"{name}[1]", "FP8 dispatch needs the per-128-channel scales", TypeError)
         check_array(scales, f"{name}[1]", ("float32",), ndim=2, device=device, contiguous=False)
@@ -95,7 +104,7 @@ def check_x(x, device=None, name: str = "x") -> XInfo:
         hidden_bytes = hidden
         info = XInfo(data, scales, "float8_e4m3fn", num_tokens, hidden, hidden_bytes, num_scales)
     else:
-        check_array(x, name, ("bfloat16",), ndim=2, device=device)
+        check_array(x, name, ("bfloat16",), ndim=2, device=device, aligned=True)
         num_tokens, hidden = x.shape
         info = XInfo(x, None, "bfloat16", num_tokens, hidden, hidden * 2, 0)
     if info.hidden_bytes % 16:
@@ -151,7 +160,7 @@ def check_dispatch_layout_args(num_tokens_per_rank, is_token_in_rank, num_tokens
 
 def check_combine_x(x, device) -> tuple[int, int]:
     """``x`` of a GPU combine: bf16 ``[N, H]`` with 16-byte rows; returns ``(N, H)``."""
-    check_array(x, "x", ("bfloat16",), ndim=2, device=device)
+    check_array(x, "x", ("bfloat16",), ndim=2, device=device, aligned=True)
     num_recv, hidden = x.shape
     if (hidden * 2) % 16:
         raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={hidden}")
@@ -191,7 +200,7 @@ def check_bias(bias, num_tokens: int, hidden: int, device=None):
     for i, b in enumerate(items):
         if b is None:
             continue
-        check_array(b, f"bias[{i}]", ("bfloat16",), ndim=2, device=device)
+        check_array(b, f"bias[{i}]", ("bfloat16",), ndim=2, device=device, aligned=True)
         if tuple(b.shape) != (num_tokens, hidden):
             _fail(f"bias[{i}]", f"must have shape {(num_tokens, hidden)}, got {tuple(b.shape)}")
     return items

@@ -21,10 +21,10 @@ R, M, H, E, T, K = 2, 16, 512, 8, 12, 3
 L = E // R
 
 
-def gpu_array(shape, dtype, device=0, strides=None):
-    """A CuPy array over a made-up device address (never dereferenced)."""
+def gpu_array(shape, dtype, device=0, strides=None, offset=0):
+    """A CuPy array over a made-up device address (never dereferenced), ``offset`` bytes past a 16-byte boundary."""
     memory = cupy.cuda.UnownedMemory(1 << 40, 1 << 30, None, device)
-    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0), strides=strides)
+    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, offset), strides=strides)
 
 
 class FakeBuf:
@@ -75,12 +75,13 @@ class _FakeTorchTensor:
     """Enough of a torch tensor for interop (its library is found by the module name)."""
     __module__ = "torch.fake"
 
-    def __init__(self, shape, dtype="torch.bfloat16", contiguous=True, device=("cuda", 0)):
+    def __init__(self, shape, dtype="torch.bfloat16", contiguous=True, device=("cuda", 0), ptr=1 << 40):
         self.shape, self.dtype, self._contiguous, self.device = tuple(shape), dtype, contiguous, device
+        self._ptr = ptr
         self.ndim, self.is_cuda = len(self.shape), device[0] == "cuda"
 
     def data_ptr(self):
-        return 1 << 40
+        return self._ptr
 
     def is_contiguous(self):
         return self._contiguous
@@ -94,7 +95,8 @@ def test_array_signature_is_equal_for_arrays_the_checks_treat_alike():
     assert sig(None) is None
     wide = gpu_array((T, 2 * H), interop.BF16)
     for other in (gpu_array((T + 1, H), interop.BF16), gpu_array((T, H), np.uint16),
-                  gpu_array((T, H), interop.BF16, device=1), wide[:, :H], gpu_array((T, H, 1), interop.BF16)):
+                  gpu_array((T, H), interop.BF16, device=1), wide[:, :H], gpu_array((T, H, 1), interop.BF16),
+                  gpu_array((T, H), interop.BF16, offset=2)):
         assert sig(other) != sig(a)
     assert not wide[:, :H].flags.c_contiguous and wide[:, :H].shape == a.shape
 
@@ -105,7 +107,7 @@ def test_array_signature_of_torch_tensors_sees_device_and_contiguity():
     assert sig(t) == sig(_FakeTorchTensor((T, H)))
     for other in (_FakeTorchTensor((T, H), device=("cuda", 1)), _FakeTorchTensor((T, H), device=("cpu", None)),
                   _FakeTorchTensor((T, H), contiguous=False), _FakeTorchTensor((T, H), dtype="torch.float32"),
-                  _FakeTorchTensor((T, H + 1))):
+                  _FakeTorchTensor((T, H + 1)), _FakeTorchTensor((T, H), ptr=(1 << 40) + 2)):
         assert sig(other) != sig(t)
 
 
@@ -181,6 +183,8 @@ DISPATCH_VARIATIONS = {
     "x/other-gpu": dict(x=gpu_array((T, H), interop.BF16, device=1)),
     "x/host": dict(x=np.zeros((T, H), interop.BF16)),
     "x/none": dict(x=None),
+    "x/misaligned": dict(x=gpu_array((T, H), interop.BF16, offset=2)),
+    "x/aligned-elsewhere": dict(x=gpu_array((T, H), interop.BF16, offset=256)),
     "x/hidden": dict(x=gpu_array((T, 384), interop.BF16)),
     "x/too-many-tokens": dict(x=gpu_array((M + 4, H), interop.BF16), topk_idx=gpu_array((M + 4, K), np.int64)),
     "topk_idx/int32": dict(topk_idx=gpu_array((T, K), np.int32)),
@@ -233,6 +237,8 @@ COMBINE_VARIATIONS = {
     "handle/slots-none": dict(handle=LowLatencyHandle(tuple(_handle), None)),
     "out/ok": dict(out=gpu_array((T, H), interop.BF16)),
     "out/shape": dict(out=gpu_array((T + 1, H), interop.BF16)),
+    "out/misaligned": dict(out=gpu_array((T, H), interop.BF16, offset=8)),
+    "x/misaligned": dict(x=gpu_array((L, R * M, H), interop.BF16, offset=4)),
     "wait_stats/ok": dict(wait_stats=gpu_array((R,), np.int64)),
     "use_logfmt/true": dict(use_logfmt=True),
     "use_logfmt/zero-copy": dict(use_logfmt=True, zero_copy=True),
@@ -266,7 +272,8 @@ def test_combine_checks_give_what_a_fresh_state_gives(changes):
     _same_as_fresh("combine", combine_args, changes)
 
 
-PASSING = {"dispatch": {"same", "x/fewer-tokens", "topk_idx/int32", "stats/ok", "max_tokens/numpy", "max_tokens/larger",
+PASSING = {"dispatch": {"same", "x/fewer-tokens", "x/aligned-elsewhere",
+                        "topk_idx/int32", "stats/ok", "max_tokens/numpy", "max_tokens/larger",
                         "use_fp8/numpy-bool", "use_fp8/false", "use_ue8m0/with-round-scale"},
            "combine": {"same", "x/none-zero-copy", "x/zero-copy", "topk_idx/int32", "handle/max_tokens-numpy", "out/ok",
                        "wait_stats/ok", "bf16_partials/true"}}
@@ -278,3 +285,13 @@ def test_the_variations_cover_passing_and_failing_calls():
                                    ("combine", combine_args, COMBINE_VARIATIONS)):
         got = {k: outcome(lambda: getattr(fresh_state(), f"check_{name}")(**make(**v))) for k, v in variations.items()}
         assert {k for k, o in got.items() if o[0] == "returned"} == PASSING[name]
+
+
+def test_a_misaligned_x_is_refused_by_name_even_after_an_aligned_call_passed():
+    state = fresh_state()
+    state.check_dispatch(**dispatch_args())  # remembered: the next call with the same signature skips the checks
+    with pytest.raises(ValueError, match=r"^x: must start at a multiple of 16 bytes .* starts 2 bytes past one"):
+        state.check_dispatch(**dispatch_args(x=gpu_array((T, H), interop.BF16, offset=2)))
+    state.check_combine(**combine_args())
+    with pytest.raises(ValueError, match=r"^out: must start at a multiple of 16 bytes"):
+        state.check_combine(**combine_args(out=gpu_array((T, H), interop.BF16, offset=8)))

@@ -636,6 +636,10 @@ def test_repeated_calls_without_value_checks(comm, ll_buf, lib):
                 ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E, use_ue8m0=True, **kw)
             with pytest.raises(TypeError, match="^num_experts: must be an int"):
                 ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, np.int64(E), **kw)
+            flat = _dev(np.zeros(x.size + 8, dtype=reference.bfloat16), lib)
+            misaligned = flat[1:1 + x.size].reshape(x.shape)  # contiguous, 2 bytes past a 16-byte boundary
+            with pytest.raises(ValueError, match="^x: must start at a multiple of 16 bytes"):
+                ll_buf.low_latency_dispatch(misaligned, idx_d, MAX_TOKENS, E, **kw)
 
         _step(ll_buf, comm, "the bad dispatches", bad_dispatches)
         handle = _step(ll_buf, comm, "a dispatch", lambda: ll_buf.low_latency_dispatch(x_d, idx_d, MAX_TOKENS, E,
