@@ -100,6 +100,13 @@ def data_ptr(x) -> int:
     return x.ctypes.data
 
 
+def to_host(x) -> np.ndarray:
+    """A numpy copy of ``x``'s values (its raw dtype), one device-to-host copy for a GPU array (which waits for
+    the stream's work before it), ``x`` itself for a numpy array."""
+    raw = unwrap(x)
+    return np.asarray(raw.get() if hasattr(raw, "get") else raw)
+
+
 def device_of(x) -> int | None:
     """CUDA device ordinal of a GPU array, None for host arrays."""
     lib = _lib(x)
