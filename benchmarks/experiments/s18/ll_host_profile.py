@@ -26,11 +26,13 @@ def main():
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--check-values", action="store_true",
+                   help="the Buffer's default check_values=True (value checks on the host, a sync each call)")
     a = p.parse_args()
     comm = MPI.COMM_WORLD
     R, M = comm.Get_size(), a.tokens
     rdma = cfgmod.low_latency_rdma_size_hint(M, a.hidden, R, a.experts)
-    buf = cupy_ep.Buffer(comm, num_rdma_bytes=rdma, low_latency_mode=True, check_values=False, backend="cuda")
+    buf = cupy_ep.Buffer(comm, num_rdma_bytes=rdma, low_latency_mode=True, check_values=a.check_values, backend="cuda")
     with cupy.cuda.Device(buf.device_id):
         rng = np.random.default_rng(comm.Get_rank())
         x_host = rng.standard_normal((a.tokens, a.hidden), dtype=np.float32).astype(reference.bfloat16)

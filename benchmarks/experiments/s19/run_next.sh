@@ -16,12 +16,19 @@ D=/tmp/next19; mkdir -p $D
 pack() { tar czf $OUT/next19.tgz -C /tmp next19; }
 run() { local name=$1 lim=$2; shift 2; s=$(date +%s); timeout $lim "$@" > $D/$name.log 2>&1; echo "$name rc=$? $(( $(date +%s)-s ))s"; grep -a -h -E "passed|failed|mismatches|SUMMARY" $D/$name.log | sort | uniq -c | tail -n 4; pack; }
 LL="tests/gpu/test_low_latency.py tests/gpu/test_nvshmem.py tests/gpu/test_zz_low_latency_timeout.py"
-AB=$PWD/benchmarks/experiments/s19/ll_ab.py
+AB=$PWD/benchmarks/experiments/s19/ll_ab.py; HP=$PWD/benchmarks/experiments/s18/ll_host_profile.py
 case "${1:-}" in
 ncu)
-  run ncu_dispatch 300 $M -n 1 ncu --clock-control none --kernel-name regex:dispatch --launch-skip 10 --launch-count 1 \
-      --section WarpStateStats --section SchedulerStats --section InstructionStats python3 $AB --iters 200
-  grep -a -E "Stall|stall|Warp Cycles|Issued" $D/ncu_dispatch.log | head -40; exit;;
+  # eager dispatches (ll_host_profile.py's warm-up calls), the 21st profiled; kernel replay restores memory between
+  # passes, and at one rank no peer waits. SourceCounters samples the warps' stall reasons per SASS instruction: the
+  # receive prologue's (between the recv_prepared and recv_copy_start stamps in a stamps build) say whether the warps
+  # wait for instructions (no_instruction), constants (imc_miss) or something else.
+  run ncu_dispatch 300 $M -n 1 ncu --clock-control none --kernel-name regex:dispatch --launch-skip 20 --launch-count 1 \
+      --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
+      -o $D/ncu_dispatch python3 benchmarks/experiments/s18/ll_host_profile.py --calls 10
+  ncu -i $D/ncu_dispatch.ncu-rep --page details > $D/ncu_details.txt 2>&1
+  ncu -i $D/ncu_dispatch.ncu-rep --page source --csv --print-source sass > $D/ncu_source_sass.csv 2>&1
+  pack; grep -a -i -E "stall|warp cycles|issued" $D/ncu_details.txt | head -40; exit;;
 more)
   run gpu4 150 $M -n 4 $T tests/gpu
   run intranode8 120 $M -n 8 $T tests/gpu/test_intranode.py
@@ -37,6 +44,12 @@ for v in head v0 head2 v0b; do
   case $v in v0*) dir=$PWD/.carry/v0;; *) dir=$PWD;; esac
   s=$(date +%s); (cd $dir && PYTHONPATH=/tmp/site:$dir timeout 100 $M -n 2 python3 $AB > $D/ab2_$v.log 2>&1)
   echo "ab2 $v rc=$? $(( $(date +%s)-s ))s"; grep -a -E "^  ll_dispatch +(graph|steady|host)|phases|VERIF|rror" $D/ab2_$v.log | head -8; pack
+done
+for v in head v0; do  # host time per call with check_values False (benchmarks) and True (the default)
+  case $v in v0*) dir=$PWD/.carry/v0;; *) dir=$PWD;; esac
+  (cd $dir && PYTHONPATH=/tmp/site:$dir timeout 60 $M -n 2 python3 $HP --calls 1000 > $D/hp_$v.log 2>&1
+   PYTHONPATH=/tmp/site:$dir timeout 60 $M -n 2 python3 $HP --calls 300 --check-values > $D/hp_cv_$v.log 2>&1)
+  echo "host profile $v"; grep -a "^== " $D/hp_$v.log $D/hp_cv_$v.log; pack
 done
 run results_ll 150 $M -n 2 python3 -m cupy_ep.bench --mode low-latency --ll-stamps --out $D/results_ll
 grep -a -E "^  ll_.*(graph|steady|host)" $D/results_ll.log | head -12
