@@ -15,7 +15,7 @@ Per op: median and p99 over ``--iters`` (>= 200) iterations, timed three ways (f
 NCCL grouped send/recv of the same per-peer bytes is measured in the same run: as graph replays for the call and
 graph rows, steady for the steady rows. Further records: a steady token sweep (``--ll-token-sweep``: T tokens per
 rank at the same max M, ``--ll-max-tokens`` (default ``--tokens``); T = 0 is the fixed cost) and the host time per call (timing ``host``:
-200 plain calls back to back), and with ``--ll-stamps`` where a call's time goes (timing ``stamps``: the
+200 plain calls back to back, with ``check_values`` False and True), and with ``--ll-stamps`` where a call's time goes (timing ``stamps``: the
 kernels' %globaltimer phase stamps, ``phases_us``). Results are verified against :mod:`cupy_ep.reference` before any timing (a
 mismatch aborts). Records are written to ``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``.
 """
@@ -187,21 +187,31 @@ class LowLatencyBench:
                  + (f"  (NCCL same bytes, {nccl_how} {nccl_t.median_us:7.1f} us)" if nccl_t else ""))
 
     def host_overhead(self, runs: dict, tokens: int) -> None:
-        """Records of timing "host": ``host_us_per_call`` (and ``host_wall_us_per_call``) of each op."""
+        """Records of timing "host": ``host_us_per_call`` (and ``host_wall_us_per_call``) of each op, with the
+        benchmark's ``check_values=False`` and again with the Buffer's default ``check_values=True`` (field
+        ``check_values``): the value checks copy the top-k (and a combine's handle) to the host, a sync per call,
+        which is what a decode loop with the defaults pays."""
         import cupy
-        a = self.args
+        a, buf = self.args, self.buf
 
         def sync():
             cupy.cuda.runtime.deviceSynchronize()
-        for op, (fn, _, dtype) in runs.items():
-            host, wall = host_us_per_call(self.comm, fn, HOST_CALLS, sync)
-            self.records.append({**_op_fields(op), "graph": False, "timing": "host", "host_us_per_call": host,
-                                 "host_wall_us_per_call": wall, "calls": HOST_CALLS, "time_us_median": None,
-                                 "time_us_p99": None, "time_us_min": None, "nccl_time_us": None, "dtype": dtype,
-                                 "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden, "topk": a.topk,
-                                 "experts": a.experts, "num_ranks": self.R})
-            self.log(f"  {op:16s} host   T={tokens:4d} {host:7.1f} us per call on the host "
-                     f"({wall:7.1f} us per call until the device is done; {HOST_CALLS} calls back to back)")
+        try:
+            for checked in (False, True):
+                buf.check_values = checked
+                for op, (fn, _, dtype) in runs.items():
+                    host, wall = host_us_per_call(self.comm, fn, HOST_CALLS, sync)
+                    self.records.append({**_op_fields(op), "graph": False, "timing": "host",
+                                         "host_us_per_call": host, "host_wall_us_per_call": wall,
+                                         "check_values": checked, "calls": HOST_CALLS, "time_us_median": None,
+                                         "time_us_p99": None, "time_us_min": None, "nccl_time_us": None,
+                                         "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden,
+                                         "topk": a.topk, "experts": a.experts, "num_ranks": self.R})
+                    self.log(f"  {op:16s} host   T={tokens:4d} {host:7.1f} us per call on the host "
+                             f"({wall:7.1f} us per call until the device is done; {HOST_CALLS} calls back to back"
+                             f"{'; check_values=True' if checked else ''})")
+        finally:
+            buf.check_values = False
 
     def phases(self, runs: dict, tokens: int, flush=None, rounds: int = 30, calls: int = 4) -> None:
         """Records of timing "stamps" (``--ll-stamps``): per op, where a call's time goes, from the kernels'
@@ -415,11 +425,13 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
     if host:
         out += ["", f"Host time per call: {host[0]['calls']} plain calls back to back (no sync inside the loop; "
                 "a device sync and a barrier before and after), slowest rank; *host* = the loop alone, *wall* = "
-                "until the device has finished them too.", "",
-                "| op | dtype | tokens | host us per call | wall us per call |", "|---|---|---|---|---|"]
+                "until the device has finished them too; *check_values*: the Buffer's flag (the benchmark runs "
+                "False; True, the default, copies the call's top-k to the host to check it: a sync per call).", "",
+                "| op | dtype | tokens | host us per call | wall us per call | check_values |",
+                "|---|---|---|---|---|---|"]
         for r in host:
             out.append(f"| {op_label(r)} | {r['dtype']} | {r['tokens']} | {r['host_us_per_call']:.1f} | "
-                       f"{r['host_wall_us_per_call']:.1f} |")
+                       f"{r['host_wall_us_per_call']:.1f} | {r.get('check_values', False)} |")
     return out
 
 

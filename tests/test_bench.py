@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -384,7 +386,10 @@ def test_ll_markdown():
     for op, dtype in (("ll_dispatch", "fp8"), ("ll_combine", "bf16")):
         b.records.append({"op": op, "graph": False, "timing": "host", "host_us_per_call": 150.0,
                           "host_wall_us_per_call": 160.0, "calls": 200, "time_us_median": None, "dtype": dtype,
-                          "tokens": 128, "max_tokens": 128})
+                          "tokens": 128, "max_tokens": 128})  # (before session 19: no check_values field)
+    b.records.append({"op": "ll_dispatch", "graph": False, "timing": "host", "host_us_per_call": 250.0,
+                      "host_wall_us_per_call": 260.0, "check_values": True, "calls": 200, "time_us_median": None,
+                      "dtype": "fp8", "tokens": 128, "max_tokens": 128})
     b.records.append({"op": "ll_dispatch", "graph": False, "timing": "stamps", "rounds": 30, "time_us_median": None,
                       "dtype": "fp8", "tokens": 128, "max_tokens": 128,
                       "phases_us": {"send_start": 0.0, "send_end": 9.5, "recv_end": 30.25},
@@ -406,7 +411,8 @@ def test_ll_markdown():
     assert "| ll_combine (bf16 partials) | bf16 | steady | 12.0 | 13.0 | 30.0 | steady | 0.40 |" in md
     assert "T = 0 is the fixed cost" in md
     assert "| ll_dispatch | fp8 | 0 | 12.0 | 13.0 | - | - |" in md
-    assert "| ll_combine | bf16 | 128 | 150.0 | 160.0 |" in md
+    assert "| ll_combine | bf16 | 128 | 150.0 | 160.0 | False |" in md
+    assert "| ll_dispatch | fp8 | 128 | 250.0 | 260.0 | True |" in md
     assert "*steady* = 10 ops back to back" in md
 
 
@@ -432,3 +438,33 @@ def test_git_commit_flags_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     assert _git_commit(tmp_path) == head + "+dirty"
     monkeypatch.setenv("CUPY_EP_COMMIT", "abc1234")
     assert _git_commit(tmp_path) == "abc1234"
+
+
+def test_ll_host_overhead_measures_with_and_without_value_checks(monkeypatch):
+    """One record per op and check_values setting; the Buffer's flag is what each call sees, and it is left False
+    (the benchmark's setting) afterwards, also when a call raises."""
+    b = _ll_bench()
+    seen = []
+
+    class Buf:
+        check_values = False
+    b.buf = Buf()
+    monkeypatch.setattr(bench_ll, "host_us_per_call", lambda comm, fn, calls, sync: (fn(), (10.0, 11.0))[1])
+    monkeypatch.setattr(bench_ll, "HOST_CALLS", 3)
+    cupy_stub = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
+        deviceSynchronize=lambda: None)))
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stub)
+    runs = {"ll_dispatch": (lambda: seen.append(("d", b.buf.check_values)), None, "fp8"),
+            "ll_combine": (lambda: seen.append(("c", b.buf.check_values)), None, "bf16")}
+    b.host_overhead(runs, 128)
+    assert seen == [("d", False), ("c", False), ("d", True), ("c", True)]
+    assert [(r["op"], r["check_values"]) for r in b.records] == [
+        ("ll_dispatch", False), ("ll_combine", False), ("ll_dispatch", True), ("ll_combine", True)]
+    assert b.buf.check_values is False
+
+    def boom():
+        raise RuntimeError("call failed")
+    b.buf.check_values = False
+    with pytest.raises(RuntimeError):
+        b.host_overhead({"ll_dispatch": (boom, None, "fp8")}, 128)
+    assert b.buf.check_values is False
