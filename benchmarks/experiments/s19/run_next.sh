@@ -6,6 +6,10 @@
 #                           benchmark (copy $D/results_ll/* into benchmarks/results/ afterwards); the rest of tests/gpu
 #   bash run_next.sh more   (nvidia-h200-x2, ~8 min) tests/gpu at 4 ranks, the intranode file at 8, issue 4's
 #                           copy-engine combine probe, then the normal-mode results benchmark (scripts/bench.sh)
+#   bash run_next.sh prologue (any kind; ranks = GPUs, ~3.5 min) branch s19-prologue (.carry/vprologue = git archive
+#                           s19-prologue ...: the receive bookkeeping without divisions or a binary search, never run)
+#                           against HEAD with ll_ab.py, alternating; then the branch's LL tests, soak and racecheck.
+#                           Merge the branch if its tests pass and its kernel end / steady / graph beat HEAD's.
 #   bash run_next.sh ncu    (any kind, one rank) why every warp of the dispatch's receive phase crawls for ~0.9 us
 #                           after the prefix (S19F): ncu's warp-state stall reasons over one dispatch (instruction
 #                           fetch, "no_instruction", would confirm the 56 KB of code fetched per call)
@@ -18,6 +22,19 @@ run() { local name=$1 lim=$2; shift 2; s=$(date +%s); timeout $lim "$@" > $D/$na
 LL="tests/gpu/test_low_latency.py tests/gpu/test_nvshmem.py tests/gpu/test_zz_low_latency_timeout.py"
 AB=$PWD/benchmarks/experiments/s19/ll_ab.py; HP=$PWD/benchmarks/experiments/s18/ll_host_profile.py
 case "${1:-}" in
+prologue)
+  N=$(nvidia-smi -L | wc -l)
+  for v in branch head branch2 head2; do
+    case $v in branch*) dir=$PWD/.carry/vprologue;; *) dir=$PWD;; esac
+    s=$(date +%s); (cd $dir && PYTHONPATH=/tmp/site:$dir timeout 100 $M -n $N python3 $AB > $D/abp_$v.log 2>&1)
+    echo "ab prologue $v rc=$? $(( $(date +%s)-s ))s"; grep -a -E "^  ll_dispatch +(graph|steady)|phases|VERIF|rror" $D/abp_$v.log | head -8; pack
+  done
+  cd .carry/vprologue; export PYTHONPATH=/tmp/site:$PWD
+  run prologue_ll_tests 150 $M -n $N $T tests/gpu/test_low_latency.py
+  (export CUPY_EP_TIMEOUT_S=15; run prologue_soak 60 $M -n $N python3 -m cupy_ep.soak --mode low-latency --iters 1000)
+  (export CUPY_EP_TIMEOUT_S=15; run prologue_soak300 60 $M -n $N python3 -m cupy_ep.soak --mode low-latency --iters 300 --max-tokens 300)
+  (export CUPY_EP_TIMEOUT_S=60; run prologue_racecheck 100 $M -n $N compute-sanitizer --tool racecheck --error-exitcode 3 --print-limit 20 python3 -m cupy_ep.soak --mode low-latency --iters 8 --check-every 1)
+  exit;;
 ncu)
   # eager dispatches (ll_host_profile.py's warm-up calls), the 21st profiled; kernel replay restores memory between
   # passes, and at one rank no peer waits. SourceCounters samples the warps' stall reasons per SASS instruction: the
