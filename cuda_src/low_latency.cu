@@ -23,8 +23,9 @@
 // Slots are deterministic: (token t, slot k) for expert e gets slot
 // #{(t', k') before (t, k) in row-major order with topk_idx[t', k'] == e}, computed from a shared-memory
 // histogram of topk_idx (each block builds the counts of the rows before its first token, then advances
-// it token by token; topk_idx itself is copied into shared memory at the kernel's start when it fits: stage_topk). Rows of a local expert are therefore ordered (source rank, token, k) exactly as
-// cupy_ep/reference.py says. The dispatch also writes them into the handle's topk_slots, and the combine finds its
+// it token by token; topk_idx itself is copied into shared memory at the kernel's start when it fits:
+// stage_topk). Rows of a local expert are therefore ordered (source rank, token, k) exactly as cupy_ep/reference.py
+// says. The dispatch also writes them into the handle's topk_slots, and the combine finds its
 // rows by them (the owner sends each entry's slot with its expert in the meta), so it counts nothing.
 //
 // Dispatch send: per token t, warp 0 finds the distinct destination ranks of t (the owners of its valid experts:
@@ -158,23 +159,26 @@ __device__ __forceinline__ void send_signal(char* base, const unsigned long long
 // ---------------------------------------------------------------------------------------------------
 // Deterministic slots: hist[e] = top-k entries selecting e in the rows before the current token.
 // ---------------------------------------------------------------------------------------------------
-// Dispatch send, at the kernel's start (before the first block barrier, which makes them visible): both histograms
-// zeroed, and the call's whole topk_idx copied into shared memory by cp.async (no registers held while it travels)
-// when it fits in kTopkStageBytes (128 tokens x top-8 of int64 does), so that the histograms and the slots read it
-// there after the first message instead of paying a global load round trip each on the critical path (S19).
-// Returns where to read topk_idx from: the stage, or topk_idx itself. Each thread waits for its copies
-// (cp_async_wait_all) before that barrier.
+// Dispatch send, at the kernel's start: both histograms zeroed (visible after the first block barrier, which
+// build_histograms' counting follows).
+__device__ __forceinline__ void zero_histograms(int num_experts, int* hist, int* hist_all) {
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) hist[e] = hist_all[e] = 0;
+}
+
+// Dispatch send, at the kernel's start: the call's whole topk_idx copied into shared memory by cp.async (no
+// registers held while it travels) when it fits in kTopkStageBytes (128 tokens x top-8 of int64 does), so that the
+// histograms and the slots read it there after the first message instead of paying a global load round trip each
+// on the critical path (S19). Returns where to read topk_idx from: the stage, or topk_idx itself. Each thread waits
+// for its copies (cp_async_wait_all) before the first block barrier, which makes them visible.
 constexpr int kTopkStageBytes = 8192;
 template <typename TopkT>
-__device__ __forceinline__ const TopkT* stage_topk(const TopkT* topk_idx, int count, int num_experts, int* hist,
-                                                   int* hist_all, TopkT* stage) {
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) hist[e] = hist_all[e] = 0;
+__device__ __forceinline__ const TopkT* stage_topk(const TopkT* topk_idx, int count, TopkT* stage) {
     if ((long long)count * (long long)sizeof(TopkT) > kTopkStageBytes) return topk_idx;
     for (int f = threadIdx.x; f < count; f += blockDim.x) cp_async_small<sizeof(TopkT)>(stage + f, topk_idx + f);
     return stage;
 }
 
-// Counts into the zeroed histograms (stage_topk; a block barrier since): hist[e] over the rows before
+// Counts into the zeroed histograms (zero_histograms; a block barrier since): hist[e] over the rows before
 // first_token, hist_all[e] over all rows. Ends with a block barrier.
 template <typename TopkT>
 __device__ void build_histograms(const TopkT* topk_idx, int num_tokens, int num_topk, int num_experts,
@@ -441,7 +445,8 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_sl
     // the first token's loads go out before warp 0's staging waits on its own loads (which would hold back warp
     // 0's share of them by a memory round trip), and the buffer check after its message is out
     const TokenLoads first = load_token(x, topk_idx, blockIdx.x, num_tokens, num_topk, hidden_int4);
-    const TopkT* idx = stage_topk(topk_idx, num_tokens * num_topk, E, hist, hist_all, topk_stage);
+    zero_histograms(E, hist, hist_all);
+    const TopkT* idx = stage_topk(topk_idx, num_tokens * num_topk, topk_stage);
     stage_send_shared(peer_bases, L.num_ranks, workspace, buffer_idx, sh);
     const long long recv = L.recv_offset(buffer_idx);  // (the send slot is recomputed where used: registers)
     cp_async_wait_all();  // this thread's part of the stage; the next block barrier publishes it and the zeroes

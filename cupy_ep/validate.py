@@ -44,10 +44,10 @@ def check_array(x, name: str, dtypes: tuple, ndim: int | None = None, device: in
               TypeError)
     if device is not None and kind.on_gpu and interop.device_of(x) != device:
         _fail(name, f"is on GPU {interop.device_of(x)}, but this buffer uses GPU {device}")
-    if aligned and device is not None and interop.data_ptr(x) % ROW_ALIGN:
+    offset = interop.data_ptr(x) % ROW_ALIGN if aligned and device is not None else 0
+    if offset:
         _fail(name, f"must start at a multiple of {ROW_ALIGN} bytes (the kernels move rows in {ROW_ALIGN}-byte "
-                    f"pieces); this one starts {interop.data_ptr(x) % ROW_ALIGN} bytes past one (a view at an odd "
-                    "element offset?)")
+                    f"pieces); this one starts {offset} bytes past one (a view at an odd element offset?)")
     return dt
 
 
