@@ -156,6 +156,20 @@ __device__ __forceinline__ void send_signal(char* base, const unsigned long long
     }
 }
 
+// log2 of a power of two, at compile time.
+constexpr int log2_exact(int v) { return v > 1 ? 1 + log2_exact(v >> 1) : 0; }
+
+// x / d and x % d (x >= 0) for a divisor fixed per call (the rank count, the experts per rank), by shifts when d
+// is a power of two (the usual case: 2, 4, 8 ranks; 256 experts over them) and by division otherwise; `shift` =
+// log2(d) or -1 (a uniform branch). An integer division is a dependent chain of ~15 instructions (~70 cycles), and
+// the dispatch's bookkeeping on its critical path had several (S19F).
+struct FastDiv {
+    int d, shift;
+    __device__ __forceinline__ explicit FastDiv(int d_) : d(d_), shift((d_ & (d_ - 1)) == 0 ? __ffs(d_) - 1 : -1) {}
+    __device__ __forceinline__ int div(int x) const { return shift >= 0 ? x >> shift : x / d; }
+    __device__ __forceinline__ int mod(int x) const { return shift >= 0 ? x & (d - 1) : x % d; }
+};
+
 // ---------------------------------------------------------------------------------------------------
 // Deterministic slots: hist[e] = top-k entries selecting e in the rows before the current token.
 // ---------------------------------------------------------------------------------------------------
@@ -247,7 +261,7 @@ __device__ __forceinline__ void token_targets(long long e, int num_experts, int 
     if (warp_id() != 0) return;
     const int lane = lane_id();
     const bool valid = e >= 0 && e < num_experts;
-    const int dst = valid ? (int)(e / num_local) : -1 - lane;  // lanes without an expert: a key of their own
+    const int dst = valid ? FastDiv(num_local).div((int)e) : -1 - lane;  // lanes without an expert: a key of their own
     const unsigned same = __match_any_sync(0xffffffffu, dst);
     const bool first = valid && __ffs(same) - 1 == lane;
     __syncwarp();  // sh.peer, staged by this warp (stage_send_shared)
@@ -275,8 +289,9 @@ __device__ __forceinline__ void send_index_entries(int t, int num_topk, char* ba
                                                    long long recv, int rank, const DispatchShared& sh) {
     const int lane = lane_id();
     if (warp_id() != 0 || lane >= num_topk || sh.slot[lane] < 0) return;
-    const int e = sh.expert[lane], pe = e / L.num_local;
-    const long long offset = recv + L.dispatch_recv_index(e % L.num_local, rank, sh.slot[lane]);
+    const FastDiv by_local(L.num_local);
+    const int e = sh.expert[lane], pe = by_local.div(e);
+    const long long offset = recv + L.dispatch_recv_index(by_local.mod(e), rank, sh.slot[lane]);
     const long long entry = ((long long)sh.epoch << 32) | (unsigned)t;
     char* direct = reinterpret_cast<char*>(sh.peer[pe]);
     if (direct != nullptr) {
@@ -376,8 +391,9 @@ __device__ __forceinline__ void send_counts(const int* hist_all, char* base, con
                                             int buffer_idx, int rank, const DispatchShared& sh) {
     if (lane_id() != 0 || warp_id() == 0) return;  // (warp 0 goes on to the token's slots)
     for (int e = blockIdx.x + gridDim.x * (warp_id() - 1); e < L.num_experts; e += gridDim.x * (kLLWarps - 1)) {
-        const int count = min(hist_all[e], L.num_max_tokens), pe = e / L.num_local;
-        const long long offset = L.signal_offset(buffer_idx) + 8LL * L.dispatch_count(e % L.num_local, rank);
+        const FastDiv by_local(L.num_local);
+        const int count = min(hist_all[e], L.num_max_tokens), pe = by_local.div(e);
+        const long long offset = L.signal_offset(buffer_idx) + 8LL * L.dispatch_count(by_local.mod(e), rank);
         const long long value = ((long long)sh.epoch << 32) | (unsigned)count;
         char* direct = reinterpret_cast<char*>(sh.peer[pe]);
         if (direct != nullptr) st_relaxed_sys(reinterpret_cast<long long*>(direct + offset), value);
@@ -546,16 +562,23 @@ __device__ __forceinline__ void scan_counts(int* a, int n, int* warp_sums, Sync 
     if (c == kThreads - 1) a[n] = run;  // its chunk is the last one (or empty at n)
 }
 
-// Largest i < n with prefix[i] <= row (row < prefix[n]): the (local expert, source) pair holding global row `row`.
-__device__ __forceinline__ int pair_of_row(const int* prefix, int n, int row) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (prefix[mid] <= row) lo = mid;
-        else hi = mid - 1;
+// Largest i < n with prefix[i] <= row (row < prefix[n]): the (local expert, source) pair holding global row `row`,
+// found by the whole warp (every lane calls it with the same row): each round the lanes test 32 evenly spaced
+// candidates at once and keep the last one at or below the row, so n = 256 pairs take two rounds of one shared
+// load per lane instead of eight dependent rounds of a binary search (S19F: the receive phase's bookkeeping before
+// the first copy is a chain of dependent latencies, ~0.9 us at one rank).
+__device__ __forceinline__ int warp_pair_of_row(const int* prefix, int n, int row) {
+    int lo = 0, hi = n;  // the answer lies in [lo, hi), and prefix[lo] <= row
+    while (hi - lo > 1) {
+        const int step = (hi - lo + kWarpSize - 1) / kWarpSize;
+        const int i = lo + lane_id() * step;
+        const unsigned ok = __ballot_sync(0xffffffffu, i < hi && prefix[i] <= row);  // lanes 0..k: prefix ascends
+        lo += (kWarpSize - 1 - __clz(ok)) * step;
+        hi = min(hi, lo + step);
     }
     return lo;
 }
+
 
 // Every block: the counts of every (local expert e, source s) pair into prefix[e * R + s], waiting for each to carry
 // the call's epoch (counts are never consumed, so any number of blocks may read them); then their prefix. Only the
@@ -624,14 +647,21 @@ __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* pr
     constexpr int kInFlight = 8, kMaxParts = 8;  // 8 loads per lane: a unit (half a row at 512 threads) in one pass
     const int rows = hi - lo, R = L.num_ranks, rows_per_expert = R * L.num_max_tokens, lane = lane_id();
     if (rows <= 0) return true;
-    const int parts = max(1, min(kMaxParts, kLLWarps / rows));
+    // parts of a row per unit: the largest power of two p with rows * p <= kLLWarps (at most kMaxParts), so that a
+    // unit's row and part are shifts of its index: no division on the way to the first copy.
+    // log2 p = log2(kLLWarps) - ceil(log2(rows)), clamped to [0, log2(kMaxParts)].
+    static_assert((kLLWarps & (kLLWarps - 1)) == 0 && (kMaxParts & (kMaxParts - 1)) == 0, "powers of two");
+    constexpr int kWarpsLog2 = log2_exact(kLLWarps), kMaxPartsLog2 = log2_exact(kMaxParts);
+    const int parts_log2 = max(0, min(kMaxPartsLog2, kWarpsLog2 - (32 - __clz(rows - 1))));
+    const int parts = 1 << parts_log2;
     const int data_int4 = kUseFP8 ? L.hidden / 16 : L.hidden / 8;
     const int words = kUseFP8 ? (use_ue8m0 ? L.hidden / 512 : L.hidden / 128) : 0;  // scale words per row
-    const int part_int4 = (data_int4 + parts - 1) / parts;
+    const int part_int4 = (data_int4 + parts - 1) >> parts_log2;
+    const FastDiv by_rank(R);
     // warp 0 takes the block's last units: in a launch with both phases it comes from the send phase's releases
     for (int u = (warp_id() + kLLWarps - 1) % kLLWarps; u < rows * parts; u += kLLWarps) {
-        const int j = u / parts, part = u - j * parts, row = lo + j;
-        const int pair = pair_of_row(prefix, n, row), s = pair % R, e = pair / R;
+        const int j = u >> parts_log2, part = u & (parts - 1), row = lo + j;
+        const int pair = warp_pair_of_row(prefix, n, row), s = by_rank.mod(pair), e = by_rank.div(pair);
         int token = 0;
         if (u == 0) stamp_by(stamps, kStampRecvCopyStart, lane == 0);
         if (lane == 0) token = wait_row(row, pair, s, prefix, recv, epoch, L, ctx);
@@ -695,13 +725,15 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
     wait_for_prefix(rs);
     if (!rs.failed) {
         stamp_by(stamps, kStampRecvPrepared, threadIdx.x == kWarpSize);  // a counter, past the counters' last sync
-        for (int e = blockIdx.x; e < L.num_local; e += gridDim.x) {
+        // warp 0 only (it takes the block's last copy units): the other warps go straight on to their first copy
+        for (int e = blockIdx.x; warp_id() == 0 && e < L.num_local; e += gridDim.x) {
             const int begin = prefix[e * R];
-            if ((int)threadIdx.x < R) {
-                const int s = threadIdx.x, from = prefix[e * R + s];
+#pragma unroll 1
+            for (int s = lane_id(); s < R; s += kWarpSize) {
+                const int from = prefix[e * R + s];
                 packed_recv_layout_range[(long long)e * R + s] = ((long long)(from - begin) << 32) | (prefix[e * R + s + 1] - from);
             }
-            if (threadIdx.x == 0) {
+            if (lane_id() == 0) {
                 packed_recv_count[e] = prefix[e * R + R] - begin;
                 if (cumulative_stats != nullptr) cumulative_stats[e] += prefix[e * R + R] - begin;
             }
