@@ -428,6 +428,9 @@ def test_cuda_graph_capture_num_worst_tokens(comm, gpu_buffer):
     with cupy.cuda.Device(gpu_buffer.device_id):
         x_np, idx_np, w_np, num_experts = _inputs(case, rank, R, seed=0)
         x, idx, w = _to_gpu(x_np), cupy.asarray(idx_np), cupy.asarray(w_np)
+        # the copies above ran on the legacy default stream, which a non-blocking stream does not wait for: without
+        # this sync the first call read stale pool memory as topk_idx (S20D/S20F, four ranks sharing one GPU)
+        cupy.cuda.runtime.deviceSynchronize()
         stream = cupy.cuda.Stream(non_blocking=True)
         outs = {}
 
@@ -481,6 +484,7 @@ def test_cuda_graph_zero_copy_replays(comm, gpu_buffer):
         handle = gpu_buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                      num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, config=cfg_d)[4]
         y = cupy.empty((int(handle[3].shape[0]), case.hidden), dtype=cupy.uint16)
+        cupy.cuda.runtime.deviceSynchronize()  # x and the handle come from the default stream (see above)
         stream = cupy.cuda.Stream(non_blocking=True)
         outs = {}
 

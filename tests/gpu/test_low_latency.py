@@ -497,6 +497,7 @@ def test_cuda_graph_capture_and_replay_with_new_data(comm, ll_buf):
     x_d, idx_d = _dev(x0), _dev(idx0)
     w_d = cupy.ones(idx0.shape, dtype=cupy.float32)
     y_d = cupy.zeros((L, R * MAX_TOKENS, case.hidden), dtype=cupy.uint16).view(cupy_ep.interop.BF16)
+    cupy.cuda.runtime.deviceSynchronize()  # the inputs were made on the default stream; `stream` does not wait for it
     stream = cupy.cuda.Stream(non_blocking=True)
     errors = []
 
