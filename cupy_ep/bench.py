@@ -90,13 +90,39 @@ class GpuTimer:
         """Device-only time: ``fn`` captured ``per_replay`` times in one CUDA graph, replays timed right after an
         MPI barrier (no host overhead), per op. ``per_replay=2`` for low-latency calls: their two buffers
         alternate per call and the index is fixed at capture, so a graph must hold an even number of them."""
+        return self._replays(fn, per_replay)
+
+    def aligned(self, fn, align, per_replay: int = 1, spin_us: float = 30.0) -> Timing:
+        """Device time from a common start: ``fn`` captured ``per_replay`` times in one CUDA graph, as ``graph``,
+        but each replay is queued behind ``align(stream)`` (a device-side barrier of the ranks: NcclAllToAll.align,
+        a one-int all-reduce) and a ``spin_us`` spin kernel (cuda_src/timing.cu), with the start event recorded
+        between the spin and the replay. Per op.
+
+        Why: ``graph`` records its start event on an idle stream and then launches, so its span holds the host's
+        submission latency and the ranks' launch skew after the MPI barrier (an op that waits for its peers waits
+        that out). Here the all-reduce ends on every rank within an NVLink round trip of the last rank's arrival,
+        and during the spin every host queues its replay, so the span is the op's latency when its ranks start
+        together and nothing waits for a host: as inside a decode step's CUDA graph, where the step's earlier
+        collectives line the ranks up. The L2 is flushed before each iteration, as in the other timings."""
+        from cupy_ep import jit
+        spin = jit.get_kernel("timing.cu", "ep::spin_ns")
+
+        def before(stream):
+            align(stream)
+            spin((1,), (1,), (np.int64(spin_us * 1e3),), stream=stream)
+        return self._replays(fn, per_replay, before)
+
+    def _replays(self, fn, per_replay: int, before=None) -> Timing:
+        """``fn`` captured ``per_replay`` times in one CUDA graph (after one warm-up call), replays timed by
+        ``_time`` (``before(stream)`` queued ahead of each start event), per op."""
         def ops():
             for _ in range(per_replay):
                 fn()
         stream = warm_stream(self.comm, ops)
         with stream:
             graph = capture_graph(stream, ops)
-        t = self._time(stream, lambda: graph.launch(stream))
+        queue_first = (lambda: before(stream)) if before is not None else None
+        t = self._time(stream, lambda: graph.launch(stream), before=queue_first)
         if per_replay == 1:
             return t
         self.last = self.last / per_replay
@@ -147,7 +173,9 @@ class GpuTimer:
         self.last = np.maximum(per_op, STEADY_FLOOR_US)
         return Timing(max(float(np.median(per_op)), STEADY_FLOOR_US), max(float(np.min(per_op)), STEADY_FLOOR_US))
 
-    def _time(self, stream, launch) -> Timing:
+    def _time(self, stream, launch, before=None) -> Timing:
+        """``launch()`` timed by events on ``stream`` after an L2 flush, a device sync and an MPI barrier, per
+        iteration the slowest rank; ``before()`` (``aligned``) queues work ahead of the start event."""
         import cupy
         times = []
         for i in range(self.warmup + self.iters):
@@ -155,6 +183,8 @@ class GpuTimer:
             cupy.cuda.runtime.deviceSynchronize()
             self.comm.Barrier()
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            if before is not None:
+                before()
             start.record(stream)
             launch()
             end.record(stream)
@@ -246,6 +276,15 @@ class NcclAllToAll:
         uid = comm.bcast(nccl.get_unique_id() if comm.Get_rank() == 0 else None)
         self.nc = nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())
         self.R, self.rank = comm.Get_size(), comm.Get_rank()
+
+    def align(self, stream) -> None:
+        """A device-side barrier of the ranks on ``stream``: a one-int all-reduce, which ends on every rank once
+        the last rank's contribution is in (GpuTimer.aligned)."""
+        import cupy
+        if not hasattr(self, "_one"):
+            self._one = cupy.ones(1, dtype=cupy.int32)
+        self.nc.allReduce(self._one.data.ptr, self._one.data.ptr, 1, self.nccl.NCCL_INT32, self.nccl.NCCL_MAX,
+                          stream.ptr)
 
     def make(self, send_bytes, recv_bytes):
         import cupy

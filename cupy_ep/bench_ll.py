@@ -143,11 +143,13 @@ class LowLatencyBench:
         }
 
     def timed(self, timer, fn, how: str):
-        """``(Timing, p99 us)`` of ``fn`` timed ``how`` ("call", "graph" or "steady")."""
+        """``(Timing, p99 us)`` of ``fn`` timed ``how`` ("call", "graph", "aligned" or "steady")."""
         if how == "call":
             t = timer(fn)
         elif how == "graph":
             t = timer.graph(fn, per_replay=2)
+        elif how == "aligned":
+            t = timer.aligned(fn, self.nccl.align, per_replay=2)
         else:
             t = timer.steady(fn, self.steady_n)
         return t, timer.p99()
@@ -162,11 +164,11 @@ class LowLatencyBench:
 
     def time_ops(self, timer, runs: dict, tokens: int, hows, with_nccl: bool = True) -> None:
         """Time each op of ``runs`` (``ops``) each way in ``hows``; NCCL as graph replays for the call and
-        graph rows, steady for the steady rows."""
+        graph rows, the same way as ours for the aligned and steady rows."""
         for op, (fn, nccl_fn, dtype) in runs.items():
             nccl = {}
             for how in hows:
-                base = "steady" if how == "steady" else "graph"
+                base = "graph" if how == "call" else how
                 if with_nccl and base not in nccl:
                     nccl[base] = self.time_nccl(timer, nccl_fn, base)
                 t, p99 = self.timed(timer, fn, how)
@@ -323,7 +325,7 @@ class LowLatencyBench:
             timer = LatencyTimer(self.comm, a.iters, a.warmup)
             self.nccl = NcclAllToAll(self.comm)
             runs = self.ops(x, idx, w, y, handle, idx_np)
-            self.time_ops(timer, runs, a.tokens, ("call", "graph", "steady") if self.steady_n else ("call", "graph"))
+            self.time_ops(timer, runs, a.tokens, ("call", "graph", "aligned") + (("steady",) if self.steady_n else ()))
             self.host_overhead(runs, a.tokens)
             if getattr(a, "ll_stamps", False):
                 self.phases(runs, a.tokens)
@@ -366,17 +368,19 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
            "Timings: *call* = CUDA events around the Python call (host overhead included); *graph* = two ops per "
            "CUDA-graph replay (the two buffers alternate per call: a graph must hold an even number of "
            "low-latency calls), right after an MPI barrier, per op, the ranks' launch skew included once per 2 "
-           "ops; "
+           "ops; *aligned* = the same replays, each queued behind a device-side barrier of the ranks (a one-int "
+           "NCCL all-reduce) and a 30 us spin, the start event between the spin and the replay: the ops' latency "
+           "when the ranks start together and no host is waited for (as inside a decode step's graph); "
            f"*steady* = {n or 'n'} ops back to back per replay (buffers alternating as in real use), L2 flushed "
            "before each, minus a flush-only graph, / n: device latency per op in a pipeline, the ranks' launch "
            "skew paid once per n ops. NCCL (grouped send/recv of the same per-peer bytes) is timed as graph "
-           "replays for the call and graph rows, steady for the steady rows. *ll_combine (bf16 partials)*: "
+           "replays for the call and graph rows, aligned and steady as ours. *ll_combine (bf16 partials)*: "
            "`bf16_partials=True`, the expert ranks' partial sums cross NVLink as bf16 instead of 24 bits (a third "
            "fewer bytes, one more rounding).", "",
            "| op | dtype | timing | median us | p99 us | NCCL us (same bytes) | NCCL timing | ours/NCCL |",
            "|---|---|---|---|---|---|---|---|"]
     for r in records:
-        if r["timing"] in ("call", "graph", "steady") and r["tokens"] == args.tokens:
+        if r["timing"] in ("call", "graph", "aligned", "steady") and r["tokens"] == args.tokens:
             out.append(f"| {op_label(r)} | {r['dtype']} | {r['timing']} | {r['time_us_median']:.1f} | "
                        f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {r.get('nccl_timing') or '-'} | "
                        f"{_f(r.get('ratio_to_nccl'), '.2f')} |")

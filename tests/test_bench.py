@@ -99,6 +99,55 @@ def test_steady_needs_at_least_one_op(monkeypatch):
         timer.steady(None, n=0)
 
 
+def _fake_replays(monkeypatch, times_us):
+    """A GpuTimer whose graph capture and ``_time`` are fakes: ``_time`` runs ``before`` and ``launch`` once,
+    logging what reaches the stream in order, and reports ``times_us`` per iteration."""
+    timer = GpuTimer.__new__(GpuTimer)
+    timer.comm, timer.iters, timer.warmup = None, len(times_us), 0
+    log = []
+
+    class Stream(str):  # "stream", usable as `with stream:`
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Kernel:
+        def __call__(self, grid, block, args, stream=None):
+            log.append(("spin", int(args[0]), stream))
+
+    def fake_time(stream, launch, before=None):
+        if before is not None:
+            before()
+        log.append(("start", stream))
+        launch()
+        timer.last = np.asarray(times_us, dtype=float)
+        return Timing(float(np.median(timer.last)), float(np.min(timer.last)))
+    monkeypatch.setattr(bench, "warm_stream", lambda comm, ops: (ops(), Stream("stream"))[1])
+    monkeypatch.setattr(bench, "capture_graph", lambda stream, ops: (ops(), _FakeGraph("replay", log))[1])
+    monkeypatch.setattr("cupy_ep.jit.get_kernel", lambda filename, name: Kernel())
+    monkeypatch.setattr(timer, "_time", fake_time)
+    return timer, log
+
+
+def test_aligned_queues_the_barrier_and_the_spin_before_the_start_event(monkeypatch):
+    timer, log = _fake_replays(monkeypatch, [30.0, 28.0, 40.0])
+    calls = []
+    t = timer.aligned(lambda: calls.append("op"), lambda stream: log.append(("align", stream)), per_replay=2,
+                      spin_us=25.0)
+    assert log == [("align", "stream"), ("spin", 25_000, "stream"), ("start", "stream"), "replay"]
+    assert calls == ["op"] * 4  # the warm-up's two calls and the capture's two
+    assert (t.median_us, t.min_us) == (15.0, 14.0)  # per op
+    np.testing.assert_allclose(timer.last, [15.0, 14.0, 20.0])
+
+
+def test_graph_queues_nothing_before_the_start_event(monkeypatch):
+    timer, log = _fake_replays(monkeypatch, [30.0])
+    t = timer.graph(lambda: None)
+    assert log == [("start", "stream"), "replay"] and t.median_us == 30.0
+
+
 # ------------------------------------------------------------------------------------------------------
 # normal mode: records, markdown, plot, options
 # ------------------------------------------------------------------------------------------------------
@@ -298,6 +347,11 @@ class _FakeLLTimer:
         self.per_replay = per_replay
         return self._t(fn("graph"))
 
+    def aligned(self, fn, align, per_replay=1):
+        self.calls.append(("aligned", fn))
+        self.align = align
+        return self._t(fn("aligned"))
+
     def steady(self, fn, n):
         self.calls.append(("steady", fn))
         self.steady_ns.append(n)
@@ -319,8 +373,8 @@ def _ll_bench(steady_n=10, tokens=128):
 
 
 def _ll_runs():
-    ours = {"call": 200.0, "graph": 40.0, "steady": 12.0}
-    theirs = {"graph": 48.0, "steady": 30.0}
+    ours = {"call": 200.0, "graph": 40.0, "aligned": 14.0, "steady": 12.0}
+    theirs = {"graph": 48.0, "aligned": 33.0, "steady": 30.0}
 
     def op(how):
         return ours[how]
@@ -336,10 +390,12 @@ def test_even_steady_n():
 
 def test_ll_records_time_nccl_the_same_way():
     b, timer = _ll_bench(steady_n=9), _FakeLLTimer()
-    b.time_ops(timer, _ll_runs(), 128, ("call", "graph", "steady"))
+    b.nccl = argparse.Namespace(align=object())
+    b.time_ops(timer, _ll_runs(), 128, ("call", "graph", "aligned", "steady"))
     assert set(timer.steady_ns) == {10}  # rounded up to even: two buffers alternate
+    assert timer.align is b.nccl.align  # the aligned rows line the ranks up by NCCL
     by = {(r["op"], r.get("partials"), r["timing"]): r for r in b.records}
-    assert len(by) == 9
+    assert len(by) == 12
     for op in (("ll_dispatch", None), ("ll_combine", "24-bit"), ("ll_combine", "bf16")):
         call, graph, steady = by[op + ("call",)], by[op + ("graph",)], by[op + ("steady",)]
         assert (call["graph"], graph["graph"], steady["graph"]) == (False, True, True)
@@ -348,10 +404,13 @@ def test_ll_records_time_nccl_the_same_way():
         assert steady["nccl_time_us"] == 30.0 and steady["nccl_timing"] == "steady"
         assert steady["ratio_to_nccl"] == pytest.approx(12.0 / 30.0)
         assert steady["time_us_p99"] == 13.0 and steady["steady_n"] == 10 and call["steady_n"] is None
-        for r in (call, graph, steady):
+        aligned = by[op + ("aligned",)]
+        assert aligned["graph"] and aligned["time_us_median"] == 14.0
+        assert aligned["nccl_time_us"] == 33.0 and aligned["nccl_timing"] == "aligned"
+        for r in (call, graph, aligned, steady):
             assert r["tokens"] == 128 and r["max_tokens"] == 128
-    # NCCL graph-timed once per op (shared by call and graph rows), steady once
-    assert sum(1 for how, fn in timer.calls if fn.__name__ == "nccl") == 6
+    # NCCL graph-timed once per op (shared by call and graph rows), aligned once, steady once
+    assert sum(1 for how, fn in timer.calls if fn.__name__ == "nccl") == 9
 
 
 def test_ll_sweep_records_without_nccl():
@@ -381,7 +440,8 @@ def test_host_us_per_call():
 
 def test_ll_markdown():
     b, timer = _ll_bench(), _FakeLLTimer()
-    b.time_ops(timer, _ll_runs(), 128, ("call", "graph", "steady"))
+    b.nccl = argparse.Namespace(align=object())
+    b.time_ops(timer, _ll_runs(), 128, ("call", "graph", "aligned", "steady"))
     b.time_ops(timer, _ll_runs(), 0, ("steady",), with_nccl=False)
     for op, dtype in (("ll_dispatch", "fp8"), ("ll_combine", "bf16")):
         b.records.append({"op": op, "graph": False, "timing": "host", "host_us_per_call": 150.0,
@@ -414,6 +474,8 @@ def test_ll_markdown():
     assert "| ll_combine | bf16 | 128 | 150.0 | 160.0 | False |" in md
     assert "| ll_dispatch | fp8 | 128 | 250.0 | 260.0 | True |" in md
     assert "*steady* = 10 ops back to back" in md
+    assert "| ll_dispatch | fp8 | aligned | 14.0 | 15.0 | 33.0 | aligned | 0.42 |" in md
+    assert "*aligned* = the same replays" in md
 
 
 def test_git_commit_flags_a_tree_that_differs_from_head(tmp_path, monkeypatch):

@@ -37,6 +37,7 @@ KERNELS = {
     "layout.cu": ["ep::get_dispatch_layout<long long>", "ep::get_dispatch_layout<int>"],
     "intranode.cu": intranode_names(),
     "copy.cu": ["ep::p2p_copy"],
+    "timing.cu": ["ep::spin_ns"],
     # the IPC transport: no NVSHMEM header, not relocatable (the NVSHMEM one is test_internode_nvshmem_...)
     "internode.cu": internode_names("ep::IpcRdma"),
     # relocatable + linked with NVSHMEM's device library
