@@ -11,7 +11,7 @@ shape (132 x 512 threads, 12 KB of static shared memory) stamping each block's s
   clock -> clock: t3 - t2
 Medians over the rounds, with and without the L2 flush. One rank or more (each rank reports its own).
 
-    mpirun -n 1 python3 benchmarks/experiments/s20/launch_gap.py
+    mpirun -n 1 python3 benchmarks/experiments/s20/launch_gap.py [--tokens T]
 """
 from __future__ import annotations
 
@@ -89,4 +89,5 @@ class LaunchGap(bench_ll.LowLatencyBench):
 
 
 if __name__ == "__main__":
-    LaunchGap(bench.parse_args(["--mode", "low-latency", "--tokens", "128"]), MPI.COMM_WORLD).run()
+    import sys
+    LaunchGap(bench.parse_args(["--mode", "low-latency", "--tokens", "128"] + sys.argv[1:]), MPI.COMM_WORLD).run()
