@@ -2,13 +2,15 @@
 timing gives 13.9 us per dispatch (S20H) while the stamps' span (first block start to last stamp) is 9.6 us flushed.
 Each round replays one CUDA graph, right after a barrier:
 
-    D(buffer a)  [flush]  zero stamps  clock(0)  D(buffer b, stamped)  clock(1)  twin  clock(2)  clock(3)
+    D(buffer a)  [flush]  zero stamps  clock(0)  D(buffer b, stamped)  clock(1)  twin(0)  clock(2)  twin(1)
+    clock(3)  twin(2)  clock(4)  clock(5)
 
-``clock(i)`` is a 1-thread kernel writing %globaltimer into t[i]; ``twin`` is an empty kernel of the dispatch's
-shape (132 x 512 threads, 12 KB of static shared memory) stamping each block's start and end. Per round:
+``clock(i)`` is a 1-thread kernel writing %globaltimer into t[i]; ``twin(v)`` is an empty kernel of the dispatch's
+shape (132 x 512 threads, 12 KB of static shared memory) stamping each block's start and end; v = 1 ends with the
+dispatch's epoch counter (an atomicAdd per block), v = 2 starts with the dispatch's DeviceCtx load. Per round:
   dispatch: pre = first block start - t0, span = last stamp - first block start, post = t1 - last stamp
   twin:     pre = first block start - t1, span = last block end - first start,   post = t2 - last end
-  clock -> clock: t3 - t2
+  clock -> clock: t5 - t4
 Medians over the rounds, with and without the L2 flush. One rank or more (each rank reports its own).
 
     mpirun -n 1 python3 benchmarks/experiments/s20/launch_gap.py [--tokens T]
@@ -26,12 +28,24 @@ extern "C" __device__ __forceinline__ unsigned long long now() {
     unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
 }
 extern "C" __global__ void clock(unsigned long long* t, int i) { t[i] = now(); }
-extern "C" __global__ void __launch_bounds__(512, 1) twin(unsigned long long* start, unsigned long long* end) {
+// variant 0: empty; 1: ends as the dispatch does (every block's thread 0 adds to one counter, the last one resets
+// it and bumps an epoch); 2: starts as the dispatch does (thread 0 loads two ints of a struct in global memory,
+// shares them through shared memory and a barrier) before its start stamp
+extern "C" __global__ void __launch_bounds__(512, 1) twin(unsigned long long* start, unsigned long long* end,
+                                                          int variant, int* counter, const int* ctx) {
     __shared__ int pad[3072];  // 12 KB, as the dispatch's static shared memory
+    if (variant == 2) {
+        if (threadIdx.x == 0) { pad[0] = ctx[0]; pad[1] = ctx[1]; }
+        __syncthreads();
+    }
     if (threadIdx.x == 0) start[blockIdx.x] = now();
-    pad[threadIdx.x] = threadIdx.x;
+    if (threadIdx.x > 1) pad[threadIdx.x] = threadIdx.x;
     __syncthreads();
-    if (threadIdx.x == 0) end[blockIdx.x] = now() + (pad[5] == 7);
+    if (threadIdx.x == 0) end[blockIdx.x] = now() + (pad[5] == 7) + (pad[0] == 12345);
+    if (variant == 1 && threadIdx.x == 0 && atomicAdd(counter, 1) == (int)gridDim.x - 1) {
+        counter[0] = 0;
+        counter[1] += 1;
+    }
 }'''
 
 
@@ -47,8 +61,9 @@ class LaunchGap(bench_ll.LowLatencyBench):
             ll.enable_stamps()
             stamps = ll.stamps_of("dispatch")
             nb = ll.num_blocks
-            t = cupy.zeros(4, dtype=cupy.uint64)
-            ts, te = cupy.zeros(nb, dtype=cupy.uint64), cupy.zeros(nb, dtype=cupy.uint64)
+            t = cupy.zeros(8, dtype=cupy.uint64)
+            ts, te = cupy.zeros((3, nb), dtype=cupy.uint64), cupy.zeros((3, nb), dtype=cupy.uint64)
+            counter, ctx = cupy.zeros(2, dtype=cupy.int32), cupy.arange(2, dtype=cupy.int32)
             flush = cupy.empty(256 << 20, dtype=cupy.uint8)
             fn = lambda: self.buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True)  # noqa: E731
             cupy.cuda.runtime.deviceSynchronize()
@@ -61,9 +76,10 @@ class LaunchGap(bench_ll.LowLatencyBench):
                     clock((1,), (1,), (t, np.int32(0)))
                     fn()
                     clock((1,), (1,), (t, np.int32(1)))
-                    twin((nb,), (512,), (ts, te))
-                    clock((1,), (1,), (t, np.int32(2)))
-                    clock((1,), (1,), (t, np.int32(3)))
+                    for v in range(3):
+                        twin((nb,), (512,), (ts[v], te[v], np.int32(v), counter, ctx))
+                        clock((1,), (1,), (t, np.int32(2 + v)))
+                    clock((1,), (1,), (t, np.int32(5)))
                 stream = bench.warm_stream(self.comm, one_round)
                 with stream:
                     graph = bench.capture_graph(stream, one_round)
@@ -77,14 +93,18 @@ class LaunchGap(bench_ll.LowLatencyBench):
                     s0 = st[:, 0][st[:, 0] > 0].min()
                     s1 = st.max()
                     a0, a1 = ts.get().astype(np.int64), te.get().astype(np.int64)
-                    rows.append((s0 - tt[0], s1 - s0, tt[1] - s1, a0.min() - tt[1], a1.max() - a0.min(),
-                                 tt[2] - a1.max(), tt[3] - tt[2]))
+                    row = [s0 - tt[0], s1 - s0, tt[1] - s1]
+                    for v in range(3):
+                        row += [a0[v].min() - tt[1 + v], a1[v].max() - a0[v].min(), tt[2 + v] - a1[v].max()]
+                    rows.append(row + [tt[5] - tt[4]])
                 med = np.median(np.array(rows[10:], dtype=np.float64), axis=0) / 1e3
                 for r in range(self.R):
-                    line = self.comm.bcast(med if self.rank == r else None, root=r)
-                    self.log(f"  rank {r} L2 {'flushed' if flushed else 'warm   '}: dispatch pre {line[0]:.2f} span "
-                             f"{line[1]:.2f} post {line[2]:.2f} | twin pre {line[3]:.2f} span {line[4]:.2f} post "
-                             f"{line[5]:.2f} | clock->clock {line[6]:.2f} us")
+                    m = self.comm.bcast(med if self.rank == r else None, root=r)
+                    self.log(f"  rank {r} L2 {'flushed' if flushed else 'warm   '}: dispatch pre {m[0]:.2f} span "
+                             f"{m[1]:.2f} post {m[2]:.2f} | " + " | ".join(
+                                 f"{name} pre {m[3 + 3 * v]:.2f} span {m[4 + 3 * v]:.2f} post {m[5 + 3 * v]:.2f}"
+                                 for v, name in enumerate(("twin", "twin+atomic end", "twin+ctx start")))
+                             + f" | clock->clock {m[12]:.2f} us")
         self.buf.destroy()
 
 
