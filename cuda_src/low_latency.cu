@@ -723,6 +723,11 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
     const long long* counts = reinterpret_cast<const long long*>(base + L.signal_offset(buffer_idx));
     read_counts(counts, n, epoch, prefix, rs, L, ctx);
     wait_for_prefix(rs);
+    // Every thread of the block has read the epoch by now (the counters before arriving on prefix_ready, which
+    // warp 0 waited for). Thread 0 takes the block's ticket now, and only looks at it at the end: the last block
+    // to take one advances the epoch. At the end the atomic's round trip sat on the launch's tail (~0.6 us for a
+    // kernel of this shape, benchmarks/experiments/s20/launch_gap.py); here the copies hide it.
+    const int ticket = threadIdx.x == 0 ? atomicAdd(workspace + kWsRecvDone, 1) : 0;
     if (!rs.failed) {
         stamp_by(stamps, kStampRecvPrepared, threadIdx.x == kWarpSize);  // a counter, past the counters' last sync
         // warp 0 only (it takes the block's last copy units): the other warps go straight on to their first copy
@@ -744,12 +749,11 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
                                          packed_recv_src_info, use_ue8m0, L, ctx, stamps))
             rs.failed = 1;
     }
-    __syncthreads();
-    stamp(stamps, kStampRecvEnd);
-    // The last block to finish advances the buffer's epoch for its next dispatch (every block read it before;
-    // the kernel boundary orders the write before the next launch). After 2^32 dispatches the count wraps: it
-    // skips -1, so that no epoch is 0, the value of zeroed memory.
-    if (threadIdx.x == 0 && atomicAdd(workspace + kWsRecvDone, 1) == (int)gridDim.x - 1) {
+    stamp_after_barrier(stamps, kStampRecvEnd);
+    // The last block to take a ticket advances the buffer's epoch for its next dispatch (every block read it
+    // before its ticket; the kernel boundary orders the write before the next launch). After 2^32 dispatches the
+    // count wraps: it skips -1, so that no epoch is 0, the value of zeroed memory.
+    if (threadIdx.x == 0 && ticket == (int)gridDim.x - 1) {
         workspace[kWsRecvDone] = 0;
         workspace[kWsEpoch + buffer_idx] += workspace[kWsEpoch + buffer_idx] == -2 ? 2 : 1;
     }
