@@ -11,7 +11,7 @@ for v in branch main branch2 main2; do
   case $v in main*) dir=$PWD/.carry/vmain;; *) dir=$PWD;; esac
   (cd $dir && PYTHONPATH=/tmp/site:$dir timeout 60 $M -n 1 python3 $LG > $D/lg_$v.log 2>&1
    PYTHONPATH=/tmp/site:$dir timeout 60 $M -n 1 python3 $GA > $D/ga_$v.log 2>&1)
-  echo "$v"; grep -a -h -E "rank 0|graph2|graph20|queued2|rror" $D/lg_$v.log $D/ga_$v.log | cut -c1-120; pack
+  echo "$v"; grep -a -h -E "rank 0|graph2|graph20|queued2|rror" $D/lg_$v.log $D/ga_$v.log | cut -c1-260; pack
 done
 export PYTHONPATH=/tmp/site:$PWD
 run() { local name=$1 lim=$2; shift 2; s=$(date +%s); timeout $lim "$@" > $D/$name.log 2>&1; echo "$name rc=$? $(( $(date +%s)-s ))s"; grep -a -h -E "passed|failed|mismatches|SUMMARY" $D/$name.log | sort | uniq -c | tail -n 4; pack; }
