@@ -3,14 +3,16 @@ timing gives 13.9 us per dispatch (S20H) while the stamps' span (first block sta
 Each round replays one CUDA graph, right after a barrier:
 
     D(buffer a)  [flush]  zero stamps  clock(0)  D(buffer b, stamped)  clock(1)  twin(0)  clock(2)  twin(1)
-    clock(3)  twin(2)  clock(4)  clock(5)
+    clock(3)  twin(2)  clock(4)  ll_carve_probe  clock(5)  twin(3)  clock(6)  clock(7)
 
 ``clock(i)`` is a 1-thread kernel writing %globaltimer into t[i]; ``twin(v)`` is an empty kernel of the dispatch's
 shape (132 x 512 threads, 12 KB of static shared memory) stamping each block's start and end; v = 1 ends with the
-dispatch's epoch counter (an atomicAdd per block), v = 2 starts with the dispatch's DeviceCtx load. Per round:
+dispatch's epoch counter (an atomicAdd per block), v = 2 starts with the dispatch's DeviceCtx load, v = 3 ends
+with a system-scope fence; ``ll_carve_probe`` (132 x 512) is an almost empty kernel of the low-latency module itself
+(relocatable, NVSHMEM-linked), timed clock to clock against twin(0). Per round:
   dispatch: pre = first block start - t0, span = last stamp - first block start, post = t1 - last stamp
   twin:     pre = first block start - t1, span = last block end - first start,   post = t2 - last end
-  clock -> clock: t5 - t4
+  clock -> clock: t7 - t6 (S20I-S20L ran the version before twin(3) and the probe)
 Medians over the rounds, with and without the L2 flush. One rank or more (each rank reports its own).
 
     mpirun -n 1 python3 benchmarks/experiments/s20/launch_gap.py [--tokens T]
@@ -28,9 +30,10 @@ extern "C" __device__ __forceinline__ unsigned long long now() {
     unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
 }
 extern "C" __global__ void clock(unsigned long long* t, int i) { t[i] = now(); }
-// variant 0: empty; 1: ends as the dispatch does (every block's thread 0 adds to one counter, the last one resets
-// it and bumps an epoch); 2: starts as the dispatch does (thread 0 loads two ints of a struct in global memory,
-// shares them through shared memory and a barrier) before its start stamp
+// variant 0: empty; 1: ends as the dispatch did before b5ac501 (every block's thread 0 adds to one counter, the
+// last one resets it and bumps an epoch); 2: starts as the dispatch does (thread 0 loads two ints of a struct in
+// global memory, shares them through shared memory and a barrier) before its start stamp; 3: thread 0 ends with a
+// system-scope fence
 extern "C" __global__ void __launch_bounds__(512, 1) twin(unsigned long long* start, unsigned long long* end,
                                                           int variant, int* counter, const int* ctx) {
     __shared__ int pad[3072];  // 12 KB, as the dispatch's static shared memory
@@ -46,6 +49,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) twin(unsigned long long* st
         counter[0] = 0;
         counter[1] += 1;
     }
+    if (variant == 3 && threadIdx.x == 0) __threadfence_system();  // a system-scope fence on the way out
 }'''
 
 
@@ -62,7 +66,11 @@ class LaunchGap(bench_ll.LowLatencyBench):
             stamps = ll.stamps_of("dispatch")
             nb = ll.num_blocks
             t = cupy.zeros(8, dtype=cupy.uint64)
-            ts, te = cupy.zeros((3, nb), dtype=cupy.uint64), cupy.zeros((3, nb), dtype=cupy.uint64)
+            ts, te = cupy.zeros((4, nb), dtype=cupy.uint64), cupy.zeros((4, nb), dtype=cupy.uint64)
+            # an empty-ish kernel of the same shape from the low-latency module itself (relocatable, linked with
+            # NVSHMEM's device library): does living there cost launch time?
+            probe, probe_out = ll.kernel("ep::ll_carve_probe"), cupy.zeros(16, dtype=cupy.int64)
+            probe_args = (np.int32(self.M), np.int32(a.hidden), np.int32(self.R), np.int32(a.experts), probe_out)
             counter, ctx = cupy.zeros(2, dtype=cupy.int32), cupy.arange(2, dtype=cupy.int32)
             flush = cupy.empty(256 << 20, dtype=cupy.uint8)
             fn = lambda: self.buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True)  # noqa: E731
@@ -79,7 +87,11 @@ class LaunchGap(bench_ll.LowLatencyBench):
                     for v in range(3):
                         twin((nb,), (512,), (ts[v], te[v], np.int32(v), counter, ctx))
                         clock((1,), (1,), (t, np.int32(2 + v)))
+                    probe((nb,), (512,), probe_args)
                     clock((1,), (1,), (t, np.int32(5)))
+                    twin((nb,), (512,), (ts[3], te[3], np.int32(3), counter, ctx))
+                    clock((1,), (1,), (t, np.int32(6)))
+                    clock((1,), (1,), (t, np.int32(7)))
                 stream = bench.warm_stream(self.comm, one_round)
                 with stream:
                     graph = bench.capture_graph(stream, one_round)
@@ -94,17 +106,19 @@ class LaunchGap(bench_ll.LowLatencyBench):
                     s1 = st.max()
                     a0, a1 = ts.get().astype(np.int64), te.get().astype(np.int64)
                     row = [s0 - tt[0], s1 - s0, tt[1] - s1]
-                    for v in range(3):
-                        row += [a0[v].min() - tt[1 + v], a1[v].max() - a0[v].min(), tt[2 + v] - a1[v].max()]
-                    rows.append(row + [tt[5] - tt[4]])
+                    for v, (before, after) in enumerate(((1, 2), (2, 3), (3, 4), (5, 6))):
+                        row += [a0[v].min() - tt[before], a1[v].max() - a0[v].min(), tt[after] - a1[v].max()]
+                    rows.append(row + [tt[5] - tt[4], tt[2] - tt[1], tt[7] - tt[6]])
                 med = np.median(np.array(rows[10:], dtype=np.float64), axis=0) / 1e3
                 for r in range(self.R):
                     m = self.comm.bcast(med if self.rank == r else None, root=r)
                     self.log(f"  rank {r} L2 {'flushed' if flushed else 'warm   '}: dispatch pre {m[0]:.2f} span "
                              f"{m[1]:.2f} post {m[2]:.2f} | " + " | ".join(
                                  f"{name} pre {m[3 + 3 * v]:.2f} span {m[4 + 3 * v]:.2f} post {m[5 + 3 * v]:.2f}"
-                                 for v, name in enumerate(("twin", "twin+atomic end", "twin+ctx start")))
-                             + f" | clock->clock {m[12]:.2f} us")
+                                 for v, name in enumerate(("twin", "twin+atomic end", "twin+ctx start",
+                                                           "twin+sys fence end")))
+                             + f" | clock to clock around ll_carve_probe {m[15]:.2f}, around twin {m[16]:.2f}"
+                             + f" | clock->clock {m[17]:.2f} us")
         self.buf.destroy()
 
 
