@@ -8,8 +8,9 @@
 #   bash run_next.sh ctx    (any kind; ranks = GPUs, ~3 min) branch s20-ctxparams (rank and num_ranks as kernel
 #                           parameters, never run) against HEAD, alternating (launch_gap.py, graph_ab.py); then the
 #                           branch's LL tests, soak and racecheck. Merge it if they pass and its pre / queued2 beat HEAD's.
-#   bash run_next.sh more   (nvidia-h200-x2, ~8 min) tests/gpu at 4 ranks, the intranode file at 8, then the
-#                           normal-mode results benchmark (scripts/bench.sh; copy $D/bench/* into benchmarks/results/)
+#   bash run_next.sh more   (nvidia-h200-x2, ~9 min) tests/gpu at 4 ranks, the intranode file at 8, issue 4's
+#                           copy-engine combine probe (s17, never run), then the normal-mode results benchmark
+#                           (scripts/bench.sh; copy $D/bench/* into benchmarks/results/)
 set -u
 source benchmarks/experiments/device_env.sh  # exports, $M, $T
 export PYTHONPATH=/tmp/site:$PWD
@@ -35,6 +36,7 @@ ctx)
 more)
   run gpu4 200 $M -n 4 $T tests/gpu
   run intranode8 150 $M -n 8 $T tests/gpu/test_intranode.py
+  run ce_combine_probe 120 $M -n 2 python3 benchmarks/experiments/s17/ce_combine_probe.py
   run bench 560 bash scripts/bench.sh --out $D/bench; exit;;
 esac
 run ll_files2 120 $M -n 2 $T $LL
