@@ -13,7 +13,8 @@ with a system-scope fence; ``ll_carve_probe`` (132 x 512) is an almost empty ker
   dispatch: pre = first block start - t0, span = last stamp - first block start, post = t1 - last stamp
   twin:     pre = first block start - t1, span = last block end - first start,   post = t2 - last end
   clock -> clock: t7 - t6 (S20I-S20L ran the version before twin(3) and the probe)
-Medians over the rounds, with and without the L2 flush. One rank or more (each rank reports its own).
+Medians over the rounds, with and without the L2 flush. One rank or more (each rank reports its own). Then the
+same pre / span / post for the 24-bit combine (``combine_gap``; added after S20L, not run yet).
 
     mpirun -n 1 python3 benchmarks/experiments/s20/launch_gap.py [--tokens T]
 """
@@ -23,7 +24,7 @@ import cupy
 import numpy as np
 from mpi4py import MPI
 
-from cupy_ep import bench, bench_ll
+from cupy_ep import bench, bench_ll, reference
 
 SRC = r'''
 extern "C" __device__ __forceinline__ unsigned long long now() {
@@ -119,7 +120,49 @@ class LaunchGap(bench_ll.LowLatencyBench):
                                                            "twin+sys fence end")))
                              + f" | clock to clock around ll_carve_probe {m[15]:.2f}, around twin {m[16]:.2f}"
                              + f" | clock->clock {m[17]:.2f} us")
+            self.combine_gap(clock, flush, x, idx)
         self.buf.destroy()
+
+    def combine_gap(self, clock, flush, x, idx):
+        """The 24-bit combine between two clocks, from its own stamps (pre / span / post as the dispatch's), with
+        the handle of one plain dispatch; a round is D C D [flush] C (the calls alternate the two buffers, so a
+        graph holds an even number of them)."""
+        a, ll = self.args, self.buf._low_latency()
+        rng = np.random.default_rng(7 + self.rank)
+        y_np = rng.integers(-8, 9, size=(a.experts // self.R, self.R * self.M, a.hidden)).astype(np.float32)
+        y = bench_ll._bf16_dev(y_np.astype(reference.bfloat16))
+        w = cupy.asarray(rng.random(idx.shape, dtype=np.float32))
+        handle = self.buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True)[2]
+        stamps, t = ll.stamps_of("combine"), cupy.zeros(2, dtype=cupy.uint64)
+        cupy.cuda.runtime.deviceSynchronize()
+        for flushed in (False, True):
+            def one_round():
+                self.buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True)
+                self.buf.low_latency_combine(y, idx, w, handle)
+                self.buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True)
+                if flushed:
+                    flush.fill(1)
+                stamps.fill(0)
+                clock((1,), (1,), (t, np.int32(0)))
+                self.buf.low_latency_combine(y, idx, w, handle)
+                clock((1,), (1,), (t, np.int32(1)))
+            stream = bench.warm_stream(self.comm, one_round)
+            with stream:
+                graph = bench.capture_graph(stream, one_round)
+            rows = []
+            for _ in range(60):
+                cupy.cuda.runtime.deviceSynchronize()
+                self.comm.Barrier()
+                graph.launch(stream)
+                stream.synchronize()
+                tt, st = t.get().astype(np.int64), stamps.get()
+                s0, s1 = st[:, 0][st[:, 0] > 0].min(), st.max()
+                rows.append((s0 - tt[0], s1 - s0, tt[1] - s1))
+            med = np.median(np.array(rows[10:], dtype=np.float64), axis=0) / 1e3
+            for r in range(self.R):
+                m = self.comm.bcast(med if self.rank == r else None, root=r)
+                self.log(f"  rank {r} L2 {'flushed' if flushed else 'warm   '}: combine pre {m[0]:.2f} span "
+                         f"{m[1]:.2f} post {m[2]:.2f} us")
 
 
 if __name__ == "__main__":
