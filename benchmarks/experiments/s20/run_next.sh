@@ -5,9 +5,11 @@
 #                           soak; the LL results benchmark with stamps (now with the *aligned* rows: copy
 #                           $D/results_ll/* into benchmarks/results/ afterwards); launch_gap.py and graph_ab.py at
 #                           two ranks; the rest of tests/gpu
-#   bash run_next.sh ctx    (any kind; ranks = GPUs, ~3 min) branch s20-ctxparams (rank and num_ranks as kernel
-#                           parameters, never run) against HEAD, alternating (launch_gap.py, graph_ab.py); then the
-#                           branch's LL tests, soak and racecheck. Merge it if they pass and its pre / queued2 beat HEAD's.
+#   bash run_next.sh ctx    (any kind; ranks = GPUs, ~3 min) branch s20-ctxparams (never run: rank and num_ranks as
+#                           kernel parameters instead of a DeviceCtx load in the prologue; the last block writes the
+#                           next epoch without re-reading it) against HEAD, alternating (launch_gap.py, graph_ab.py);
+#                           then the branch's LL tests (the epoch-wrap test among them), soak and racecheck. Merge it
+#                           if they pass and its pre / post / queued2 beat HEAD's.
 #   bash run_next.sh more   (nvidia-h200-x2, ~9 min) tests/gpu at 4 ranks, the intranode file at 8, issue 4's
 #                           copy-engine combine probe (s17, never run), then the normal-mode results benchmark
 #                           (scripts/bench.sh; copy $D/bench/* into benchmarks/results/)
