@@ -276,12 +276,13 @@ class NcclAllToAll:
         uid = comm.bcast(nccl.get_unique_id() if comm.Get_rank() == 0 else None)
         self.nc = nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())
         self.R, self.rank = comm.Get_size(), comm.Get_rank()
+        self._one = None  # align's int (made on first use)
 
     def align(self, stream) -> None:
         """A device-side barrier of the ranks on ``stream``: a one-int all-reduce, which ends on every rank once
         the last rank's contribution is in (GpuTimer.aligned)."""
         import cupy
-        if not hasattr(self, "_one"):
+        if self._one is None:
             self._one = cupy.ones(1, dtype=cupy.int32)
         self.nc.allReduce(self._one.data.ptr, self._one.data.ptr, 1, self.nccl.NCCL_INT32, self.nccl.NCCL_MAX,
                           stream.ptr)
