@@ -93,33 +93,22 @@ class LaunchGap(bench_ll.LowLatencyBench):
                     twin((nb,), (512,), (ts[3], te[3], np.int32(3), counter, ctx))
                     clock((1,), (1,), (t, np.int32(6)))
                     clock((1,), (1,), (t, np.int32(7)))
-                stream = bench.warm_stream(self.comm, one_round)
-                with stream:
-                    graph = bench.capture_graph(stream, one_round)
-                rows = []
-                for _ in range(60):
-                    cupy.cuda.runtime.deviceSynchronize()
-                    self.comm.Barrier()
-                    graph.launch(stream)
-                    stream.synchronize()
-                    tt, st = t.get().astype(np.int64), stamps.get()
-                    s0 = st[:, 0][st[:, 0] > 0].min()
-                    s1 = st.max()
+                def row():
+                    tt = t.get().astype(np.int64)
                     a0, a1 = ts.get().astype(np.int64), te.get().astype(np.int64)
-                    row = [s0 - tt[0], s1 - s0, tt[1] - s1]
+                    out = stamp_gaps(tt, stamps.get())
                     for v, (before, after) in enumerate(((1, 2), (2, 3), (3, 4), (5, 6))):
-                        row += [a0[v].min() - tt[before], a1[v].max() - a0[v].min(), tt[after] - a1[v].max()]
-                    rows.append(row + [tt[5] - tt[4], tt[2] - tt[1], tt[7] - tt[6]])
-                med = np.median(np.array(rows[10:], dtype=np.float64), axis=0) / 1e3
-                for r in range(self.R):
-                    m = self.comm.bcast(med if self.rank == r else None, root=r)
-                    self.log(f"  rank {r} L2 {'flushed' if flushed else 'warm   '}: dispatch pre {m[0]:.2f} span "
-                             f"{m[1]:.2f} post {m[2]:.2f} | " + " | ".join(
-                                 f"{name} pre {m[3 + 3 * v]:.2f} span {m[4 + 3 * v]:.2f} post {m[5 + 3 * v]:.2f}"
-                                 for v, name in enumerate(("twin", "twin+atomic end", "twin+ctx start",
-                                                           "twin+sys fence end")))
-                             + f" | clock to clock around ll_carve_probe {m[15]:.2f}, around twin {m[16]:.2f}"
-                             + f" | clock->clock {m[17]:.2f} us")
+                        out += [a0[v].min() - tt[before], a1[v].max() - a0[v].min(), tt[after] - a1[v].max()]
+                    return out + [tt[5] - tt[4], tt[2] - tt[1], tt[7] - tt[6]]
+
+                def line(m):
+                    return (f"dispatch pre {m[0]:.2f} span {m[1]:.2f} post {m[2]:.2f} | " + " | ".join(
+                                f"{name} pre {m[3 + 3 * v]:.2f} span {m[4 + 3 * v]:.2f} post {m[5 + 3 * v]:.2f}"
+                                for v, name in enumerate(("twin", "twin+atomic end", "twin+ctx start",
+                                                          "twin+sys fence end")))
+                            + f" | clock to clock around ll_carve_probe {m[15]:.2f}, around twin {m[16]:.2f}"
+                            + f" | clock->clock {m[17]:.2f} us")
+                self.medians_per_rank(one_round, row, line, flushed)
             self.combine_gap(clock, flush, x, idx)
         self.buf.destroy()
 
@@ -146,23 +135,33 @@ class LaunchGap(bench_ll.LowLatencyBench):
                 clock((1,), (1,), (t, np.int32(0)))
                 self.buf.low_latency_combine(y, idx, w, handle)
                 clock((1,), (1,), (t, np.int32(1)))
-            stream = bench.warm_stream(self.comm, one_round)
-            with stream:
-                graph = bench.capture_graph(stream, one_round)
-            rows = []
-            for _ in range(60):
-                cupy.cuda.runtime.deviceSynchronize()
-                self.comm.Barrier()
-                graph.launch(stream)
-                stream.synchronize()
-                tt, st = t.get().astype(np.int64), stamps.get()
-                s0, s1 = st[:, 0][st[:, 0] > 0].min(), st.max()
-                rows.append((s0 - tt[0], s1 - s0, tt[1] - s1))
-            med = np.median(np.array(rows[10:], dtype=np.float64), axis=0) / 1e3
-            for r in range(self.R):
-                m = self.comm.bcast(med if self.rank == r else None, root=r)
-                self.log(f"  rank {r} L2 {'flushed' if flushed else 'warm   '}: combine pre {m[0]:.2f} span "
-                         f"{m[1]:.2f} post {m[2]:.2f} us")
+            self.medians_per_rank(one_round, lambda: stamp_gaps(t.get().astype(np.int64), stamps.get()),
+                                  lambda m: f"combine pre {m[0]:.2f} span {m[1]:.2f} post {m[2]:.2f} us", flushed)
+
+    def medians_per_rank(self, one_round, row, line, flushed: bool, rounds: int = 60, skip: int = 10):
+        """``one_round`` captured in one CUDA graph, replayed ``rounds`` times right after a barrier; ``row()``
+        (ns) read after each; every rank's medians past the first ``skip`` rounds logged (us) by ``line``."""
+        stream = bench.warm_stream(self.comm, one_round)
+        with stream:
+            graph = bench.capture_graph(stream, one_round)
+        rows = []
+        for _ in range(rounds):
+            cupy.cuda.runtime.deviceSynchronize()
+            self.comm.Barrier()
+            graph.launch(stream)
+            stream.synchronize()
+            rows.append(row())
+        med = np.median(np.array(rows[skip:], dtype=np.float64), axis=0) / 1e3
+        for r in range(self.R):
+            m = self.comm.bcast(med if self.rank == r else None, root=r)
+            self.log(f"  rank {r} L2 {'flushed' if flushed else 'warm   '}: {line(m)}")
+
+
+def stamp_gaps(tt, stamps) -> list:
+    """``[pre, span, post]`` ns of a stamped low-latency kernel between clocks ``tt[0]`` and ``tt[1]``: its first
+    block's first stamp after the first clock, its last stamp after that, the second clock after its last stamp."""
+    s0, s1 = stamps[:, 0][stamps[:, 0] > 0].min(), stamps.max()
+    return [s0 - tt[0], s1 - s0, tt[1] - s1]
 
 
 if __name__ == "__main__":
