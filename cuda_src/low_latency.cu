@@ -453,10 +453,10 @@ __device__ __forceinline__ void stage_send_shared(const unsigned long long* peer
 template <bool kUseFP8, typename TopkT>
 __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_slots, int num_tokens, int num_topk,
                               bool round_scale,
-                              char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
+                              char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L, int rank,
                               int buffer_idx, int* workspace, const DeviceCtx* ctx, int* hist,
                               int* hist_all, TopkT* topk_stage, DispatchShared& sh, long long* stamps) {
-    const int rank = ctx->rank, E = L.num_experts, hidden_int4 = L.hidden / 8;
+    const int E = L.num_experts, hidden_int4 = L.hidden / 8;
     stamp(stamps, kStampSendStart);
     // the first token's loads go out before warp 0's staging waits on its own loads (which would hold back warp
     // 0's share of them by a memory round trip), and the buffer check after its message is out
@@ -762,25 +762,27 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
 // Outputs: packed_recv_x [L][R*M][H] (e4m3 bytes or bf16), packed_recv_scales [L][S][R*M] float32 or
 // [L][S/4][R*M] int32 (UE8M0), packed_recv_count [L], src_info [L][R*M], layout_range [L][R] int64,
 // cumulative_stats [L] or null. x [T][H] bf16, topk_idx [T][K]; topk_slots [T][K] int32 (out, written by the send
-// phase): each entry's slot, -1 = not sent.
+// phase): each entry's slot, -1 = not sent. rank, num_ranks (combine's too): the DeviceCtx's, passed by value:
+// loading them from ctx sat on the prologue's critical path (~0.25 us, benchmarks/experiments/s20/launch_gap.py
+// S20K); ctx is read only by the waits and failure reports, off that path.
 template <bool kUseFP8, typename TopkT>
 __global__ void __launch_bounds__(kLLThreads, 1)
 dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, int* packed_recv_src_info,
          long long* packed_recv_layout_range, int* cumulative_stats, const int4* x, const TopkT* topk_idx,
          int* topk_slots, int num_tokens, int num_topk, int round_scale, int use_ue8m0, void* base,
-         const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
-         int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
+         const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts, int rank,
+         int num_ranks, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hists[2 * kLLMaxExperts];  // send: the two histograms; receive: the counts' prefix
     __shared__ alignas(16) unsigned char topk_stage[kTopkStageBytes];  // send: topk_idx (stage_topk)
     __shared__ DispatchShared sh;
     __shared__ DispatchRecvShared rs;
-    const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
+    const LowLatencyLayout L(max_tokens, hidden, num_ranks, num_experts);
     char* b = static_cast<char*>(base);
     if (threadIdx.x == 0) init_recv_shared(rs);
     __syncthreads();
     if (phases & kPhaseSend)
         dispatch_send<kUseFP8>(x, topk_idx, topk_slots, num_tokens, num_topk, round_scale != 0, b, peer_bases, L,
-                               buffer_idx, workspace, ctx, hists, hists + kLLMaxExperts,
+                               rank, buffer_idx, workspace, ctx, hists, hists + kLLMaxExperts,
                                reinterpret_cast<TopkT*>(topk_stage), sh, stamps);
     if (phases & kPhaseRecv)
         dispatch_recv<kUseFP8>(packed_recv_x, packed_recv_scales, packed_recv_count, packed_recv_src_info,
@@ -1020,8 +1022,7 @@ struct Blocks {
 template <typename TopkT>
 __device__ void combine_send_meta(OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
                                   bool bf16, char* base, const unsigned long long* peer_bases,
-                                  const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx, Blocks blocks) {
-    const int rank = ctx->rank;
+                                  const LowLatencyLayout& L, int rank, int buffer_idx, Blocks blocks) {
     for (int r = blocks.index; r < L.num_ranks; r += blocks.count) {
         if (r == rank) continue;  // (B) reads this rank's own top-k from the arguments
         const long long dst = L.recv_offset(buffer_idx) + L.combine_meta_in(rank);
@@ -1074,9 +1075,8 @@ __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, con
                                                      bool bf16, const int4* rows, const int* begin, int4* stage,
                                                      char* base,
                                                      const unsigned long long* peer_bases, const LowLatencyLayout& L,
-                                                     int buffer_idx, const DeviceCtx* ctx, CombineShared& sh,
+                                                     int rank, int buffer_idx, CombineShared& sh,
                                                      HandoffPhases& ph, Blocks blocks, long long* stamps) {
-    const int rank = ctx->rank;
     const int row_int4 = L.hidden / 8;  // bf16 input row: chunks of 8 values
     constexpr int compute_threads = kLLCombineThreads - kWarpSize;
     char* recv = base + L.recv_offset(buffer_idx);
@@ -1141,10 +1141,10 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
                                                OwnEntries<TopkT> own, const float* topk_weights, int num_tokens,
                                                int num_topk, bool bf16, char* base,
                                                const unsigned long long* peer_bases,
-                                               const LowLatencyLayout& L, int buffer_idx, int* meta_readers,
+                                               const LowLatencyLayout& L, int rank, int buffer_idx, int* meta_readers,
                                                const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh,
                                                bool own_in_recv, Blocks blocks, long long* stamps) {
-    const int rank = ctx->rank, R = L.num_ranks;
+    const int R = L.num_ranks;
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
@@ -1158,7 +1158,7 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
     HandoffPhases ph;
     if (!own_in_recv)
         combine_reduce_owner(rank, own, topk_weights, num_tokens, num_topk, bf16, rows, begin, stage, base,
-                             peer_bases, L, buffer_idx, ctx, sh, ph, blocks, stamps);
+                             peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
     for (int i = 1; i < R; ++i) {
         const int s = (rank + i) % R;
@@ -1191,20 +1191,20 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
         const char* meta = recv + L.combine_meta_in(s);
         combine_reduce_owner(s, MetaEntries{reinterpret_cast<const volatile int*>(meta)},
                              reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, owner_bf16,
-                             rows, begin, stage, base, peer_bases, L, buffer_idx, ctx, sh, ph, blocks, stamps);
+                             rows, begin, stage, base, peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
     }
 }
 
 template <typename TopkT>
 __device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, OwnEntries<TopkT> own,
                              const float* topk_weights, int num_tokens, int num_topk, bool bf16, char* base,
-                             const unsigned long long* peer_bases, const LowLatencyLayout& L, int buffer_idx,
-                             int* workspace, const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh,
-                             bool own_in_recv, Blocks blocks, long long* stamps) {
+                             const unsigned long long* peer_bases, const LowLatencyLayout& L, int rank,
+                             int buffer_idx, int* workspace, const DeviceCtx* ctx, int* begin, int4* stage,
+                             CombineShared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
     stamp(stamps, kStampSendStart);
-    combine_send_meta(own, topk_weights, num_tokens, num_topk, bf16, base, peer_bases, L, buffer_idx, ctx, blocks);
+    combine_send_meta(own, topk_weights, num_tokens, num_topk, bf16, base, peer_bases, L, rank, buffer_idx, blocks);
     combine_reduce(x, zero_copy, layout_range, own, topk_weights, num_tokens, num_topk, bf16, base, peer_bases,
-                   L, buffer_idx, workspace + kWsMetaReaders, ctx, begin, stage, sh, own_in_recv, blocks, stamps);
+                   L, rank, buffer_idx, workspace + kWsMetaReaders, ctx, begin, stage, sh, own_in_recv, blocks, stamps);
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
@@ -1216,11 +1216,11 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
 template <typename TopkT>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
                              OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
-                             bool bf16, char* base, const LowLatencyLayout& L, int buffer_idx, const DeviceCtx* ctx,
-                             int* begin, int4* stage, CombineShared& sh, bool own_in_recv, Blocks blocks,
-                             long long* stamps) {
+                             bool bf16, char* base, const LowLatencyLayout& L, int rank, int buffer_idx,
+                             const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh, bool own_in_recv,
+                             Blocks blocks, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
-    const int rank = ctx->rank, R = L.num_ranks, row_int4 = L.hidden / 8;
+    const int R = L.num_ranks, row_int4 = L.hidden / 8;
     constexpr int threads = kLLCombineThreads;
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     char* recv = base + L.recv_offset(buffer_idx);
@@ -1307,12 +1307,12 @@ template <typename TopkT>
 __global__ void __launch_bounds__(kLLCombineThreads, 1)
 combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx, const int* topk_slots,
         const float* topk_weights, int num_tokens, int num_topk, int zero_copy, int bf16_partials, void* base,
-        const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
-        int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
+        const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts, int rank,
+        int num_ranks, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int begin[kLLMaxExperts];  // stage_range_begins: the rows of one owner in each local expert
     extern __shared__ __align__(16) int4 ll_stage[];  // partial_sums' slots (combine_stage_bytes)
     __shared__ CombineShared sh;
-    const LowLatencyLayout L(max_tokens, hidden, ctx->num_ranks, num_experts);
+    const LowLatencyLayout L(max_tokens, hidden, num_ranks, num_experts);
     char* b = static_cast<char*>(base);
     const OwnEntries<TopkT> own{topk_idx, topk_slots, num_experts};
     if (threadIdx.x == 0) sh.failed = 0;
@@ -1326,15 +1326,15 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
         // partials) and an owner side ((C): the own partials, then the sums), which run at the same time, so the
         // owner's own work overlaps the partials' NVLink traffic instead of following it. The owner side gets 1/R
         // of the blocks (its own partials are 1/R of all partials); it only waits once its own work is done.
-        const int owner_blocks = max(1, (int)gridDim.x / ctx->num_ranks), expert_blocks = gridDim.x - owner_blocks;
+        const int owner_blocks = max(1, (int)gridDim.x / num_ranks), expert_blocks = gridDim.x - owner_blocks;
         if ((int)blockIdx.x < expert_blocks) {
             combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, bf16, b,
-                         peer_bases, L, buffer_idx, workspace, ctx, begin, ll_stage, sh, true,
+                         peer_bases, L, rank, buffer_idx, workspace, ctx, begin, ll_stage, sh, true,
                          Blocks{(int)blockIdx.x, expert_blocks}, stamps);
         } else {
             stamp(stamps, kStampSendStart);  // (the block's start: phase_breakdown's origin is the earliest)
             combine_recv(combined_x, x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk,
-                         bf16, b, L, buffer_idx, ctx, begin, ll_stage, sh, true,
+                         bf16, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, true,
                          Blocks{(int)blockIdx.x - expert_blocks, owner_blocks}, stamps);
         }
         return;
@@ -1342,11 +1342,11 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     const Blocks all{(int)blockIdx.x, (int)gridDim.x};
     if (phases & kPhaseSend)
         combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, bf16, b,
-                     peer_bases, L, buffer_idx, workspace, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
+                     peer_bases, L, rank, buffer_idx, workspace, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
     __syncthreads();
     if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
         combine_recv(combined_x, x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk,
-                     bf16, b, L, buffer_idx, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
+                     bf16, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------

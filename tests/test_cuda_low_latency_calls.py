@@ -17,6 +17,7 @@ from cupy_ep.event import RecvHooks  # noqa: E402
 from cupy_ep.ll_handle import LowLatencyHandle  # noqa: E402
 
 R, M, H, E, T, K = 2, 16, 512, 8, 12, 3
+RANK = 1  # not 0: another zero (the buffer index, say) in the rank argument's place must not pass for it
 L, ROWS = E // R, R * M
 BASE = 1 << 44
 
@@ -54,7 +55,7 @@ class FakeDevice:
 
 
 class FakeBuf:
-    device_id, num_ranks, rank = 0, R, 0
+    device_id, num_ranks, rank = 0, R, RANK
 
     def __init__(self, current):
         self._ctx = gpu_array((64,), np.uint8, 1 << 41)
@@ -119,12 +120,14 @@ def assert_int32(value, want):
 
 
 def assert_common(state, args, index):
-    """The arguments every low-latency kernel takes after its own: base, peers, buffer index, M, H, E, workspace."""
-    base, peers, idx, m, h, e, workspace = args
+    """The arguments every low-latency kernel takes after its own: base, peers, buffer index, M, H, E, rank,
+    num_ranks, workspace."""
+    base, peers, idx, m, h, e, rank, num_ranks, workspace = args
     assert type(base) is np.uint64 and base == BASE
     assert peers is (state.no_peers if state.force_put else state.nvlink_peers)
     assert_int32(idx, index)
     assert_int32(m, M), assert_int32(h, H), assert_int32(e, E)
+    assert_int32(rank, RANK), assert_int32(num_ranks, R)
     assert workspace is state.workspace
 
 
@@ -153,7 +156,7 @@ def test_dispatch_kernel_arguments(ll, use_fp8, round_scale, use_ue8m0, idx_dtyp
         assert launch["grid"] == (132,) and launch["block"] == (cll._THREADS,) and launch["shared_mem"] == 0
         assert launch["stream"] is state.buf.compute
         args = launch["args"]
-        assert len(args) == 23
+        assert len(args) == 25
         recv_x, scales, count_raw, src_info, layout_range, raw_stats, raw_x, raw_idx, slots = args[:9]
         assert recv_x.shape == (L, ROWS, H) and recv_x.dtype == (np.uint8 if use_fp8 else np.uint16)
         if use_fp8:
@@ -169,9 +172,9 @@ def test_dispatch_kernel_arguments(ll, use_fp8, round_scale, use_ue8m0, idx_dtyp
         assert raw_x.data.ptr == x.data.ptr and raw_x.dtype == np.uint16 and raw_x.shape == (T, H)
         for value, want in zip(args[9:13], (T, K, round_scale, use_ue8m0)):
             assert_int32(value, want)
-        assert_common(state, args[13:20], call % 2)
-        assert_int32(args[20], cll._SEND | cll._RECV)
-        assert args[21] is None and args[22] is state.buf._ctx
+        assert_common(state, args[13:22], call % 2)
+        assert_int32(args[22], cll._SEND | cll._RECV)
+        assert args[23] is None and args[24] is state.buf._ctx
 
         outputs = [a for a in (recv_x, scales, count_raw, src_info, layout_range, slots) if a is not None]
         assert all(a.flags.c_contiguous and a.data.ptr % 256 == 0 for a in outputs)
@@ -224,9 +227,9 @@ def test_dispatch_hook_launches_the_receive_phase_with_the_same_arguments(ll):
     hook()
     send, recv = launches
     assert send["stream"] is recv["stream"] is state.buf.comm_stream
-    assert_int32(send["args"][20], cll._SEND), assert_int32(recv["args"][20], cll._RECV)
+    assert_int32(send["args"][22], cll._SEND), assert_int32(recv["args"][22], cll._RECV)
     for i, (a, b) in enumerate(zip(send["args"], recv["args"])):
-        if i != 20:
+        if i != 22:
             assert a is b or (isinstance(a, np.generic) and type(a) is type(b) and a == b), i
 
 
@@ -253,7 +256,7 @@ def test_combine_kernel_arguments(ll, with_out, zero_copy, bf16_partials):
         assert launch["grid"] == (132,) and launch["block"] == (cll._COMBINE_THREADS,)
         assert launch["shared_mem"] == cll.combine_stage_bytes(K) and launch["stream"] is state.buf.compute
         args = launch["args"]
-        assert len(args) == 20
+        assert len(args) == 22
         raw_out, raw_x, layout_range, raw_idx, slots, raw_w = args[:6]
         if with_out:
             assert combined is out and raw_out.data.ptr == out.data.ptr
@@ -268,9 +271,9 @@ def test_combine_kernel_arguments(ll, with_out, zero_copy, bf16_partials):
         assert raw_idx is topk_idx and raw_w is weights
         for value, want in zip(args[6:10], (T, K, zero_copy, bf16_partials)):
             assert_int32(value, want)
-        assert_common(state, args[10:17], (call + 1) % 2)  # the dispatch used buffer 0
-        assert_int32(args[17], cll._SEND | cll._RECV)
-        assert args[18] is None and args[19] is state.buf._ctx
+        assert_common(state, args[10:19], (call + 1) % 2)  # the dispatch used buffer 0
+        assert_int32(args[19], cll._SEND | cll._RECV)
+        assert args[20] is None and args[21] is state.buf._ctx
         assert event.event is None and hook is None
     assert all(stream is state.buf.compute for _, _, stream in allocations)
     assert len(allocations) == 2 + (0 if with_out else 3)  # the dispatch's two, a combined_x per combine
