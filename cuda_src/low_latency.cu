@@ -751,11 +751,13 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
     }
     stamp_after_barrier(stamps, kStampRecvEnd);
     // The last block to take a ticket advances the buffer's epoch for its next dispatch (every block read it
-    // before its ticket; the kernel boundary orders the write before the next launch). After 2^32 dispatches the
-    // count wraps: it skips -1, so that no epoch is 0, the value of zeroed memory.
+    // before its ticket; the kernel boundary orders the write before the next launch). The stored count is
+    // epoch - 1 (dispatch_epoch) and nothing else writes it during the launch, so the new one follows from the
+    // epoch in hand: no load of it on the launch's last path (a round trip, launch_gap.py S20K's post). After 2^32
+    // dispatches the count wraps: it skips -1 (stored -2 -> 0), so that no epoch is 0, the value of zeroed memory.
     if (threadIdx.x == 0 && ticket == (int)gridDim.x - 1) {
         workspace[kWsRecvDone] = 0;
-        workspace[kWsEpoch + buffer_idx] += workspace[kWsEpoch + buffer_idx] == -2 ? 2 : 1;
+        workspace[kWsEpoch + buffer_idx] = epoch == -1 ? 0 : epoch;
     }
 }
 
