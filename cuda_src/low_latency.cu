@@ -123,6 +123,20 @@ __device__ __forceinline__ void stamp_after_barrier(long long* stamps, int which
     stamp(stamps, which);
 }
 
+// Wait-time statistics (the API's dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats, [R] int64, as
+// DeepEP's): the SM clock cycles (clock64) a receiver spent waiting for each source rank's data, added into
+// stats[source] by a reduction whose result nobody waits for. With stats == nullptr (the default) no clock is read.
+// The dispatch counts each (local expert, source) count's wait once (block 0's counters); the combine each token's
+// partials flag (per block and source, summed in a register first).
+__device__ __forceinline__ long long wait_clock(const long long* stats) { return stats != nullptr ? clock64() : 0; }
+__device__ __forceinline__ long long waited_since(const long long* stats, long long since) {
+    return stats != nullptr ? clock64() - since : 0;
+}
+__device__ __forceinline__ void add_wait_cost(long long* stats, int source, long long cycles) {
+    if (stats != nullptr && cycles > 0)
+        atomicAdd(reinterpret_cast<unsigned long long*>(stats + source), static_cast<unsigned long long>(cycles));
+}
+
 // Two floats -> two e4m3 bytes (lo at the lower address), round to nearest even, saturating to +-448.
 __device__ __forceinline__ unsigned int cvt_e4m3x2(float lo, float hi) {
     unsigned short r;
@@ -586,10 +600,12 @@ __device__ __forceinline__ int warp_pair_of_row(const int* prefix, int n, int ro
 // entries (~1.6 us of system-scope fences), and the prefix should not wait for them. They sync on rs.scan and
 // then arrive on rs.prefix_ready; warp 0 waits there (wait_for_prefix) before it reads the prefix or rs.failed.
 __device__ __forceinline__ void read_counts(const long long* counts, int n, int epoch, int* prefix,
-                                            DispatchRecvShared& rs, const LowLatencyLayout& L, const DeviceCtx* ctx) {
+                                            DispatchRecvShared& rs, const LowLatencyLayout& L, const DeviceCtx* ctx,
+                                            long long* wait_stats) {
     if (warp_id() == 0) return;
     for (int i = (int)threadIdx.x - kWarpSize; i < n; i += (int)blockDim.x - kWarpSize) {
         long long v = 0;
+        const long long waiting_since = wait_clock(wait_stats);
         const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, i / L.num_ranks, i % L.num_ranks},
                                    [&] { return (int)((v = ld_volatile(counts + i)) >> 32) == epoch; },
                                    [&](long long& head, long long& tail, long long& expected) {
@@ -597,6 +613,7 @@ __device__ __forceinline__ void read_counts(const long long* counts, int n, int 
                                        tail = (int)(v & 0xffffffff);
                                        expected = epoch;
                                    });
+        add_wait_cost(wait_stats, i % L.num_ranks, waited_since(wait_stats, waiting_since));
         prefix[i] = ok ? (int)(v & 0xffffffff) : 0;
         if (!ok) rs.failed = 1;
     }
@@ -712,8 +729,9 @@ __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* pr
 template <bool kUseFP8>
 __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count,
                               int* packed_recv_src_info, long long* packed_recv_layout_range, int* cumulative_stats,
-                              bool use_ue8m0, char* base, const LowLatencyLayout& L, int buffer_idx, int* workspace,
-                              const DeviceCtx* ctx, int* prefix, DispatchRecvShared& rs, long long* stamps) {
+                              long long* wait_stats, bool use_ue8m0, char* base, const LowLatencyLayout& L,
+                              int buffer_idx, int* workspace, const DeviceCtx* ctx, int* prefix,
+                              DispatchRecvShared& rs, long long* stamps) {
     // No barrier first: prefix reuses hist, which the send phase last touched before its last barrier (warp 0 is
     // past it, releasing the last token's index entries: ~1.6 us of system-scope fences, which the counters'
     // reading and prefixing of the counts overlaps, and the copies of the rows that are in already).
@@ -721,7 +739,7 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
     const int R = L.num_ranks, n = L.num_local * R, epoch = dispatch_epoch(workspace, buffer_idx);
     const char* recv = base + L.recv_offset(buffer_idx);
     const long long* counts = reinterpret_cast<const long long*>(base + L.signal_offset(buffer_idx));
-    read_counts(counts, n, epoch, prefix, rs, L, ctx);
+    read_counts(counts, n, epoch, prefix, rs, L, ctx, blockIdx.x == 0 ? wait_stats : nullptr);  // each pair once
     wait_for_prefix(rs);
     // Every thread of the block has read the epoch by now (the counters before arriving on prefix_ready, which
     // warp 0 waited for). Thread 0 takes the block's ticket now, and only looks at it at the end: the last block
@@ -763,17 +781,18 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
 
 // Outputs: packed_recv_x [L][R*M][H] (e4m3 bytes or bf16), packed_recv_scales [L][S][R*M] float32 or
 // [L][S/4][R*M] int32 (UE8M0), packed_recv_count [L], src_info [L][R*M], layout_range [L][R] int64,
-// cumulative_stats [L] or null. x [T][H] bf16, topk_idx [T][K]; topk_slots [T][K] int32 (out, written by the send
-// phase): each entry's slot, -1 = not sent. rank, num_ranks (combine's too): the DeviceCtx's, passed by value:
-// loading them from ctx sat on the prologue's critical path (~0.25 us, benchmarks/experiments/s20/launch_gap.py
-// S20K); ctx is read only by the waits and failure reports, off that path.
+// cumulative_stats [L] or null, wait_stats [R] or null (add_wait_cost). x [T][H] bf16, topk_idx [T][K];
+// topk_slots [T][K] int32 (out, written by the send phase): each entry's slot, -1 = not sent. rank, num_ranks
+// (combine's too): the DeviceCtx's, passed by value: loading them from ctx sat on the prologue's critical path
+// (~0.25 us, benchmarks/experiments/s20/launch_gap.py S20K); ctx is read only by the waits and failure reports,
+// off that path.
 template <bool kUseFP8, typename TopkT>
 __global__ void __launch_bounds__(kLLThreads, 1)
 dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, int* packed_recv_src_info,
-         long long* packed_recv_layout_range, int* cumulative_stats, const int4* x, const TopkT* topk_idx,
-         int* topk_slots, int num_tokens, int num_topk, int round_scale, int use_ue8m0, void* base,
-         const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts, int rank,
-         int num_ranks, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
+         long long* packed_recv_layout_range, int* cumulative_stats, long long* wait_stats, const int4* x,
+         const TopkT* topk_idx, int* topk_slots, int num_tokens, int num_topk, int round_scale, int use_ue8m0,
+         void* base, const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
+         int rank, int num_ranks, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hists[2 * kLLMaxExperts];  // send: the two histograms; receive: the counts' prefix
     __shared__ alignas(16) unsigned char topk_stage[kTopkStageBytes];  // send: topk_idx (stage_topk)
     __shared__ DispatchShared sh;
@@ -788,8 +807,8 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
                                reinterpret_cast<TopkT*>(topk_stage), sh, stamps);
     if (phases & kPhaseRecv)
         dispatch_recv<kUseFP8>(packed_recv_x, packed_recv_scales, packed_recv_count, packed_recv_src_info,
-                               packed_recv_layout_range, cumulative_stats, use_ue8m0 != 0, b, L, buffer_idx,
-                               workspace, ctx, hists, rs, stamps);
+                               packed_recv_layout_range, cumulative_stats, wait_stats, use_ue8m0 != 0, b, L,
+                               buffer_idx, workspace, ctx, hists, rs, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1220,8 +1239,9 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                              OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
                              bool bf16, char* base, const LowLatencyLayout& L, int rank, int buffer_idx,
                              const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh, bool own_in_recv,
-                             Blocks blocks, long long* stamps) {
+                             Blocks blocks, long long* wait_stats, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
+    long long waited = 0;  // thread r < R: the cycles spent waiting for rank r's flags (wait_stats)
     const int R = L.num_ranks, row_int4 = L.hidden / 8;
     constexpr int threads = kLLCombineThreads;
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
@@ -1256,6 +1276,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                 const int r = threadIdx.x;
                 if ((has >> r & 1ull) && !(own_in_recv && r == rank)) {
                     int* flag = signals + L.combine_token_flag(r, t);
+                    const long long waiting_since = wait_clock(wait_stats);
                     const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, t, r},
                                                [&] { return ld_acquire_sys(flag) != 0; },
                                                [&](long long& head, long long& tail, long long& expected) {
@@ -1263,13 +1284,17 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                                                    tail = t;
                                                    expected = 1;
                                                });
+                    waited += waited_since(wait_stats, waiting_since);
                     if (ok) *flag = 0;  // consumed
                     else sh.failed = 1;
                 }
             }
             __syncthreads();
             if (t == blocks.index) stamp(stamps, kStampRecvFirstData);  // the first token's partials are in
-            if (sh.failed) return;  // uniform: every thread read it after the barrier
+            if (sh.failed) {  // uniform: every thread read it after the barrier
+                if ((int)threadIdx.x < R) add_wait_cost(wait_stats, threadIdx.x, waited);
+                return;
+            }
             for (int c = threadIdx.x; c < row_int4; c += kCombineChunks * threads) {
                 float acc[kCombineChunks][8] = {};
                 // ranks ascending (the reference's order); kSumInFlight ranks' partials in flight per chunk
@@ -1298,19 +1323,21 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
         }
         __syncthreads();  // the batch's entries are read: the next batch may overwrite them
     }
+    if ((int)threadIdx.x < R) add_wait_cost(wait_stats, threadIdx.x, waited);
     stamp(stamps, kStampRecvEnd);  // the loop ends with a block barrier
 }
 
 // combined_x [T][H] bf16; x [L][R*M][H] bf16 (unused with zero_copy: the rows are in the send buffer);
 // layout_range [L][R] and topk_slots [T][K] int32 from the dispatch handle; topk_idx [T][K] (the dispatch's),
-// topk_weights [T][K] float32; bf16_partials: this rank's tokens are reduced from bf16 partials (the peers learn
-// it from the meta flag).
+// topk_weights [T][K] float32; wait_stats [R] or null (add_wait_cost); bf16_partials: this rank's tokens are
+// reduced from bf16 partials (the peers learn it from the meta flag).
 template <typename TopkT>
 __global__ void __launch_bounds__(kLLCombineThreads, 1)
 combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx, const int* topk_slots,
-        const float* topk_weights, int num_tokens, int num_topk, int zero_copy, int bf16_partials, void* base,
-        const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts, int rank,
-        int num_ranks, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
+        const float* topk_weights, long long* wait_stats, int num_tokens, int num_topk, int zero_copy,
+        int bf16_partials, void* base, const unsigned long long* peer_bases, int buffer_idx, int max_tokens,
+        int hidden, int num_experts, int rank, int num_ranks, int* workspace, int phases, long long* stamps,
+        const DeviceCtx* ctx) {
     __shared__ int begin[kLLMaxExperts];  // stage_range_begins: the rows of one owner in each local expert
     extern __shared__ __align__(16) int4 ll_stage[];  // partial_sums' slots (combine_stage_bytes)
     __shared__ CombineShared sh;
@@ -1337,7 +1364,7 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
             stamp(stamps, kStampSendStart);  // (the block's start: phase_breakdown's origin is the earliest)
             combine_recv(combined_x, x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk,
                          bf16, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, true,
-                         Blocks{(int)blockIdx.x - expert_blocks, owner_blocks}, stamps);
+                         Blocks{(int)blockIdx.x - expert_blocks, owner_blocks}, wait_stats, stamps);
         }
         return;
     }
@@ -1348,7 +1375,7 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     __syncthreads();
     if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
         combine_recv(combined_x, x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk,
-                     bf16, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
+                     bf16, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, own_in_recv, all, wait_stats, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -35,8 +35,10 @@ Decisions (research/deepep.md §1.8, §4 is the model):
   dispatch's come from two allocations (:func:`carve`): recv_x with its scales, and the count with the handle's
   arrays, each kept alive by any of its arrays; the combine's ``zero_copy`` buffer is the send region of the buffer
   the next call uses;
-* ``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats`` are checked and left unchanged (as the
-  host backend), ``use_logfmt`` raises NotImplementedError; a token naming one expert more than M times
+* ``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats`` (``[R]`` int64) gain, per source rank,
+  the SM clock cycles the receive phase waited for that rank's data (as DeepEP: the dispatch once per (local
+  expert, source) count, the combine per token's partials; a rank's own partials in a one-launch combine need no
+  wait and add nothing); ``use_logfmt`` raises NotImplementedError; a token naming one expert more than M times
   in total (only possible with duplicate top-k entries) loses the rows past M.
 """
 from __future__ import annotations
@@ -480,7 +482,7 @@ class LowLatencyState:
         L, rows = num_experts // R, R * max_tokens
         kind = interop.kind_of(x)
         raw_x, raw_idx = interop.unwrap(x), interop.unwrap(topk_idx)
-        raw_stats = interop.unwrap(stats)
+        raw_stats, raw_wait = interop.unwrap(stats), interop.unwrap(wait_stats)
         compute = interop.current_stream(kind, self.buf.device_id)
         with allocating_on(compute, kind):
             # recv_x and its scales share one allocation, the count and the handle's arrays another (small: the
@@ -500,11 +502,11 @@ class LowLatencyState:
         common = self.common_args(index, max_tokens, hidden, num_experts)
 
         def args(phases):
-            return (recv_x, scales, count, src_info, layout_range, raw_stats, raw_x, raw_idx, slots,
+            return (recv_x, scales, count, src_info, layout_range, raw_stats, raw_wait, raw_x, raw_idx, slots,
                     np.int32(num_tokens),
                     np.int32(raw_idx.shape[1]), _INT32_ARGS[round_scale], _INT32_ARGS[use_ue8m0]) + common + \
                    (_INT32_ARGS[phases], self.stamps_of("dispatch"), self.buf._ctx)
-        keep = (raw_x, raw_idx, raw_stats, recv_x, scales, count, src_info, layout_range, slots)
+        keep = (raw_x, raw_idx, raw_stats, raw_wait, recv_x, scales, count, src_info, layout_range, slots)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         event = self.run(kind, name, args, phases, async_finish, keep)
         hook = self.make_hook(kind, name, args, keep, "low_latency_dispatch") if return_recv_hook else None
@@ -529,6 +531,7 @@ class LowLatencyState:
         kind = interop.kind_of(topk_idx)
         raw_x = interop.unwrap(x) if (x is not None and not zero_copy) else None
         raw_idx, raw_w = interop.unwrap(topk_idx), interop.unwrap(topk_weights)
+        raw_wait = interop.unwrap(wait_stats)
         compute = interop.current_stream(kind, self.buf.device_id)
         if out is not None:
             raw_out = interop.unwrap(out)
@@ -541,10 +544,11 @@ class LowLatencyState:
         common = self.common_args(index, max_tokens, hidden, num_experts)
 
         def args(phases):
-            return (raw_out, raw_x, layout_range, raw_idx, slots, raw_w, np.int32(num_tokens), np.int32(num_topk),
+            return (raw_out, raw_x, layout_range, raw_idx, slots, raw_w, raw_wait, np.int32(num_tokens),
+                    np.int32(num_topk),
                     _INT32_ARGS[zero_copy], _INT32_ARGS[bf16_partials]) + common + \
                    (_INT32_ARGS[phases], self.stamps_of("combine"), self.buf._ctx)
-        keep = (raw_x, raw_idx, slots, raw_w, raw_out, layout_range)
+        keep = (raw_x, raw_idx, slots, raw_w, raw_wait, raw_out, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         smem = combine_stage_bytes(num_topk)
         event = self.run(kind, name, args, phases, async_finish, keep, smem)

@@ -471,8 +471,9 @@ class HostBuffer(Buffer):
             num_max_dispatch_tokens_per_rank: M, the same on every rank; ``R * M % 4 == 0`` (DeepEP: TMA).
             num_experts: E, a multiple of R; rank r owns experts ``[r*L, (r+1)*L)``, L = E/R.
             cumulative_local_expert_recv_stats: ``[L] int32`` or None; ``+= recv_count`` in place.
-            dispatch_wait_recv_cost_stats: ``[R] int64`` or None; checked, left unchanged (no wait cycles
-                on the host).
+            dispatch_wait_recv_cost_stats: ``[R] int64`` or None; ``+=`` in place, per source rank, the SM clock
+                cycles (clock64, DeepEP's unit) the receive phase waited for that rank's count of each local
+                expert, on the GPU. The host backend has no device waits: checked, left unchanged.
             use_fp8, round_scale, use_ue8m0: the FP8 cast of :func:`reference.per_token_cast_to_fp8`
                 (``use_ue8m0`` needs ``round_scale``; both are ignored without ``use_fp8``).
             async_finish: checked only (no event on the host); not together with ``return_recv_hook``.
@@ -622,7 +623,10 @@ class HostBuffer(Buffer):
             zero_copy: take the expert outputs from :meth:`get_next_low_latency_combine_buffer` instead of x.
             async_finish, return_recv_hook: as in :meth:`low_latency_dispatch` (the hook does nothing).
             out: optional bf16 ``[T, H]`` written in place and returned.
-            combine_wait_recv_cost_stats: ``[R] int64`` or None; checked, left unchanged.
+            combine_wait_recv_cost_stats: ``[R] int64`` or None; ``+=`` in place, per source rank, the SM clock
+                cycles the receive phase waited for that rank's partial sums of this rank's tokens, on the GPU
+                (this rank's own partials need no wait in a one-launch combine: its entry grows only in hook
+                mode). The host backend: checked, left unchanged.
             bf16_partials: round each expert rank's partial sum of this rank's tokens to bf16 instead of 24 bits
                 (on the GPU a third fewer bytes cross NVLink, at the price of a second bf16 rounding). Each rank
                 chooses for its own tokens; the ranks need not agree.

@@ -132,11 +132,11 @@ def assert_common(state, args, index):
 
 
 def dispatch(state, use_fp8=True, round_scale=False, use_ue8m0=False, return_recv_hook=False, stats=None,
-             idx_dtype=np.int64):
+             idx_dtype=np.int64, wait_stats=None):
     x = gpu_array((T, H), interop.BF16, 1 << 38)
     topk_idx = gpu_array((T, K), idx_dtype, 1 << 37)
-    out = state.dispatch(x, topk_idx, M, E, stats, None, use_fp8, round_scale, use_ue8m0, False, return_recv_hook,
-                         False)
+    out = state.dispatch(x, topk_idx, M, E, stats, wait_stats, use_fp8, round_scale, use_ue8m0, False,
+                         return_recv_hook, False)
     return x, topk_idx, out
 
 
@@ -146,18 +146,19 @@ def dispatch(state, use_fp8=True, round_scale=False, use_ue8m0=False, return_rec
 @pytest.mark.parametrize("idx_dtype", [np.int64, np.int32])
 def test_dispatch_kernel_arguments(ll, use_fp8, round_scale, use_ue8m0, idx_dtype):
     state, launches, allocations, current = ll
-    stats = gpu_array((L,), np.int32, 1 << 36)
+    stats, wait_stats = gpu_array((L,), np.int32, 1 << 36), gpu_array((R,), np.int64, 1 << 31)
     for call in range(3):
         x, topk_idx, (out_x, count, handle, event, hook) = dispatch(state, use_fp8, round_scale, use_ue8m0,
-                                                                      stats=stats, idx_dtype=idx_dtype)
+                                                                      stats=stats, idx_dtype=idx_dtype,
+                                                                      wait_stats=wait_stats)
         launch = launches[-1]
         ctype = "long long" if idx_dtype == np.int64 else "int"
         assert launch["name"] == f"ep::dispatch<{'true' if use_fp8 else 'false'}, {ctype}>"
         assert launch["grid"] == (132,) and launch["block"] == (cll._THREADS,) and launch["shared_mem"] == 0
         assert launch["stream"] is state.buf.compute
         args = launch["args"]
-        assert len(args) == 25
-        recv_x, scales, count_raw, src_info, layout_range, raw_stats, raw_x, raw_idx, slots = args[:9]
+        assert len(args) == 26
+        recv_x, scales, count_raw, src_info, layout_range, raw_stats, raw_wait, raw_x, raw_idx, slots = args[:10]
         assert recv_x.shape == (L, ROWS, H) and recv_x.dtype == (np.uint8 if use_fp8 else np.uint16)
         if use_fp8:
             columns = H // 512 if use_ue8m0 else H // 128
@@ -168,13 +169,13 @@ def test_dispatch_kernel_arguments(ll, use_fp8, round_scale, use_ue8m0, idx_dtyp
         assert src_info.shape == (L, ROWS) and src_info.dtype == np.int32
         assert layout_range.shape == (L, R) and layout_range.dtype == np.int64
         assert slots.shape == (T, K) and slots.dtype == np.int32
-        assert raw_stats is stats and raw_idx is topk_idx
+        assert raw_stats is stats and raw_wait is wait_stats and raw_idx is topk_idx
         assert raw_x.data.ptr == x.data.ptr and raw_x.dtype == np.uint16 and raw_x.shape == (T, H)
-        for value, want in zip(args[9:13], (T, K, round_scale, use_ue8m0)):
+        for value, want in zip(args[10:14], (T, K, round_scale, use_ue8m0)):
             assert_int32(value, want)
-        assert_common(state, args[13:22], call % 2)
-        assert_int32(args[22], cll._SEND | cll._RECV)
-        assert args[23] is None and args[24] is state.buf._ctx
+        assert_common(state, args[14:23], call % 2)
+        assert_int32(args[23], cll._SEND | cll._RECV)
+        assert args[24] is None and args[25] is state.buf._ctx
 
         outputs = [a for a in (recv_x, scales, count_raw, src_info, layout_range, slots) if a is not None]
         assert all(a.flags.c_contiguous and a.data.ptr % 256 == 0 for a in outputs)
@@ -201,7 +202,7 @@ def test_dispatch_outputs_share_two_allocations(ll):
     not keep recv_x's memory alive)."""
     state, launches, allocations, _ = ll
     dispatch(state)
-    recv_x, scales, count, src_info, layout_range, _, _, _, slots = launches[-1]["args"][:9]
+    recv_x, scales, count, src_info, layout_range, _, _, _, _, slots = launches[-1]["args"][:10]
 
     def allocation(a):
         return next(address for address, nbytes, _ in allocations if address <= a.data.ptr < address + nbytes)
@@ -227,18 +228,19 @@ def test_dispatch_hook_launches_the_receive_phase_with_the_same_arguments(ll):
     hook()
     send, recv = launches
     assert send["stream"] is recv["stream"] is state.buf.comm_stream
-    assert_int32(send["args"][22], cll._SEND), assert_int32(recv["args"][22], cll._RECV)
+    assert_int32(send["args"][23], cll._SEND), assert_int32(recv["args"][23], cll._RECV)
     for i, (a, b) in enumerate(zip(send["args"], recv["args"])):
-        if i != 22:
+        if i != 23:
             assert a is b or (isinstance(a, np.generic) and type(a) is type(b) and a == b), i
 
 
-def combine(state, handle, out=None, zero_copy=False, bf16_partials=False, return_recv_hook=False):
+def combine(state, handle, out=None, zero_copy=False, bf16_partials=False, return_recv_hook=False,
+            wait_stats=None):
     x = None if zero_copy else gpu_array((L, ROWS, H), interop.BF16, 1 << 35)
     topk_idx = gpu_array((T, K), np.int64, 1 << 34)
     weights = gpu_array((T, K), np.float32, 1 << 33)
-    result = state.combine(x, topk_idx, weights, handle, False, zero_copy, False, return_recv_hook, out, None,
-                           bf16_partials, False)
+    result = state.combine(x, topk_idx, weights, handle, False, zero_copy, False, return_recv_hook, out,
+                           wait_stats, bf16_partials, False)
     return x, topk_idx, weights, result
 
 
@@ -248,16 +250,18 @@ def combine(state, handle, out=None, zero_copy=False, bf16_partials=False, retur
 def test_combine_kernel_arguments(ll, with_out, zero_copy, bf16_partials):
     state, launches, allocations, _ = ll
     _, _, (_, _, handle, _, _) = dispatch(state)
+    wait_stats = gpu_array((R,), np.int64, 1 << 31) if with_out else None
     for call in range(3):
         out = gpu_array((T, H), interop.BF16, 1 << 32) if with_out else None
-        x, topk_idx, weights, (combined, event, hook) = combine(state, handle, out, zero_copy, bf16_partials)
+        x, topk_idx, weights, (combined, event, hook) = combine(state, handle, out, zero_copy, bf16_partials,
+                                                                wait_stats=wait_stats)
         launch = launches[-1]
         assert launch["name"] == "ep::combine<long long>"
         assert launch["grid"] == (132,) and launch["block"] == (cll._COMBINE_THREADS,)
         assert launch["shared_mem"] == cll.combine_stage_bytes(K) and launch["stream"] is state.buf.compute
         args = launch["args"]
-        assert len(args) == 22
-        raw_out, raw_x, layout_range, raw_idx, slots, raw_w = args[:6]
+        assert len(args) == 23
+        raw_out, raw_x, layout_range, raw_idx, slots, raw_w, raw_wait = args[:7]
         if with_out:
             assert combined is out and raw_out.data.ptr == out.data.ptr
         else:
@@ -268,12 +272,12 @@ def test_combine_kernel_arguments(ll, with_out, zero_copy, bf16_partials):
         else:
             assert raw_x.data.ptr == x.data.ptr and raw_x.dtype == np.uint16
         assert layout_range is handle[1] and slots is handle.topk_slots
-        assert raw_idx is topk_idx and raw_w is weights
-        for value, want in zip(args[6:10], (T, K, zero_copy, bf16_partials)):
+        assert raw_idx is topk_idx and raw_w is weights and raw_wait is wait_stats
+        for value, want in zip(args[7:11], (T, K, zero_copy, bf16_partials)):
             assert_int32(value, want)
-        assert_common(state, args[10:19], (call + 1) % 2)  # the dispatch used buffer 0
-        assert_int32(args[19], cll._SEND | cll._RECV)
-        assert args[20] is None and args[21] is state.buf._ctx
+        assert_common(state, args[11:20], (call + 1) % 2)  # the dispatch used buffer 0
+        assert_int32(args[20], cll._SEND | cll._RECV)
+        assert args[21] is None and args[22] is state.buf._ctx
         assert event.event is None and hook is None
     assert all(stream is state.buf.compute for _, _, stream in allocations)
     assert len(allocations) == 2 + (0 if with_out else 3)  # the dispatch's two, a combined_x per combine
@@ -293,7 +297,7 @@ def test_force_put_switches_the_peer_table_of_a_cached_shape(ll):
     dispatch(state)
     state.force_put = True
     dispatch(state)
-    assert launches[0]["args"][14] is state.nvlink_peers and launches[1]["args"][14] is state.no_peers
+    assert launches[0]["args"][15] is state.nvlink_peers and launches[1]["args"][15] is state.no_peers
 
 
 def test_layout_is_computed_once_per_shape_and_its_size_checked_every_time(ll, monkeypatch):
@@ -320,4 +324,4 @@ def test_a_new_shape_cleans_the_buffer_first(ll, monkeypatch):
     x = gpu_array((T, H), interop.BF16)
     state.dispatch(x, gpu_array((T, K), np.int64), 2 * M, E, None, None, True, False, False, False, False, False)
     assert cleaned == [(2 * M, H, E)]
-    assert_int32(launches[-1]["args"][16], 2 * M)
+    assert_int32(launches[-1]["args"][17], 2 * M)

@@ -204,10 +204,12 @@ def _order_sensitive_rows(rng, shape):
 
 
 def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_out=False, order_sensitive=False,
-           bf16_partials=False):
+           bf16_partials=False, wait_stats=(None, None), delay_ns: int = 0):
     """One dispatch + combine of ``case``; returns this rank's list of mismatches. The expert outputs sum
     exactly in fp32 (small integers, power-of-two weights), or with ``order_sensitive`` do not. ``bf16_partials``:
-    this rank's choice (the combine's argument); then the inputs must also tell the two wire formats apart."""
+    this rank's choice (the combine's argument); then the inputs must also tell the two wire formats apart.
+    ``wait_stats``: the dispatch's and the combine's ``*_wait_recv_cost_stats`` arrays (or None); ``delay_ns``:
+    this rank's dispatch is queued behind a kernel spinning that long (a late rank)."""
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()
 
@@ -241,10 +243,13 @@ def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_ou
 
     def dispatch():
         stats = _dev(np.zeros(L, dtype=np.int32), case.lib)
+        if delay_ns:
+            from cupy_ep import jit
+            jit.get_kernel("timing.cu", "ep::spin_ns")((1,), (1,), (np.int64(delay_ns),))  # the current stream
         out_x, count, handle, _, h = buf.low_latency_dispatch(
             _dev(x, case.lib), _dev(idx, case.lib), MAX_TOKENS, E, cumulative_local_expert_recv_stats=stats,
-            use_fp8=case.use_fp8, round_scale=case.round_scale, use_ue8m0=case.use_ue8m0,
-            return_recv_hook=hook)
+            dispatch_wait_recv_cost_stats=wait_stats[0], use_fp8=case.use_fp8, round_scale=case.round_scale,
+            use_ue8m0=case.use_ue8m0, return_recv_hook=hook)
         if hook:
             h()
         return out_x, count, handle, stats
@@ -268,7 +273,8 @@ def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_ou
             y_arg = None
         combined, _, h = buf.low_latency_combine(y_arg, _dev(idx, case.lib), _dev(weights, case.lib), handle,
                                                  zero_copy=zero_copy, return_recv_hook=hook, out=out,
-                                                 bf16_partials=bf16_partials)
+                                                 bf16_partials=bf16_partials,
+                                                 combine_wait_recv_cost_stats=wait_stats[1])
         if hook:
             h()
         return combined, out
@@ -298,6 +304,63 @@ def test_low_latency_matches_reference(comm, ll_buf, case, force_put):
     finally:
         ll_buf._ll.force_put = False
     assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["one-launch", "hook"])
+def test_wait_cost_stats_grow_by_each_source_ranks_wait(comm, ll_buf, hook):
+    """dispatch_/combine_wait_recv_cost_stats ([R] int64) gain, per source rank, the SM clock cycles the receive
+    phase waited for it: the dispatch waits for a count from every (local expert, source), so every entry grows;
+    the combine waits for the partials of each rank that holds a kept entry of this rank's tokens (not for its own
+    in one launch: those it computes itself). Nothing else changes; the growth stays below what the call's wall
+    time allows; the data still match the reference."""
+    import time
+
+    import cupy
+    rank, R = comm.Get_rank(), comm.Get_size()
+    case = CASES[1]  # fp8
+    start = np.arange(1, R + 1, dtype=np.int64) * 1000
+    stats = (cupy.asarray(start), cupy.asarray(start))
+    cupy.cuda.runtime.deviceSynchronize()
+    t0 = time.perf_counter()
+    errors = _round(ll_buf, comm, case, seed=5, hook=hook, wait_stats=stats)
+    cupy.cuda.runtime.deviceSynchronize()
+    elapsed_s = time.perf_counter() - t0
+    grew_d, grew_c = (to_numpy(a) - start for a in stats)
+    _, idx, _, E = _inputs(case, comm, 5)
+    L = E // R
+    # the cycles any one wait can take, with margin: the call's whole wall time at 1.5 x the maximum clock
+    cycles_cap = elapsed_s * cupy.cuda.Device().attributes["ClockRate"] * 1e3 * 1.5
+    holders = np.zeros(R, dtype=bool)  # the ranks holding a kept entry of this rank's tokens
+    holders[np.unique(idx[idx >= 0] // L)] = True
+    if not hook:
+        holders[rank] = False
+    if stats[0].dtype != np.int64 or stats[0].shape != (R,):
+        errors.append(f"dispatch_wait_recv_cost_stats became {stats[0].dtype} {stats[0].shape}")
+    if not (grew_d > 0).all() or (grew_d > L * cycles_cap).any():
+        errors.append(f"dispatch wait cycles grew by {grew_d}: want each in (0, {L * cycles_cap:.3g}]")
+    want_grow = grew_c[holders] > 0
+    if not want_grow.all() or (grew_c[~holders] != 0).any() or (grew_c > idx.shape[0] * cycles_cap).any():
+        errors.append(f"combine wait cycles grew by {grew_c}: want > 0 exactly at {np.flatnonzero(holders)}")
+    assert all_ok(comm, not errors), f"rank {rank}: {errors}"
+
+
+def test_wait_cost_stats_point_at_a_late_rank(comm, ll_buf):
+    """Rank 1 starts its dispatch 5 ms late (a spin kernel ahead of it on its stream): every other rank's
+    dispatch_wait_recv_cost_stats[1] grows by at least its L counts' worth of milliseconds and by more than ten
+    times any other entry. Needs two ranks."""
+    import cupy
+    rank, R = comm.Get_rank(), comm.Get_size()
+    if R < 2:
+        pytest.skip("needs a second rank to be late")
+    case, late, delay_s = CASES[1], 1, 5e-3
+    stats = (cupy.zeros(R, dtype=cupy.int64), None)
+    errors = _round(ll_buf, comm, case, seed=6, wait_stats=stats, delay_ns=int(delay_s * 1e9) if rank == late else 0)
+    grew = to_numpy(stats[0])
+    L = _experts(case, R) // R
+    # at least half the delay per count, at a clock of at least 0.5 GHz (H200: up to 1.98 GHz)
+    if rank != late and (grew[late] < L * delay_s / 2 * 0.5e9 or grew[late] <= 10 * np.delete(grew, late).max()):
+        errors.append(f"wait cycles per source rank {grew}: rank {late} was {delay_s * 1e3:.0f} ms late")
+    assert all_ok(comm, not errors), f"rank {rank}: {errors}"
 
 
 @pytest.mark.parametrize("hook", [False, True], ids=["one-launch", "hook"])
