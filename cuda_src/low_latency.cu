@@ -971,10 +971,15 @@ __device__ __forceinline__ void partial_sums(float (&acc)[kCombineChunks][8], co
     }
 }
 
-// The partials' wire format (reference.low_latency_partial_wire), chosen by the owner: each fp32 rounded to nearest
-// even to 24 bits, or (bf16) to 16 bits. Chunk c (8 values) of a partial row: the high 16 bits of each at byte 16c
-// (a bf16 plane of H values); with 24 bits the next 8 bits at byte 2H + 8c (a byte plane): 3 bytes per value
-// instead of 4 across NVLink, or 2.
+// The partials' wire formats (reference.low_latency_partial_wire), chosen by the owner for its tokens:
+//   kWire24     each fp32 rounded to nearest even to 24 bits. Chunk c (8 values) of a partial row: the high 16 bits
+//               of each at byte 16c (a bf16 plane of H values), the next 8 bits at byte 2H + 8c (a byte plane):
+//               3 bytes per value instead of 4 across NVLink;
+//   kWireBf16   (bf16_partials) rounded to nearest even to 16 bits: the bf16 plane alone, 2 bytes per value;
+//   kWireLogFmt (use_logfmt) LogFMT-10: per 128 values (a division: 16 chunks, a half-warp's) a sign and a 9-bit
+//               code on a log2 scale, 10 bits per value plus 8 bytes per division, 1.3125 bytes per value
+//               (logfmt_encode).
+enum Wire : int { kWire24 = 0, kWireBf16 = 1, kWireLogFmt = 2 };
 __device__ __forceinline__ unsigned wire24(float v) {
     const unsigned b = __float_as_uint(v);
     return (b + 0x7fu + ((b >> 8) & 1u)) >> 8;
@@ -984,7 +989,114 @@ __device__ __forceinline__ unsigned wire16(float v) {
     return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
 }
 
-__device__ __forceinline__ void store_partial(char* row, int hidden, int c, const float (&p)[8], bool bf16) {
+// LogFMT-10 (reference.logfmt10_wire, operation for operation: fp32 products, sums and quotients rounded to nearest,
+// no FMA, constants given by their bits, so the reference reproduces every decoded value bit for bit). A division's
+// meta is (lmin, step): its values' magnitudes a span [2^lmin, 2^(lmin + 510 step)], lmin = max(log2 amin,
+// log2 amax - 32) over the nonzero (normal) a; code 0 is zero, code k > 0 is 2^(lmin + (k-1) step); a value takes
+// the code nearest on the log2 scale. The relative error is at most 2^(step/2) - 1 (step <= 32/510: 2.2 %; a
+// division whose values span 8 octaves: 0.5 %), plus ~1e-7 of the polynomials. Finite values below 2^127 only.
+__device__ __forceinline__ float f32_bits(unsigned b) { return __uint_as_float(b); }
+// log2 of a positive normal float: its exponent plus 2/ln2 atanh(s), s = (m-1)/(m+1), m the mantissa in [0.707, 1.414]
+// (|s| < 0.172: four odd terms leave < 1e-7).
+__device__ __forceinline__ float logfmt_log2(float a) {
+    const unsigned bits = __float_as_uint(a);
+    int e = (int)(bits >> 23) - 127;
+    float m = f32_bits((bits & 0x7fffffu) | 0x3f800000u);
+    if (m > f32_bits(0x3fb504f3u)) {  // sqrt(2)
+        m = __fmul_rn(m, 0.5f);
+        e += 1;
+    }
+    const float s = __fdiv_rn(__fadd_rn(m, -1.0f), __fadd_rn(m, 1.0f)), z = __fmul_rn(s, s);
+    float poly = f32_bits(0x3e124925u);                          // 1/7
+    poly = __fadd_rn(__fmul_rn(poly, z), f32_bits(0x3e4ccccdu));  // 1/5
+    poly = __fadd_rn(__fmul_rn(poly, z), f32_bits(0x3eaaaaabu));  // 1/3
+    poly = __fadd_rn(__fmul_rn(poly, z), 1.0f);
+    return __fadd_rn((float)e, __fmul_rn(__fmul_rn(s, poly), f32_bits(0x4038aa3bu)));  // 2/ln2
+}
+// 2^y: 2^n e^(f ln2), n = floor(y + 1/2), |f| <= 1/2, e^x by its Taylor polynomial to x^7 (< 1e-8 left); 0 below
+// 2^-126.
+__device__ __forceinline__ float logfmt_exp2(float y) {
+    const float n = floorf(__fadd_rn(y, 0.5f)), x = __fmul_rn(__fadd_rn(y, -n), f32_bits(0x3f317218u));  // ln2
+    const unsigned inv_fact[7] = {0x39500d01u, 0x3ab60b61u, 0x3c088889u, 0x3d2aaaabu, 0x3e2aaaabu, 0x3f000000u,
+                                  0x3f800000u};  // 1/7! .. 1/1!
+    float p = f32_bits(inv_fact[0]);
+#pragma unroll
+    for (int i = 1; i < 7; ++i) p = __fadd_rn(__fmul_rn(p, x), f32_bits(inv_fact[i]));
+    p = __fadd_rn(__fmul_rn(p, x), 1.0f);
+    const int ni = (int)n;
+    if (ni < -126) return 0.0f;
+    return __fmul_rn(p, f32_bits((unsigned)(min(ni, 127) + 127) << 23));  // (capped as the reference: < 2^127.5)
+}
+
+// One chunk's LogFMT-10 bytes: lo = the codes' low 8 bits (value j in byte j), hi = their 9th bits (bit j) and
+// signs (bit 8 + j); meta = the division's (lmin, step).
+struct LogFmtChunk {
+    uint2 lo;
+    unsigned hi;
+    float2 meta;
+};
+// Chunk c of a division (the 16 chunks of a division are 16 consecutive lanes' c: every caller strides the
+// chunks by a multiple of 16 threads and hidden % 128 == 0, so a half-warp holds whole divisions and all 16 of its
+// lanes come here together).
+__device__ __forceinline__ LogFmtChunk logfmt_encode(const float (&p)[8]) {
+    const unsigned half = lane_id() < 16 ? 0x0000ffffu : 0xffff0000u;
+    float a[8], amax = 0.0f, amin = __int_as_float(0x7f800000);  // +inf
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const bool normal = ((__float_as_uint(p[j]) >> 23) & 0xffu) != 0;
+        a[j] = normal ? fabsf(p[j]) : 0.0f;
+        amax = fmaxf(amax, a[j]);
+        if (a[j] > 0.0f) amin = fminf(amin, a[j]);
+    }
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
+        amin = fminf(amin, __shfl_xor_sync(half, amin, o));
+    }
+    LogFmtChunk out{make_uint2(0u, 0u), 0u, make_float2(0.0f, 0.0f)};
+    if (amax == 0.0f) return out;  // (uniform over the division) all zero: codes 0
+    const float lmax = logfmt_log2(amax), lmin = fmaxf(logfmt_log2(amin), __fadd_rn(lmax, -32.0f));
+    const float step = __fdiv_rn(__fadd_rn(lmax, -lmin), 510.0f);
+    out.meta = make_float2(lmin, step);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        unsigned code = 0;
+        if (a[j] > 0.0f) {
+            if (step == 0.0f) {
+                code = 1;
+            } else {
+                const float t = __fdiv_rn(__fadd_rn(logfmt_log2(a[j]), -lmin), step);
+                code = (unsigned)fminf(fmaxf(__fadd_rn(floorf(__fadd_rn(t, 0.5f)), 1.0f), 0.0f), 511.0f);
+            }
+        }
+        const unsigned sign = code != 0 && (__float_as_uint(p[j]) >> 31);
+        (j < 4 ? out.lo.x : out.lo.y) |= (code & 0xffu) << (8 * (j & 3));
+        out.hi |= ((code >> 8) << j) | (sign << (8 + j));
+    }
+    return out;
+}
+__device__ __forceinline__ float logfmt_decode(const LogFmtChunk& w, int j) {
+    const unsigned code = (((j < 4 ? w.lo.x : w.lo.y) >> (8 * (j & 3))) & 0xffu) | (((w.hi >> j) & 1u) << 8);
+    if (code == 0) return 0.0f;
+    const float v = logfmt_exp2(__fadd_rn(w.meta.x, __fmul_rn((float)(code - 1), w.meta.y)));
+    return (w.hi >> (8 + j)) & 1u ? -v : v;
+}
+// Where chunk c's LogFMT bytes sit in a partial row: the divisions' meta (8 bytes each, H/16 in all), then the low
+// plane (8 bytes per chunk, H), then the high plane (2 bytes per chunk, H/4).
+__device__ __forceinline__ long long logfmt_lo_offset(int hidden, int c) { return hidden / 16 + 8LL * c; }
+__device__ __forceinline__ long long logfmt_hi_offset(int hidden, int c) { return hidden / 16 + (long long)hidden + 2LL * c; }
+
+// Chunk c of a partial row in `wire`. With kWireLogFmt every lane of a half-warp must call it together (the
+// division's amax / amin are exchanged by shuffles).
+__device__ __forceinline__ void store_partial(char* row, int hidden, int c, const float (&p)[8], int wire) {
+    if (wire == kWireLogFmt) {
+        const LogFmtChunk w = logfmt_encode(p);
+        if ((c & 15) == 0) reinterpret_cast<float2*>(row)[c >> 4] = w.meta;
+        *reinterpret_cast<uint2*>(row + logfmt_lo_offset(hidden, c)) = w.lo;
+        *reinterpret_cast<unsigned short*>(row + logfmt_hi_offset(hidden, c)) = (unsigned short)w.hi;
+        return;
+    }
+    const bool bf16 = wire == kWireBf16;
     unsigned hi[4], lo[2] = {0u, 0u};
     if (bf16) {
 #pragma unroll
@@ -1001,19 +1113,41 @@ __device__ __forceinline__ void store_partial(char* row, int hidden, int c, cons
     if (!bf16) reinterpret_cast<uint2*>(row + 2LL * hidden)[c] = make_uint2(lo[0], lo[1]);
 }
 
-// Chunk c of a partial row (peer-written, read after its flag was acquired, or this thread's own): its wire bytes
-// (the bf16 plane's 16 bytes; the byte plane's 8, zero with bf16), then as 8 floats.
+// Chunk c of a partial row (peer-written, read after its flag was acquired, or this thread's own): its wire bytes,
+// then as 8 floats. 24 / 16 bits: the bf16 plane's 16 bytes in `high`, the byte plane's 8 in `low` (zero with
+// bf16); LogFMT: the division's meta in high.x / high.y, the low plane's 8 bytes in `low`, the high plane's 2 in
+// high.z.
 struct PartialChunk {
     int4 high;
     uint2 low;
 };
-__device__ __forceinline__ PartialChunk load_partial(const char* row, int hidden, int c, bool bf16) {
+__device__ __forceinline__ unsigned short ld_ring_u16(const unsigned short* p) {
+    unsigned short v;
+    asm volatile("ld.relaxed.gpu.global.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ PartialChunk load_partial(const char* row, int hidden, int c, int wire) {
     PartialChunk w;
+    if (wire == kWireLogFmt) {
+        const uint2 meta = ld_ring_v2(reinterpret_cast<const uint2*>(row) + (c >> 4));
+        const unsigned hi = ld_ring_u16(reinterpret_cast<const unsigned short*>(row + logfmt_hi_offset(hidden, c)));
+        w.high = make_int4((int)meta.x, (int)meta.y, (int)hi, 0);
+        w.low = ld_ring_v2(reinterpret_cast<const uint2*>(row + logfmt_lo_offset(hidden, c)));
+        return w;
+    }
     w.high = ld_ring_v4(reinterpret_cast<const int4*>(row) + c);
-    w.low = bf16 ? make_uint2(0u, 0u) : ld_ring_v2(reinterpret_cast<const uint2*>(row + 2LL * hidden) + c);
+    w.low = wire == kWireBf16 ? make_uint2(0u, 0u)
+                              : ld_ring_v2(reinterpret_cast<const uint2*>(row + 2LL * hidden) + c);
     return w;
 }
-__device__ __forceinline__ void add_partial(float (&acc)[8], const PartialChunk& w) {
+__device__ __forceinline__ void add_partial(float (&acc)[8], const PartialChunk& w, int wire) {
+    if (wire == kWireLogFmt) {
+        const LogFmtChunk chunk{w.low, (unsigned)w.high.z, make_float2(__int_as_float(w.high.x),
+                                                                        __int_as_float(w.high.y))};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], logfmt_decode(chunk, j));
+        return;
+    }
     const unsigned hi[4] = {(unsigned)w.high.x, (unsigned)w.high.y, (unsigned)w.high.z, (unsigned)w.high.w};
     const unsigned lo[2] = {w.low.x, w.low.y};
 #pragma unroll
@@ -1024,13 +1158,13 @@ __device__ __forceinline__ void add_partial(float (&acc)[8], const PartialChunk&
 }
 
 // The partial row's bytes on the wire (what an NVSHMEM put moves).
-__device__ __forceinline__ long long partial_wire_bytes(const LowLatencyLayout& L, bool bf16) {
-    return bf16 ? 2LL * L.hidden : L.part_bytes;
+__device__ __forceinline__ long long partial_wire_bytes(const LowLatencyLayout& L, int wire) {
+    return wire == kWireLogFmt ? (long long)L.hidden / 16 * 21 : wire == kWireBf16 ? 2LL * L.hidden : L.part_bytes;
 }
 
-// Meta flag: W << 28 | K << 24 | T + 1 (K <= kLLMaxTopk < 16, T < 2^24).
-__device__ __forceinline__ int meta_flag_value(int num_topk, int num_tokens, bool bf16) {
-    return ((bf16 ? 1 : 0) << 28) | (num_topk << 24) | (num_tokens + 1);
+// Meta flag: W << 28 | K << 24 | T + 1 (W the owner's Wire < 4, K <= kLLMaxTopk < 16, T < 2^24).
+__device__ __forceinline__ int meta_flag_value(int num_topk, int num_tokens, int wire) {
+    return (wire << 28) | (num_topk << 24) | (num_tokens + 1);
 }
 
 // The blocks that share one role of the combine: this block is number `index` of `count` (all blocks of the
@@ -1042,7 +1176,7 @@ struct Blocks {
 // (A) blocks b < R: the meta for rank b (not for this rank itself).
 template <typename TopkT>
 __device__ void combine_send_meta(OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
-                                  bool bf16, char* base, const unsigned long long* peer_bases,
+                                  int wire, char* base, const unsigned long long* peer_bases,
                                   const LowLatencyLayout& L, int rank, int buffer_idx, Blocks blocks) {
     for (int r = blocks.index; r < L.num_ranks; r += blocks.count) {
         if (r == rank) continue;  // (B) reads this rank's own top-k from the arguments
@@ -1063,7 +1197,7 @@ __device__ void combine_send_meta(OwnEntries<TopkT> own, const float* topk_weigh
         }
         if (threadIdx.x == 0)
             send_signal(base, peer_bases, r, L.signal_offset(buffer_idx) + 4LL * L.combine_meta_flag(rank),
-                        meta_flag_value(num_topk, num_tokens, bf16));
+                        meta_flag_value(num_topk, num_tokens, wire));
         __syncthreads();
     }
 }
@@ -1079,7 +1213,7 @@ __device__ __forceinline__ void hand_to_flagger(int t, CombineShared& sh, Handof
 
 // (B), one owner s: the partial sums of its tokens t = index + j * count (T tokens, K entries each:
 // `entries` / `weights` are the owner's meta, or this rank's own arguments when s is this rank; begin: s's
-// stage_range_begins), in s's wire format (bf16: the owner asked for bf16 partials).
+// stage_range_begins), in s's wire format (Wire: the one the owner asked for).
 // Warp roles: the first blockDim - 32 threads (compute) prepare the block's tokens a batch at a time
 // (prepare_batch) and store each token's partial row; the last warp (flagger) flags each stored row, so the
 // system-scope release, which waits for the row's NVLink stores to be acknowledged, overlaps the next token's
@@ -1093,7 +1227,7 @@ __device__ __forceinline__ void hand_to_flagger(int t, CombineShared& sh, Handof
 // block barriers; with the mbarrier it reports none.
 template <typename Entries, typename WeightT>
 __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, const WeightT* weights, int T, int K,
-                                                     bool bf16, const int4* rows, const int* begin, int4* stage,
+                                                     int wire, const int4* rows, const int* begin, int4* stage,
                                                      char* base,
                                                      const unsigned long long* peer_bases, const LowLatencyLayout& L,
                                                      int rank, int buffer_idx, CombineShared& sh,
@@ -1112,7 +1246,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, con
             const long long dst = L.recv_offset(buffer_idx) + L.combine_partial_in(rank, t);
             if (direct == nullptr) {
                 nvshmemx_putmem_nbi_warp(base + dst, recv + L.combine_partial_out(s, t),
-                                         (size_t)partial_wire_bytes(L, bf16), s);
+                                         (size_t)partial_wire_bytes(L, wire), s);
                 __syncwarp();
                 if (lane_id() == 0) nvshmem_quiet();
             }
@@ -1140,7 +1274,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, con
 #pragma unroll
                     for (int q = 0; q < kCombineChunks; ++q)
                         if (c + q * compute_threads < row_int4)
-                            store_partial(out, L.hidden, c + q * compute_threads, acc[q], bf16);
+                            store_partial(out, L.hidden, c + q * compute_threads, acc[q], wire);
                 }
                 stamp(stamps, kStampSendEncoded);
                 hand_to_flagger(t, sh, ph);
@@ -1160,7 +1294,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, con
 template <typename TopkT>
 __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range,
                                                OwnEntries<TopkT> own, const float* topk_weights, int num_tokens,
-                                               int num_topk, bool bf16, char* base,
+                                               int num_topk, int wire, char* base,
                                                const unsigned long long* peer_bases,
                                                const LowLatencyLayout& L, int rank, int buffer_idx, int* meta_readers,
                                                const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh,
@@ -1178,7 +1312,7 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
     __syncthreads();
     HandoffPhases ph;
     if (!own_in_recv)
-        combine_reduce_owner(rank, own, topk_weights, num_tokens, num_topk, bf16, rows, begin, stage, base,
+        combine_reduce_owner(rank, own, topk_weights, num_tokens, num_topk, wire, rows, begin, stage, base,
                              peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
     for (int i = 1; i < R; ++i) {
@@ -1207,24 +1341,24 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
         if (i == 1) stamp(stamps, kStampSendRouted);  // the first remote owner's meta is in
         if (sh.failed) return;  // uniform
         const int K = (sh.value >> 24) & 0xf, T = (sh.value & 0xffffff) - 1;
-        const bool owner_bf16 = (sh.value >> 28) & 1;  // the wire format owner s reads
+        const int owner_wire = (sh.value >> 28) & 3;  // the wire format owner s reads
         __syncthreads();  // sh.value is read by every thread before thread 0 waits for the next owner
         const char* meta = recv + L.combine_meta_in(s);
         combine_reduce_owner(s, MetaEntries{reinterpret_cast<const volatile int*>(meta)},
-                             reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, owner_bf16,
+                             reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, owner_wire,
                              rows, begin, stage, base, peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
     }
 }
 
 template <typename TopkT>
 __device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, OwnEntries<TopkT> own,
-                             const float* topk_weights, int num_tokens, int num_topk, bool bf16, char* base,
+                             const float* topk_weights, int num_tokens, int num_topk, int wire, char* base,
                              const unsigned long long* peer_bases, const LowLatencyLayout& L, int rank,
                              int buffer_idx, int* workspace, const DeviceCtx* ctx, int* begin, int4* stage,
                              CombineShared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
     stamp(stamps, kStampSendStart);
-    combine_send_meta(own, topk_weights, num_tokens, num_topk, bf16, base, peer_bases, L, rank, buffer_idx, blocks);
-    combine_reduce(x, zero_copy, layout_range, own, topk_weights, num_tokens, num_topk, bf16, base, peer_bases,
+    combine_send_meta(own, topk_weights, num_tokens, num_topk, wire, base, peer_bases, L, rank, buffer_idx, blocks);
+    combine_reduce(x, zero_copy, layout_range, own, topk_weights, num_tokens, num_topk, wire, base, peer_bases,
                    L, rank, buffer_idx, workspace + kWsMetaReaders, ctx, begin, stage, sh, own_in_recv, blocks, stamps);
     stamp_after_barrier(stamps, kStampSendEnd);
 }
@@ -1233,11 +1367,11 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
 // kept entry of each). own_in_recv: first this rank's own partials of the batch's tokens are computed here from x
 // (while the peers' partials are on their way) into this rank's own partial_in slots in the wire format (what a
 // peer's would carry); each thread reads back only the chunks it wrote. Then per token: wait for the peers'
-// flags, sum. bf16: this rank's partials (its own and the peers') are bf16 on the wire, as its meta flag asked.
+// flags, sum. wire: the format of this rank's partials (its own and the peers'), as its meta flag asked.
 template <typename TopkT>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
                              OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
-                             bool bf16, char* base, const LowLatencyLayout& L, int rank, int buffer_idx,
+                             int wire, char* base, const LowLatencyLayout& L, int rank, int buffer_idx,
                              const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh, bool own_in_recv,
                              Blocks blocks, long long* wait_stats, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
@@ -1264,7 +1398,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                     partial_sums<threads>(p, rows, sh.row[j], sh.weight[j], sh.num_kept[j], c, row_int4, stage);
 #pragma unroll
                     for (int q = 0; q < kCombineChunks; ++q)
-                        if (c + q * threads < row_int4) store_partial(own, L.hidden, c + q * threads, p[q], bf16);
+                        if (c + q * threads < row_int4) store_partial(own, L.hidden, c + q * threads, p[q], wire);
                 }
             }
             stamp_after_barrier(stamps, kStampRecvPrepared);  // the block's own partials (of this batch) are computed
@@ -1306,12 +1440,12 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                         for (int u = 0; u < kSumInFlight; ++u)
                             if (r0 + u < R && (has >> (r0 + u) & 1ull) && c + q * threads < row_int4)
                                 w[q][u] = load_partial(recv + L.combine_partial_in(r0 + u, t), L.hidden,
-                                                       c + q * threads, bf16);
+                                                       c + q * threads, wire);
 #pragma unroll
                     for (int q = 0; q < kCombineChunks; ++q)
 #pragma unroll
                         for (int u = 0; u < kSumInFlight; ++u)
-                            if (r0 + u < R && (has >> (r0 + u) & 1ull)) add_partial(acc[q], w[q][u]);
+                            if (r0 + u < R && (has >> (r0 + u) & 1ull)) add_partial(acc[q], w[q][u], wire);
                 }
 #pragma unroll
                 for (int q = 0; q < kCombineChunks; ++q)
@@ -1329,13 +1463,13 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
 
 // combined_x [T][H] bf16; x [L][R*M][H] bf16 (unused with zero_copy: the rows are in the send buffer);
 // layout_range [L][R] and topk_slots [T][K] int32 from the dispatch handle; topk_idx [T][K] (the dispatch's),
-// topk_weights [T][K] float32; wait_stats [R] or null (add_wait_cost); bf16_partials: this rank's tokens are
-// reduced from bf16 partials (the peers learn it from the meta flag).
+// topk_weights [T][K] float32; wait_stats [R] or null (add_wait_cost); wire: the Wire of this rank's tokens'
+// partials (bf16_partials / use_logfmt; the peers learn it from the meta flag).
 template <typename TopkT>
 __global__ void __launch_bounds__(kLLCombineThreads, 1)
 combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx, const int* topk_slots,
         const float* topk_weights, long long* wait_stats, int num_tokens, int num_topk, int zero_copy,
-        int bf16_partials, void* base, const unsigned long long* peer_bases, int buffer_idx, int max_tokens,
+        int wire, void* base, const unsigned long long* peer_bases, int buffer_idx, int max_tokens,
         int hidden, int num_experts, int rank, int num_ranks, int* workspace, int phases, long long* stamps,
         const DeviceCtx* ctx) {
     __shared__ int begin[kLLMaxExperts];  // stage_range_begins: the rows of one owner in each local expert
@@ -1349,7 +1483,7 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     // did not record its buffer made the next dispatch report a reuse (S18, the LL tests at one rank).
     if (phases & kPhaseSend) check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
     __syncthreads();
-    const bool own_in_recv = (phases & kPhaseSend) && (phases & kPhaseRecv), bf16 = bf16_partials != 0;
+    const bool own_in_recv = (phases & kPhaseSend) && (phases & kPhaseRecv);
     if (own_in_recv && gridDim.x >= 2) {
         // One launch, both phases: the blocks split into an expert side ((A) and (B): the meta, the remote owners'
         // partials) and an owner side ((C): the own partials, then the sums), which run at the same time, so the
@@ -1357,25 +1491,25 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
         // of the blocks (its own partials are 1/R of all partials); it only waits once its own work is done.
         const int owner_blocks = max(1, (int)gridDim.x / num_ranks), expert_blocks = gridDim.x - owner_blocks;
         if ((int)blockIdx.x < expert_blocks) {
-            combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, bf16, b,
+            combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, wire, b,
                          peer_bases, L, rank, buffer_idx, workspace, ctx, begin, ll_stage, sh, true,
                          Blocks{(int)blockIdx.x, expert_blocks}, stamps);
         } else {
             stamp(stamps, kStampSendStart);  // (the block's start: phase_breakdown's origin is the earliest)
             combine_recv(combined_x, x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk,
-                         bf16, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, true,
+                         wire, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, true,
                          Blocks{(int)blockIdx.x - expert_blocks, owner_blocks}, wait_stats, stamps);
         }
         return;
     }
     const Blocks all{(int)blockIdx.x, (int)gridDim.x};
     if (phases & kPhaseSend)
-        combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, bf16, b,
+        combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, wire, b,
                      peer_bases, L, rank, buffer_idx, workspace, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
     __syncthreads();
     if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
         combine_recv(combined_x, x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk,
-                     bf16, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, own_in_recv, all, wait_stats, stamps);
+                     wire, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, own_in_recv, all, wait_stats, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------

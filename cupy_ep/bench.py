@@ -660,9 +660,9 @@ def log_line(rec: dict) -> str:
 
 def op_label(r: dict) -> str:
     """How reports name a record's op: ``op``, then " zero-copy" (normal mode, ``zero_copy``) or
-    " (bf16 partials)" (low-latency combine, ``partials`` "bf16")."""
+    " (bf16 partials)" / " (LogFMT-10 partials)" (low-latency combine, ``partials`` "bf16" / "logfmt")."""
     return (r["op"] + (" zero-copy" if r.get("zero_copy") else "")
-            + (" (bf16 partials)" if r.get("partials") == "bf16" else ""))
+            + {"bf16": " (bf16 partials)", "logfmt": " (LogFMT-10 partials)"}.get(r.get("partials"), ""))
 
 
 def markdown_table(doc: dict) -> str:

@@ -99,9 +99,9 @@ class LowLatencyBench:
         w = rng.random((tokens, a.topk), dtype=np.float32)
         return x, idx, w
 
-    def verify(self, x, idx, w, dispatch_out, combined, y, combined_bf16p):
-        """Abort the job unless dispatch and both combines (24-bit and bf16 partials) equal the reference bit for
-        bit."""
+    def verify(self, x, idx, w, dispatch_out, combined, y, combined_bf16p, combined_logfmt=None):
+        """Abort the job unless dispatch and the combines (24-bit, bf16 and, when given, LogFMT-10 partials) equal
+        the reference bit for bit."""
         a = self.args
         (data, scales), count, handle = dispatch_out
         gathered = self.comm.allgather((x, idx, w, y))
@@ -113,20 +113,23 @@ class LowLatencyBench:
             ok &= np.array_equal(data[e, :n].view(np.uint8), want.recv_x[e, :n])
             ok &= np.array_equal(scales[e, :n], want.recv_x_scales[e, :n])
             ok &= np.array_equal(src[e, :n], want.src_info[e, :n])
-        for got, bf16_partials in ((combined, False), (combined_bf16p, True)):
+        for got, wire in ((combined, {}), (combined_bf16p, {"bf16_partials": True}),
+                          (combined_logfmt, {"use_logfmt": True})):
+            if got is None:
+                continue
             want_c = reference.low_latency_combine([g[3] for g in gathered], [g[1] for g in gathered],
-                                                   [g[2] for g in gathered], self.M, a.experts, self.rank,
-                                                   bf16_partials=bf16_partials)
+                                                   [g[2] for g in gathered], self.M, a.experts, self.rank, **wire)
             ok &= np.array_equal(got.view(np.uint16).get(), want_c.view(np.uint16))
         if not self.comm.allreduce(bool(ok), op=__import__("mpi4py").MPI.LAND):
             self.log("cupy_ep.bench_ll: VERIFICATION FAILED against cupy_ep.reference")
             self.comm.Abort(2)
-        self.log("  verified against cupy_ep.reference: low-latency dispatch (fp8) and combine (24-bit and bf16 "
-                 "partials): OK")
+        self.log("  verified against cupy_ep.reference: low-latency dispatch (fp8) and combine (24-bit, bf16"
+                 + (" and LogFMT-10" if combined_logfmt is not None else "") + " partials): OK")
 
     def ops(self, x, idx, w, y, handle, idx_np) -> dict:
         """``{label: (fn, nccl_fn, dtype)}``: the FP8 dispatch of ``x`` and the combine of ``y`` with the fixed
-        ``handle`` (24-bit partials, and ``ll_combine_bf16p``: ``bf16_partials=True``), each with NCCL grouped
+        ``handle`` (24-bit partials; ``ll_combine_bf16p``: ``bf16_partials=True``; ``ll_combine_logfmt``:
+        ``use_logfmt=True``), each with NCCL grouped
         send/recv of its per-peer bytes (collective: every rank calls it). Records name the op and the partials
         (:func:`_op_fields`)."""
         a, R, buf = self.args, self.R, self.buf
@@ -140,6 +143,8 @@ class LowLatencyBench:
                            self.nccl.make(recv_per_rank * 2 * a.hidden, per_rank * 2 * a.hidden), "bf16"),
             "ll_combine_bf16p": (lambda: buf.low_latency_combine(y, idx, w, handle, bf16_partials=True),
                                  self.nccl.make(recv_per_rank * 2 * a.hidden, per_rank * 2 * a.hidden), "bf16"),
+            "ll_combine_logfmt": (lambda: buf.low_latency_combine(y, idx, w, handle, use_logfmt=True),
+                                  self.nccl.make(recv_per_rank * 2 * a.hidden, per_rank * 2 * a.hidden), "bf16"),
         }
 
     def timed(self, timer, fn, how: str):
@@ -185,7 +190,7 @@ class LowLatencyBench:
                "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden, "topk": a.topk,
                "experts": a.experts, "num_ranks": self.R}
         self.records.append(rec)
-        self.log(f"  {op:16s} {how:6s} T={tokens:4d} median {t.median_us:7.1f} us  p99 {p99:7.1f} us"
+        self.log(f"  {op:17s} {how:6s} T={tokens:4d} median {t.median_us:7.1f} us  p99 {p99:7.1f} us"
                  + (f"  (NCCL same bytes, {nccl_how} {nccl_t.median_us:7.1f} us)" if nccl_t else ""))
 
     def host_overhead(self, runs: dict, tokens: int) -> None:
@@ -209,7 +214,7 @@ class LowLatencyBench:
                                          "time_us_p99": None, "time_us_min": None, "nccl_time_us": None,
                                          "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden,
                                          "topk": a.topk, "experts": a.experts, "num_ranks": self.R})
-                    self.log(f"  {op:16s} host   T={tokens:4d} {host:7.1f} us per call on the host "
+                    self.log(f"  {op:17s} host   T={tokens:4d} {host:7.1f} us per call on the host "
                              f"({wall:7.1f} us per call until the device is done; {HOST_CALLS} calls back to back"
                              f"{'; check_values=True' if checked else ''})")
         finally:
@@ -272,12 +277,12 @@ class LowLatencyBench:
                                      "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden,
                                      "topk": a.topk, "experts": a.experts, "num_ranks": self.R})
                 flushed = ' (L2 flushed)' if flush is not None else ''
-                self.log(f"  {op:16s} phases{flushed} (us after the first block started): " +
+                self.log(f"  {op:17s} phases{flushed} (us after the first block started): " +
                          ", ".join(f"{k} {v:.1f}" for k, v in phases_us.items()))
-                self.log(f"  {op:16s} slowest block{flushed}: " +
+                self.log(f"  {op:17s} slowest block{flushed}: " +
                          ", ".join(f"{k} {v:.1f}" for k, v in phases_max_us.items()))
                 for r, ph in enumerate(phases_by_rank_us[1:], start=1):  # (rank 0's is the median line)
-                    self.log(f"  {op:16s} rank {r}{flushed}: " +
+                    self.log(f"  {op:17s} rank {r}{flushed}: " +
                              ", ".join(f"{k} {v:.1f}" for k, v in ph.items()))
         finally:
             ll.stamps = None
@@ -318,8 +323,9 @@ class LowLatencyBench:
             out = buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True)
             combined, _, _ = buf.low_latency_combine(y, idx, w, out[2])
             combined_bf16p, _, _ = buf.low_latency_combine(y, idx, w, out[2], bf16_partials=True)
+            combined_logfmt, _, _ = buf.low_latency_combine(y, idx, w, out[2], use_logfmt=True)
             cupy.cuda.runtime.deviceSynchronize()
-            self.verify(x_np, idx_np, w_np, out[:3], combined, y_np, combined_bf16p)
+            self.verify(x_np, idx_np, w_np, out[:3], combined, y_np, combined_bf16p, combined_logfmt)
             handle = out[2]
 
             timer = LatencyTimer(self.comm, a.iters, a.warmup)
@@ -345,11 +351,13 @@ class LowLatencyBench:
 
 
 def _op_fields(label: str) -> dict:
-    """A record's ``op`` (``ll_dispatch`` / ``ll_combine``) and, for a combine, its ``partials`` ("24-bit", or
-    "bf16" for the ``ll_combine_bf16p`` run: ``bf16_partials=True``)."""
+    """A record's ``op`` (``ll_dispatch`` / ``ll_combine``) and, for a combine, its ``partials`` ("24-bit";
+    "bf16" for the ``ll_combine_bf16p`` run: ``bf16_partials=True``; "logfmt" for ``ll_combine_logfmt``:
+    ``use_logfmt=True``)."""
     if label == "ll_dispatch":
         return {"op": label}
-    return {"op": "ll_combine", "partials": "bf16" if label == "ll_combine_bf16p" else "24-bit"}
+    return {"op": "ll_combine", "partials": {"ll_combine_bf16p": "bf16", "ll_combine_logfmt": "logfmt"}.get(label,
+                                                                                                       "24-bit")}
 
 
 def _f(v, fmt: str) -> str:
@@ -376,7 +384,9 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
            "skew paid once per n ops. NCCL (grouped send/recv of the same per-peer bytes) is timed as graph "
            "replays for the call and graph rows, aligned and steady as ours. *ll_combine (bf16 partials)*: "
            "`bf16_partials=True`, the expert ranks' partial sums cross NVLink as bf16 instead of 24 bits (a third "
-           "fewer bytes, one more rounding).", "",
+           "fewer bytes, one more rounding); *ll_combine (LogFMT-10 partials)*: `use_logfmt=True`, as LogFMT-10 "
+           "(cupy_ep/logfmt.py: 1.3125 bytes per value, 44 % of the 24-bit bytes, a relative error of at most "
+           "2.2 % per partial value).", "",
            "| op | dtype | timing | median us | p99 us | NCCL us (same bytes) | NCCL timing | ours/NCCL |",
            "|---|---|---|---|---|---|---|---|"]
     for r in records:

@@ -19,7 +19,9 @@ Decisions (research/deepep.md §1.8, §4 is the model):
   of one bf16 row per (token, k), and the owner adds the partials in rank order: under 40 % of the bytes across
   NVLink at top-8 of 256 on 2 ranks, deterministic (:func:`cupy_ep.reference.low_latency_combine` defines the
   order and the roundings). ``bf16_partials=True`` makes this rank's partials cross as bf16 (a second rounding,
-  a third fewer bytes); the owner says so in its meta flag, so each rank may choose for its own tokens;
+  a third fewer bytes), ``use_logfmt=True`` as LogFMT-10 (:mod:`cupy_ep.logfmt`: 10 bits per value, 1.3125
+  bytes with the per-128 meta, 44 % of the 24-bit bytes); the owner says so in its meta flag, so each rank may
+  choose for its own tokens;
 * one launch per call (send and receive phases in one kernel, no grid barrier: every block is resident, grid
   = SM count); ``return_recv_hook=True`` launches the send phase only and the hook launches the receive phase;
 * two buffers alternate per call (dispatch and combine alike); each signal is zeroed by the waiter that reads it,
@@ -38,7 +40,7 @@ Decisions (research/deepep.md §1.8, §4 is the model):
 * ``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats`` (``[R]`` int64) gain, per source rank,
   the SM clock cycles the receive phase waited for that rank's data (as DeepEP: the dispatch once per (local
   expert, source) count, the combine per token's partials; a rank's own partials in a one-launch combine need no
-  wait and add nothing); ``use_logfmt`` raises NotImplementedError; a token naming one expert more than M times
+  wait and add nothing); a token naming one expert more than M times
   in total (only possible with duplicate top-k entries) loses the rows past M.
 """
 from __future__ import annotations
@@ -100,6 +102,8 @@ def allocating_on(compute, kind: interop.Kind):
 
 _WORKSPACE_INTS = 32 + _config.LL_MAX_RANKS  # kWsMetaReaders + meta readers (below: buffer index, epochs)
 WS_EPOCH = 4                    # kWsEpoch: per buffer, the dispatches whose receive phase finished
+# the partials' wire formats (cuda_src/low_latency.cu's Wire): 24 bits, bf16, LogFMT-10
+WIRE_24, WIRE_BF16, WIRE_LOGFMT = 0, 1, 2
 _SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv
 # The int32 kernel arguments that take a few values (a flag, a buffer index, the phases), made once: a numpy scalar
 # costs ~0.15 us of host time to create, and a call passes about ten.
@@ -440,6 +444,8 @@ class LowLatencyState:
         shape = (num_experts // R, R * max_tokens, hidden)
         if use_logfmt and zero_copy:
             raise ValueError("use_logfmt: cannot be used together with zero_copy=True (as in DeepEP)")
+        if use_logfmt and flags[4]:
+            raise ValueError("use_logfmt: cannot be used together with bf16_partials=True (one wire format)")
         if x is not None or not zero_copy:
             validate.check_array(x, "x", ("bfloat16",), ndim=3, device=dev, aligned=True)
             if tuple(x.shape) != shape:
@@ -459,9 +465,6 @@ class LowLatencyState:
             validate.check_vector(wait_stats, "combine_wait_recv_cost_stats", "int64", R, dev)
         if async_finish and return_recv_hook:
             raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
-        if use_logfmt:
-            raise NotImplementedError("use_logfmt: the LogFMT-10 combine format is not implemented "
-                                      "(use the default bf16 combine)")
         return layout_range, slots, max_tokens, hidden, num_experts, num_tokens, num_topk, tuple(flags)
 
     def check_handle(self, handle, check_values: bool):
@@ -525,7 +528,8 @@ class LowLatencyState:
         layout_range, slots, max_tokens, hidden, num_experts, num_tokens, num_topk, flags = self.check_combine(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
             wait_stats, bf16_partials, check_values)
-        _, zero_copy, async_finish, return_recv_hook, bf16_partials = flags
+        use_logfmt, zero_copy, async_finish, return_recv_hook, bf16_partials = flags
+        wire = WIRE_LOGFMT if use_logfmt else WIRE_BF16 if bf16_partials else WIRE_24
         self.hooks.check_next_call("low_latency_combine")
         self.prepare(max_tokens, hidden, num_experts)
         kind = interop.kind_of(topk_idx)
@@ -546,7 +550,7 @@ class LowLatencyState:
         def args(phases):
             return (raw_out, raw_x, layout_range, raw_idx, slots, raw_w, raw_wait, np.int32(num_tokens),
                     np.int32(num_topk),
-                    _INT32_ARGS[zero_copy], _INT32_ARGS[bf16_partials]) + common + \
+                    _INT32_ARGS[zero_copy], np.int32(wire)) + common + \
                    (_INT32_ARGS[phases], self.stamps_of("combine"), self.buf._ctx)
         keep = (raw_x, raw_idx, slots, raw_w, raw_wait, raw_out, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV

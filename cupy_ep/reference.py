@@ -371,17 +371,21 @@ class LowLatencyDispatchResult(NamedTuple):
     layout_range: np.ndarray         # [L, R] int64: (begin << 32) | count of each source rank's block
 
 
-def low_latency_partial_wire(partial: np.ndarray, bf16: bool = False) -> np.ndarray:
+def low_latency_partial_wire(partial: np.ndarray, bf16: bool = False, logfmt: bool = False) -> np.ndarray:
     """An fp32 partial sum as the low-latency combine carries it between ranks: rounded to nearest even to 24 bits
     (sign, 8 exponent bits, 15 mantissa bits; the low byte of the fp32 pattern dropped), i.e. a relative error of
     at most 2^-16, far below the bf16 output's 2^-8. The wire holds 3 bytes per value instead of 4 (a bf16
     plane of the high halves and a byte plane of the next 8 bits); the combine's summation is over these values.
     ``bf16=True`` (the owner's ``bf16_partials``): rounded to nearest even to bf16 (2 bytes per value, a relative
-    error of at most 2^-9; finite values, by the kernels' integer rounding).
+    error of at most 2^-9; finite values, by the kernels' integer rounding). ``logfmt=True`` (the owner's
+    ``use_logfmt``): LogFMT-10 per 128 values of the last axis (:mod:`cupy_ep.logfmt`, 1.3125 bytes per value).
 
     Args:
         partial: float32 array. Returns: float32 array of the same shape, the low 8 (bf16: 16) bits of each
-        pattern zero."""
+        pattern zero (LogFMT: the decoded values)."""
+    if logfmt:
+        from . import logfmt as _logfmt
+        return _logfmt.roundtrip(partial)
     bits = np.asarray(partial, dtype=np.float32).view(np.uint32).astype(np.uint64)
     drop = 16 if bf16 else 8
     half, keep = (1 << (drop - 1)) - 1, (0xFFFFFFFF >> drop) << drop
@@ -485,7 +489,8 @@ def low_latency_dispatch(x_list, topk_idx_list, num_max_dispatch_tokens_per_rank
 
 
 def low_latency_combine(y_list, topk_idx_list, topk_weights_list, num_max_dispatch_tokens_per_rank: int,
-                        num_experts: int, rank: int, bf16_partials: bool = False) -> np.ndarray:
+                        num_experts: int, rank: int, bf16_partials: bool = False,
+                        use_logfmt: bool = False) -> np.ndarray:
     """What rank ``rank`` gets back from DeepEP's ``low_latency_combine`` (global view): a *weighted* sum.
 
     Args:
@@ -495,6 +500,7 @@ def low_latency_combine(y_list, topk_idx_list, topk_weights_list, num_max_dispat
         num_max_dispatch_tokens_per_rank, num_experts: M and E, as in the dispatch.
         rank: the token owner we compute for.
         bf16_partials: that owner's choice: its partials are rounded to bf16 instead of 24 bits.
+        use_logfmt: that owner's choice: its partials cross as LogFMT-10 (:mod:`cupy_ep.logfmt`) instead.
 
     Returns:
         ``[T, H] bf16``. The reduction order (deterministic; the GPU kernel follows it bit for bit): per expert
@@ -523,7 +529,7 @@ def low_latency_combine(y_list, topk_idx_list, topk_weights_list, num_max_dispat
             value = np.asarray(y_list[owner])[e, row[t, k]].astype(np.float32)
             partial[owner, t] = partial[owner, t] + (weights[t, k] * value).astype(np.float32)
             has[owner, t] = True
-    partial = low_latency_partial_wire(partial, bf16=bf16_partials)
+    partial = low_latency_partial_wire(partial, bf16=bf16_partials, logfmt=use_logfmt)
     acc = np.zeros((num_tokens, hidden), dtype=np.float32)
     for r in range(num_ranks):
         acc[has[r]] = acc[has[r]] + partial[r, has[r]]

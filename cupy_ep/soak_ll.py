@@ -147,7 +147,9 @@ def main(args, comm) -> int:
         y = bf16_bits(gen.randint(-8, 9, size=(L, R * M, H), dtype=xp.int32).astype(xp.float32).view(xp.uint32)
                       >> 16)
         idx_d, w_d, stats = dev(idx), dev(w), xp.zeros(L, dtype=xp.int32)
-        bf16_partials = bool(np.random.default_rng([args.seed, it, rank, 7]).random() < 0.3)  # each rank's own
+        # each rank's own wire for its tokens' partials: bf16 (30 %), LogFMT-10 (20 %, not with zero_copy), 24 bits
+        pick = np.random.default_rng([args.seed, it, rank, 7]).random()
+        bf16_partials, use_logfmt = bool(pick < 0.3), bool(0.3 <= pick < 0.5 and not s["zero_copy"])
 
         recv_x, count, handle, _, hook = buf.low_latency_dispatch(
             x, idx_d, M, E, cumulative_local_expert_recv_stats=stats, use_fp8=s["use_fp8"],
@@ -159,7 +161,8 @@ def main(args, comm) -> int:
             buf.get_next_low_latency_combine_buffer(handle)[...] = y
             y_arg = None
         combined, _, hook = buf.low_latency_combine(y_arg, idx_d, w_d, handle, zero_copy=s["zero_copy"],
-                                                    return_recv_hook=s["hook"], bf16_partials=bf16_partials)
+                                                    return_recv_hook=s["hook"], bf16_partials=bf16_partials,
+                                                    use_logfmt=use_logfmt)
         if hook is not None:
             hook()
 
@@ -178,7 +181,7 @@ def main(args, comm) -> int:
             # those, not all R*M rows per expert (hundreds of MB at M=128, H=7168)
             y_all = comm.allgather(host(y[:, :int(want.recv_count.max())]))
             want_c = reference.low_latency_combine(y_all, idx_all, [e[2] for e in everyone], M, E, rank,
-                                                   bf16_partials=bf16_partials)
+                                                   bf16_partials=bf16_partials, use_logfmt=use_logfmt)
             bad_all = comm.allgather(compare(got, want, want_c))
             if any(bad_all):
                 if rank == 0:

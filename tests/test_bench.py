@@ -381,7 +381,8 @@ def _ll_runs():
 
     def nccl(how):
         return theirs[how]
-    return {"ll_dispatch": (op, nccl, "fp8"), "ll_combine": (op, nccl, "bf16"), "ll_combine_bf16p": (op, nccl, "bf16")}
+    return {"ll_dispatch": (op, nccl, "fp8"), "ll_combine": (op, nccl, "bf16"), "ll_combine_bf16p": (op, nccl, "bf16"),
+            "ll_combine_logfmt": (op, nccl, "bf16")}
 
 
 def test_even_steady_n():
@@ -395,8 +396,8 @@ def test_ll_records_time_nccl_the_same_way():
     assert set(timer.steady_ns) == {10}  # rounded up to even: two buffers alternate
     assert timer.align is b.nccl.align  # the aligned rows line the ranks up by NCCL
     by = {(r["op"], r.get("partials"), r["timing"]): r for r in b.records}
-    assert len(by) == 12
-    for op in (("ll_dispatch", None), ("ll_combine", "24-bit"), ("ll_combine", "bf16")):
+    assert len(by) == 16
+    for op in (("ll_dispatch", None), ("ll_combine", "24-bit"), ("ll_combine", "bf16"), ("ll_combine", "logfmt")):
         call, graph, steady = by[op + ("call",)], by[op + ("graph",)], by[op + ("steady",)]
         assert (call["graph"], graph["graph"], steady["graph"]) == (False, True, True)
         assert (call["time_us_median"], graph["time_us_median"], steady["time_us_median"]) == (200.0, 40.0, 12.0)
@@ -410,14 +411,14 @@ def test_ll_records_time_nccl_the_same_way():
         for r in (call, graph, aligned, steady):
             assert r["tokens"] == 128 and r["max_tokens"] == 128
     # NCCL graph-timed once per op (shared by call and graph rows), aligned once, steady once
-    assert sum(1 for how, fn in timer.calls if fn.__name__ == "nccl") == 9
+    assert sum(1 for how, fn in timer.calls if fn.__name__ == "nccl") == 12
 
 
 def test_ll_sweep_records_without_nccl():
     b, timer = _ll_bench(), _FakeLLTimer()
     b.time_ops(timer, _ll_runs(), 0, ("steady",), with_nccl=False)
     assert [(r["timing"], r["tokens"], r["max_tokens"], r["nccl_time_us"]) for r in b.records] == \
-        [("steady", 0, 128, None)] * 3
+        [("steady", 0, 128, None)] * 4
     assert all(how == "steady" and fn.__name__ == "op" for how, fn in timer.calls)
 
 

@@ -235,26 +235,29 @@ def test_dispatch_hook_launches_the_receive_phase_with_the_same_arguments(ll):
 
 
 def combine(state, handle, out=None, zero_copy=False, bf16_partials=False, return_recv_hook=False,
-            wait_stats=None):
+            wait_stats=None, use_logfmt=False):
     x = None if zero_copy else gpu_array((L, ROWS, H), interop.BF16, 1 << 35)
     topk_idx = gpu_array((T, K), np.int64, 1 << 34)
     weights = gpu_array((T, K), np.float32, 1 << 33)
-    result = state.combine(x, topk_idx, weights, handle, False, zero_copy, False, return_recv_hook, out,
+    result = state.combine(x, topk_idx, weights, handle, use_logfmt, zero_copy, False, return_recv_hook, out,
                            wait_stats, bf16_partials, False)
     return x, topk_idx, weights, result
 
 
-@pytest.mark.parametrize("with_out, zero_copy, bf16_partials", [(False, False, False), (True, False, True),
-                                                                (False, True, False)],
-                         ids=["plain", "out-bf16-partials", "zero-copy"])
-def test_combine_kernel_arguments(ll, with_out, zero_copy, bf16_partials):
+@pytest.mark.parametrize("with_out, zero_copy, wire", [(False, False, cll.WIRE_24), (True, False, cll.WIRE_BF16),
+                                                       (False, True, cll.WIRE_24), (False, False, cll.WIRE_LOGFMT)],
+                         ids=["plain", "out-bf16-partials", "zero-copy", "logfmt"])
+def test_combine_kernel_arguments(ll, with_out, zero_copy, wire):
+    """The kernel's `wire` argument: the owner's format for its own tokens (0 24 bits, 1 bf16_partials, 2
+    use_logfmt), as cuda_src/low_latency.cu's Wire."""
+    bf16_partials, use_logfmt = wire == cll.WIRE_BF16, wire == cll.WIRE_LOGFMT
     state, launches, allocations, _ = ll
     _, _, (_, _, handle, _, _) = dispatch(state)
     wait_stats = gpu_array((R,), np.int64, 1 << 31) if with_out else None
     for call in range(3):
         out = gpu_array((T, H), interop.BF16, 1 << 32) if with_out else None
         x, topk_idx, weights, (combined, event, hook) = combine(state, handle, out, zero_copy, bf16_partials,
-                                                                wait_stats=wait_stats)
+                                                                wait_stats=wait_stats, use_logfmt=use_logfmt)
         launch = launches[-1]
         assert launch["name"] == "ep::combine<long long>"
         assert launch["grid"] == (132,) and launch["block"] == (cll._COMBINE_THREADS,)
@@ -273,7 +276,7 @@ def test_combine_kernel_arguments(ll, with_out, zero_copy, bf16_partials):
             assert raw_x.data.ptr == x.data.ptr and raw_x.dtype == np.uint16
         assert layout_range is handle[1] and slots is handle.topk_slots
         assert raw_idx is topk_idx and raw_w is weights and raw_wait is wait_stats
-        for value, want in zip(args[7:11], (T, K, zero_copy, bf16_partials)):
+        for value, want in zip(args[7:11], (T, K, zero_copy, wire)):
             assert_int32(value, want)
         assert_common(state, args[11:20], (call + 1) % 2)  # the dispatch used buffer 0
         assert_int32(args[20], cll._SEND | cll._RECV)

@@ -242,6 +242,7 @@ COMBINE_VARIATIONS = {
     "wait_stats/ok": dict(wait_stats=gpu_array((R,), np.int64)),
     "use_logfmt/true": dict(use_logfmt=True),
     "use_logfmt/zero-copy": dict(use_logfmt=True, zero_copy=True),
+    "use_logfmt/bf16_partials": dict(use_logfmt=True, bf16_partials=True),
     "zero_copy/int": dict(zero_copy=0),
     "bf16_partials/true": dict(bf16_partials=True),
     "async_finish/hook": dict(async_finish=True, return_recv_hook=True),
@@ -276,7 +277,7 @@ PASSING = {"dispatch": {"same", "x/fewer-tokens", "x/aligned-elsewhere",
                         "topk_idx/int32", "stats/ok", "max_tokens/numpy", "max_tokens/larger",
                         "use_fp8/numpy-bool", "use_fp8/false", "use_ue8m0/with-round-scale"},
            "combine": {"same", "x/none-zero-copy", "x/zero-copy", "topk_idx/int32", "handle/max_tokens-numpy", "out/ok",
-                       "wait_stats/ok", "bf16_partials/true"}}
+                       "wait_stats/ok", "bf16_partials/true", "use_logfmt/true"}}
 
 
 def test_the_variations_cover_passing_and_failing_calls():

@@ -105,3 +105,23 @@ def test_low_latency_combine_shared_memory_mirrors_the_kernel():
     assert f"constexpr int kLLThreads = {cll._THREADS};" in text
     assert "stage + (i * kCombineChunks + q) * kLLCombineThreads + threadIdx.x" in text
     assert cll.combine_stage_bytes(reference.LOW_LATENCY_MAX_TOPK) + 20 * 1024 <= 227 * 1024
+
+
+def test_low_latency_wire_formats_mirror_the_enum():
+    from cupy_ep import cuda_low_latency as cll
+    assert enum_values(SRC / "low_latency.cu", "Wire") == {"kWire24": cll.WIRE_24, "kWireBf16": cll.WIRE_BF16,
+                                                           "kWireLogFmt": cll.WIRE_LOGFMT}
+
+
+def test_logfmt_constants_mirror_the_kernel():
+    """The kernel's LogFMT-10 constants are written by their bits; cupy_ep/logfmt.py holds the same bits (and
+    test_logfmt.py checks each is the float32 nearest its value): a constant changed on one side only would make
+    the GPU's decoded values differ from the reference's."""
+    from cupy_ep import logfmt
+    text = (SRC / "low_latency.cu").read_text()
+    body = text[text.index("__device__ __forceinline__ float logfmt_log2"):text.index("struct LogFmtChunk")]
+    used = {int(h, 16) for h in re.findall(r"0x([0-9a-f]{8})u", body)}
+    want = {bits for bits, _ in logfmt.CONSTANTS.values()} | set(logfmt.INV_FACTORIALS)
+    assert want <= used | {0x3F800000, 0x3F000000}
+    assert used - {0x7FFFFF, 0x3F800000} <= want
+    assert "(long long)L.hidden / 16 * 21" in text and logfmt.wire_bytes(7168) == 7168 // 16 * 21

@@ -204,12 +204,13 @@ def _order_sensitive_rows(rng, shape):
 
 
 def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_out=False, order_sensitive=False,
-           bf16_partials=False, wait_stats=(None, None), delay_ns: int = 0):
+           bf16_partials=False, wait_stats=(None, None), delay_ns: int = 0, use_logfmt=False):
     """One dispatch + combine of ``case``; returns this rank's list of mismatches. The expert outputs sum
     exactly in fp32 (small integers, power-of-two weights), or with ``order_sensitive`` do not. ``bf16_partials``:
     this rank's choice (the combine's argument); then the inputs must also tell the two wire formats apart.
     ``wait_stats``: the dispatch's and the combine's ``*_wait_recv_cost_stats`` arrays (or None); ``delay_ns``:
-    this rank's dispatch is queued behind a kernel spinning that long (a late rank)."""
+    this rank's dispatch is queued behind a kernel spinning that long (a late rank); ``use_logfmt``: this rank's
+    choice of LogFMT-10 partials (cupy_ep/logfmt.py; the kernel reproduces its decoded values bit for bit)."""
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()
 
@@ -230,11 +231,11 @@ def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_ou
                                               use_ue8m0=case.use_ue8m0)
         want_c = reference.low_latency_combine([g[2] for g in gathered], [g[1] for g in gathered],
                                                [g[3] for g in gathered], MAX_TOKENS, E, rank,
-                                               bf16_partials=bf16_partials)
-        if bf16_partials and x.shape[0] > 0:
+                                               bf16_partials=bf16_partials, use_logfmt=use_logfmt)
+        if (bf16_partials or use_logfmt) and x.shape[0] > 0:
             other = reference.low_latency_combine([g[2] for g in gathered], [g[1] for g in gathered],
                                                   [g[3] for g in gathered], MAX_TOKENS, E, rank)
-            assert not same_bytes(want_c, other), "the inputs give the same bytes with 24-bit and bf16 partials"
+            assert not same_bytes(want_c, other), "the inputs give the same bytes with 24-bit and other partials"
         return want, want_c
 
     want, want_c = _step(buf, comm, "the reference", references, gathered)
@@ -273,7 +274,7 @@ def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_ou
             y_arg = None
         combined, _, h = buf.low_latency_combine(y_arg, _dev(idx, case.lib), _dev(weights, case.lib), handle,
                                                  zero_copy=zero_copy, return_recv_hook=hook, out=out,
-                                                 bf16_partials=bf16_partials,
+                                                 bf16_partials=bf16_partials, use_logfmt=use_logfmt,
                                                  combine_wait_recv_cost_stats=wait_stats[1])
         if hook:
             h()
@@ -387,6 +388,26 @@ def test_bf16_partials_are_each_ranks_own_choice(comm, ll_buf, hook, force_put):
         for i, (choice, order_sensitive) in enumerate(((rank == 0, False), (True, False), (rank != 0, True))):
             errors += [f"round {i}: {e}" for e in _round(ll_buf, comm, CASES[0], seed=31 + i, hook=hook,
                                                           order_sensitive=order_sensitive, bf16_partials=choice)]
+    finally:
+        ll_buf._ll.force_put = False
+    assert all_ok(comm, not errors), f"rank {rank}: {errors}"
+
+
+@pytest.mark.parametrize("force_put", [False, True], ids=["store", "put"])
+@pytest.mark.parametrize("hook", [False, True], ids=["one-launch", "hook"])
+def test_use_logfmt_is_each_ranks_own_choice_and_exact(comm, ll_buf, hook, force_put):
+    """use_logfmt: the owner asks for LogFMT-10 partials in its meta flag, the expert ranks encode them so (its own
+    partials too), the owner decodes; the result equals the reference's bit for bit (cupy_ep/logfmt.py fixes every
+    operation). Rounds with rank 0 only, every rank, and the others, the last two at the decode shape (FP8, hidden
+    7168, 256 experts) and with order-sensitive sums."""
+    rank = comm.Get_rank()
+    ll_buf._ll.force_put = force_put
+    errors = []
+    rounds = ((CASES[0], rank == 0, False), (CASES[4], True, False), (CASES[0], rank != 0, True))
+    try:
+        for i, (case, choice, order_sensitive) in enumerate(rounds):
+            errors += [f"round {i}: {e}" for e in _round(ll_buf, comm, case, seed=41 + i, hook=hook,
+                                                          order_sensitive=order_sensitive, use_logfmt=choice)]
     finally:
         ll_buf._ll.force_put = False
     assert all_ok(comm, not errors), f"rank {rank}: {errors}"
