@@ -1056,7 +1056,7 @@ __device__ __forceinline__ LogFmtChunk logfmt_encode(const float (&p)[8]) {
     LogFmtChunk out{make_uint2(0u, 0u), 0u, make_float2(0.0f, 0.0f)};
     if (amax == 0.0f) return out;  // (uniform over the division) all zero: codes 0
     const float lmax = logfmt_log2(amax), lmin = fmaxf(logfmt_log2(amin), __fadd_rn(lmax, -32.0f));
-    const float step = __fdiv_rn(__fadd_rn(lmax, -lmin), 510.0f);
+    const float step = __fdiv_rn(__fadd_rn(lmax, -lmin), 510.0f), inv_step = __fdiv_rn(1.0f, step);
     out.meta = make_float2(lmin, step);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -1065,7 +1065,7 @@ __device__ __forceinline__ LogFmtChunk logfmt_encode(const float (&p)[8]) {
             if (step == 0.0f) {
                 code = 1;
             } else {
-                const float t = __fdiv_rn(__fadd_rn(logfmt_log2(a[j]), -lmin), step);
+                const float t = __fmul_rn(__fadd_rn(logfmt_log2(a[j]), -lmin), inv_step);
                 code = (unsigned)fminf(fmaxf(__fadd_rn(floorf(__fadd_rn(t, 0.5f)), 1.0f), 0.0f), 511.0f);
             }
         }
@@ -1086,10 +1086,13 @@ __device__ __forceinline__ float logfmt_decode(const LogFmtChunk& w, int j) {
 __device__ __forceinline__ long long logfmt_lo_offset(int hidden, int c) { return hidden / 16 + 8LL * c; }
 __device__ __forceinline__ long long logfmt_hi_offset(int hidden, int c) { return hidden / 16 + (long long)hidden + 2LL * c; }
 
-// Chunk c of a partial row in `wire`. With kWireLogFmt every lane of a half-warp must call it together (the
-// division's amax / amin are exchanged by shuffles).
+// Chunk c of a partial row in `wire`. The LogFMT code is a separate instantiation (kLogFmt: wire is kWireLogFmt),
+// so that the 24-bit and bf16 paths compile as they did without it (one runtime branch on the wire cost the
+// stamped combine ~1 us, S21C). With kLogFmt every lane of a half-warp must call it together (the division's amax /
+// amin are exchanged by shuffles).
+template <bool kLogFmt>
 __device__ __forceinline__ void store_partial(char* row, int hidden, int c, const float (&p)[8], int wire) {
-    if (wire == kWireLogFmt) {
+    if constexpr (kLogFmt) {
         const LogFmtChunk w = logfmt_encode(p);
         if ((c & 15) == 0) reinterpret_cast<float2*>(row)[c >> 4] = w.meta;
         *reinterpret_cast<uint2*>(row + logfmt_lo_offset(hidden, c)) = w.lo;
@@ -1126,9 +1129,10 @@ __device__ __forceinline__ unsigned short ld_ring_u16(const unsigned short* p) {
     asm volatile("ld.relaxed.gpu.global.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
     return v;
 }
+template <bool kLogFmt>
 __device__ __forceinline__ PartialChunk load_partial(const char* row, int hidden, int c, int wire) {
     PartialChunk w;
-    if (wire == kWireLogFmt) {
+    if constexpr (kLogFmt) {
         const uint2 meta = ld_ring_v2(reinterpret_cast<const uint2*>(row) + (c >> 4));
         const unsigned hi = ld_ring_u16(reinterpret_cast<const unsigned short*>(row + logfmt_hi_offset(hidden, c)));
         w.high = make_int4((int)meta.x, (int)meta.y, (int)hi, 0);
@@ -1140,8 +1144,9 @@ __device__ __forceinline__ PartialChunk load_partial(const char* row, int hidden
                               : ld_ring_v2(reinterpret_cast<const uint2*>(row + 2LL * hidden) + c);
     return w;
 }
-__device__ __forceinline__ void add_partial(float (&acc)[8], const PartialChunk& w, int wire) {
-    if (wire == kWireLogFmt) {
+template <bool kLogFmt>
+__device__ __forceinline__ void add_partial(float (&acc)[8], const PartialChunk& w) {
+    if constexpr (kLogFmt) {
         const LogFmtChunk chunk{w.low, (unsigned)w.high.z, make_float2(__int_as_float(w.high.x),
                                                                         __int_as_float(w.high.y))};
 #pragma unroll
@@ -1225,7 +1230,7 @@ __device__ __forceinline__ void hand_to_flagger(int t, CombineShared& sh, Handof
 // (group_mbarrier_sync), not a named barrier: with `bar.sync 1, n` racecheck reported a race across the next
 // __syncthreads (S13C), most likely counting the flagger warp, which skips the named barrier, as a warp behind on
 // block barriers; with the mbarrier it reports none.
-template <typename Entries, typename WeightT>
+template <bool kLogFmt, typename Entries, typename WeightT>
 __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, const WeightT* weights, int T, int K,
                                                      int wire, const int4* rows, const int* begin, int4* stage,
                                                      char* base,
@@ -1274,7 +1279,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, con
 #pragma unroll
                     for (int q = 0; q < kCombineChunks; ++q)
                         if (c + q * compute_threads < row_int4)
-                            store_partial(out, L.hidden, c + q * compute_threads, acc[q], wire);
+                            store_partial<kLogFmt>(out, L.hidden, c + q * compute_threads, acc[q], wire);
                 }
                 stamp(stamps, kStampSendEncoded);
                 hand_to_flagger(t, sh, ph);
@@ -1284,6 +1289,13 @@ __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, con
         hand_to_flagger(-1, sh, ph);
     }
     __syncthreads();  // both roles are done with the shared entries (the next owner reuses them)
+}
+
+// combine_reduce_owner in owner s's wire: the LogFMT instantiation or the 24-bit / bf16 one (store_partial).
+template <typename... Args>
+__device__ __forceinline__ void reduce_owner_as(bool logfmt, Args&&... args) {
+    if (logfmt) combine_reduce_owner<true>(static_cast<Args&&>(args)...);
+    else combine_reduce_owner<false>(static_cast<Args&&>(args)...);
 }
 
 // (B) the partial sums of every owner's tokens: this rank's own first (its top-k are the kernel's arguments: no
@@ -1312,8 +1324,8 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
     __syncthreads();
     HandoffPhases ph;
     if (!own_in_recv)
-        combine_reduce_owner(rank, own, topk_weights, num_tokens, num_topk, wire, rows, begin, stage, base,
-                             peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
+        reduce_owner_as(wire == kWireLogFmt, rank, own, topk_weights, num_tokens, num_topk, wire, rows, begin,
+                        stage, base, peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
     for (int i = 1; i < R; ++i) {
         const int s = (rank + i) % R;
@@ -1344,9 +1356,9 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
         const int owner_wire = (sh.value >> 28) & 3;  // the wire format owner s reads
         __syncthreads();  // sh.value is read by every thread before thread 0 waits for the next owner
         const char* meta = recv + L.combine_meta_in(s);
-        combine_reduce_owner(s, MetaEntries{reinterpret_cast<const volatile int*>(meta)},
-                             reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, owner_wire,
-                             rows, begin, stage, base, peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
+        reduce_owner_as(owner_wire == kWireLogFmt, s, MetaEntries{reinterpret_cast<const volatile int*>(meta)},
+                        reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, owner_wire, rows,
+                        begin, stage, base, peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
     }
 }
 
@@ -1368,7 +1380,7 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
 // (while the peers' partials are on their way) into this rank's own partial_in slots in the wire format (what a
 // peer's would carry); each thread reads back only the chunks it wrote. Then per token: wait for the peers'
 // flags, sum. wire: the format of this rank's partials (its own and the peers'), as its meta flag asked.
-template <typename TopkT>
+template <bool kLogFmt, typename TopkT>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
                              OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
                              int wire, char* base, const LowLatencyLayout& L, int rank, int buffer_idx,
@@ -1398,7 +1410,8 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                     partial_sums<threads>(p, rows, sh.row[j], sh.weight[j], sh.num_kept[j], c, row_int4, stage);
 #pragma unroll
                     for (int q = 0; q < kCombineChunks; ++q)
-                        if (c + q * threads < row_int4) store_partial(own, L.hidden, c + q * threads, p[q], wire);
+                        if (c + q * threads < row_int4)
+                            store_partial<kLogFmt>(own, L.hidden, c + q * threads, p[q], wire);
                 }
             }
             stamp_after_barrier(stamps, kStampRecvPrepared);  // the block's own partials (of this batch) are computed
@@ -1439,13 +1452,13 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
 #pragma unroll
                         for (int u = 0; u < kSumInFlight; ++u)
                             if (r0 + u < R && (has >> (r0 + u) & 1ull) && c + q * threads < row_int4)
-                                w[q][u] = load_partial(recv + L.combine_partial_in(r0 + u, t), L.hidden,
+                                w[q][u] = load_partial<kLogFmt>(recv + L.combine_partial_in(r0 + u, t), L.hidden,
                                                        c + q * threads, wire);
 #pragma unroll
                     for (int q = 0; q < kCombineChunks; ++q)
 #pragma unroll
                         for (int u = 0; u < kSumInFlight; ++u)
-                            if (r0 + u < R && (has >> (r0 + u) & 1ull)) add_partial(acc[q], w[q][u], wire);
+                            if (r0 + u < R && (has >> (r0 + u) & 1ull)) add_partial<kLogFmt>(acc[q], w[q][u]);
                 }
 #pragma unroll
                 for (int q = 0; q < kCombineChunks; ++q)
@@ -1459,6 +1472,13 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
     }
     if ((int)threadIdx.x < R) add_wait_cost(wait_stats, threadIdx.x, waited);
     stamp(stamps, kStampRecvEnd);  // the loop ends with a block barrier
+}
+
+// combine_recv in this rank's wire: the LogFMT instantiation or the 24-bit / bf16 one (store_partial).
+template <typename... Args>
+__device__ __forceinline__ void combine_recv_as(bool logfmt, Args&&... args) {
+    if (logfmt) combine_recv<true>(static_cast<Args&&>(args)...);
+    else combine_recv<false>(static_cast<Args&&>(args)...);
 }
 
 // combined_x [T][H] bf16; x [L][R*M][H] bf16 (unused with zero_copy: the rows are in the send buffer);
@@ -1496,8 +1516,8 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
                          Blocks{(int)blockIdx.x, expert_blocks}, stamps);
         } else {
             stamp(stamps, kStampSendStart);  // (the block's start: phase_breakdown's origin is the earliest)
-            combine_recv(combined_x, x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk,
-                         wire, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, true,
+            combine_recv_as(wire == kWireLogFmt, combined_x, x, zero_copy != 0, layout_range, own, topk_weights,
+                            num_tokens, num_topk, wire, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, true,
                          Blocks{(int)blockIdx.x - expert_blocks, owner_blocks}, wait_stats, stamps);
         }
         return;
@@ -1508,8 +1528,9 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
                      peer_bases, L, rank, buffer_idx, workspace, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
     __syncthreads();
     if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
-        combine_recv(combined_x, x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk,
-                     wire, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, own_in_recv, all, wait_stats, stamps);
+        combine_recv_as(wire == kWireLogFmt, combined_x, x, zero_copy != 0, layout_range, own, topk_weights,
+                        num_tokens, num_topk, wire, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, own_in_recv, all,
+                        wait_stats, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------

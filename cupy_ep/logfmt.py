@@ -10,8 +10,8 @@ nonzero one:
 * ``lmax = log2(amax)``, ``lmin = max(log2(amin), lmax - 32)``, ``step = (lmax - lmin) / 510``; the meta is
   ``(lmin, step)`` (two float32);
 * code 0 is zero; code ``k`` in 1..511 is ``2^(lmin + (k - 1) * step)``; a nonzero value takes ``k = clip(floor(t +
-  1/2) + 1, 0, 511)``, ``t = (log2(a) - lmin) / step`` (its nearest code on the log2 scale; values more than 32
-  octaves below amax become 0); with ``step == 0`` (one magnitude) every nonzero value takes code 1;
+  1/2) + 1, 0, 511)``, ``t = (log2(a) - lmin) * (1 / step)`` (its nearest code on the log2 scale; values more than
+  32 octaves below amax become 0); with ``step == 0`` (one magnitude) every nonzero value takes code 1;
 * a division that is all zero has meta ``(0, 0)`` and codes 0.
 
 The relative error of a decoded value is at most ``2^(step/2) - 1`` (2.2 % when a division spans 32 octaves, 0.5 %
@@ -95,7 +95,8 @@ def encode(values: np.ndarray):
         lmin = np.maximum(log2(np.where(nonzero, amin, _ONE)), lmax - np.float32(CLIP_OCTAVES))
         step = (lmax - lmin) / np.float32(MAX_CODE - 1)
         lmin, step = np.where(nonzero, lmin, np.float32(0)), np.where(nonzero, step, np.float32(0))
-        t = (log2(np.where(a > 0, a, _ONE)) - lmin[..., None]) / step[..., None]
+        inv_step = _ONE / step
+        t = (log2(np.where(a > 0, a, _ONE)) - lmin[..., None]) * inv_step[..., None]
         k = np.clip(np.floor(t + _HALF) + _ONE, np.float32(0), np.float32(MAX_CODE))
     k = np.where(step[..., None] == 0, np.float32(1), k)
     codes = np.where(a > 0, k, np.float32(0)).astype(np.uint16)
