@@ -206,37 +206,40 @@ def test_two_consecutive_calls_with_different_shapes(comm, ll_buffer):
     assert all_ok(comm, not bad), f"rank {comm.Get_rank()}: {bad}"
 
 
-def test_bf16_partials_are_each_ranks_own_choice(comm, ll_buffer):
-    """bf16_partials on rank 0 only: rank 0's output is the reference with bf16 partials, the others' with 24-bit
-    ones (each rank chooses for its own tokens); the inputs are such that the two formats give other bytes."""
+def _rank0_chooses(comm, buf, wire: str):
+    """A dispatch, then a combine where only rank 0 passes ``wire=True`` (``bf16_partials`` / ``use_logfmt``: each
+    rank chooses for its own tokens). ``(combined, want, plain, num_tokens)``: the output, the reference with this
+    rank's choice, and the reference with 24-bit partials."""
     x, topk_idx, topk_weights, num_experts = _inputs(comm, 8, 24, 256, 4, 2)
     rank = comm.Get_rank()
-    _, _, handle, _, _ = ll_buffer.low_latency_dispatch(x, topk_idx, 24, num_experts, use_fp8=False)
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, 24, num_experts, use_fp8=False)
     y = random_bf16(np.random.default_rng([8, rank]), (2, comm.Get_size() * 24, 256))
-    combined, _, _ = ll_buffer.low_latency_combine(y, topk_idx, topk_weights, handle, bf16_partials=rank == 0)
-    want = _want_combine(comm, y, topk_idx, topk_weights, 24, num_experts, bf16_partials=rank == 0)
-    other = _want_combine(comm, y, topk_idx, topk_weights, 24, num_experts, bf16_partials=rank != 0)
-    bad = [name for name, ok in (("combined_x", same_bytes(combined, want)),
-                                 ("formats-tell-apart", x.shape[0] == 0 or not same_bytes(want, other))) if not ok]
-    assert all_ok(comm, not bad), f"rank {rank}: {bad}"
+    combined, _, _ = buf.low_latency_combine(y, topk_idx, topk_weights, handle, **{wire: rank == 0})
+    want = _want_combine(comm, y, topk_idx, topk_weights, 24, num_experts, **{wire: rank == 0})
+    plain = _want_combine(comm, y, topk_idx, topk_weights, 24, num_experts)
+    return combined, want, plain, x.shape[0]
+
+
+def test_bf16_partials_are_each_ranks_own_choice(comm, ll_buffer):
+    """bf16_partials on rank 0 only: rank 0's output is the reference with bf16 partials, the others' with 24-bit
+    ones; on rank 0 the inputs are such that the two formats give other bytes."""
+    combined, want, plain, T = _rank0_chooses(comm, ll_buffer, "bf16_partials")
+    differs = comm.Get_rank() != 0 or T == 0 or not same_bytes(want, plain)
+    bad = [name for name, ok in (("combined_x", same_bytes(combined, want)), ("formats-tell-apart", differs))
+           if not ok]
+    assert all_ok(comm, not bad), f"rank {comm.Get_rank()}: {bad}"
 
 
 def test_use_logfmt_is_each_ranks_own_choice(comm, ll_buffer):
     """use_logfmt on rank 0 only: rank 0's output is the reference with LogFMT-10 partials, the others' with
     24-bit ones; rank 0's differs from its 24-bit result, but within LogFMT's bound (2.2 % of the partials) of it."""
-    x, topk_idx, topk_weights, num_experts = _inputs(comm, 8, 24, 256, 4, 2)
-    rank = comm.Get_rank()
-    _, _, handle, _, _ = ll_buffer.low_latency_dispatch(x, topk_idx, 24, num_experts, use_fp8=False)
-    y = random_bf16(np.random.default_rng([8, rank]), (2, comm.Get_size() * 24, 256))
-    combined, _, _ = ll_buffer.low_latency_combine(y, topk_idx, topk_weights, handle, use_logfmt=rank == 0)
-    want = _want_combine(comm, y, topk_idx, topk_weights, 24, num_experts, use_logfmt=rank == 0)
-    plain = _want_combine(comm, y, topk_idx, topk_weights, 24, num_experts).astype(np.float32)
-    diff = np.abs(want.astype(np.float32) - plain)
-    close = diff.size == 0 or diff.max() <= 0.03 * np.abs(plain).max()
-    differs = rank != 0 or x.shape[0] == 0 or diff.max() > 0
+    combined, want, plain, T = _rank0_chooses(comm, ll_buffer, "use_logfmt")
+    diff = np.abs(want.astype(np.float32) - plain.astype(np.float32))
+    close = diff.size == 0 or diff.max() <= 0.03 * np.abs(plain.astype(np.float32)).max()
+    differs = comm.Get_rank() != 0 or T == 0 or diff.max() > 0
     bad = [name for name, ok in (("combined_x", same_bytes(combined, want)), ("logfmt-close", close),
                                  ("logfmt-differs", differs)) if not ok]
-    assert all_ok(comm, not bad), f"rank {rank}: {bad}"
+    assert all_ok(comm, not bad), f"rank {comm.Get_rank()}: {bad}"
 
 
 def test_combine_buffer_is_owned_by_the_buffer_and_reused(comm, ll_buffer):
