@@ -404,8 +404,8 @@ __device__ __forceinline__ void encode_token(const TokenLoads& in, const int4* x
 __device__ __forceinline__ void send_counts(const int* hist_all, char* base, const LowLatencyLayout& L,
                                             int buffer_idx, int rank, const DispatchShared& sh) {
     if (lane_id() != 0 || warp_id() == 0) return;  // (warp 0 goes on to the token's slots)
+    const FastDiv by_local(L.num_local);
     for (int e = blockIdx.x + gridDim.x * (warp_id() - 1); e < L.num_experts; e += gridDim.x * (kLLWarps - 1)) {
-        const FastDiv by_local(L.num_local);
         const int count = min(hist_all[e], L.num_max_tokens), pe = by_local.div(e);
         const long long offset = L.signal_offset(buffer_idx) + 8LL * L.dispatch_count(by_local.mod(e), rank);
         const long long value = ((long long)sh.epoch << 32) | (unsigned)count;
@@ -592,7 +592,6 @@ __device__ __forceinline__ int warp_pair_of_row(const int* prefix, int n, int ro
     }
     return lo;
 }
-
 
 // Every block: the counts of every (local expert e, source s) pair into prefix[e * R + s], waiting for each to carry
 // the call's epoch (counts are never consumed, so any number of blocks may read them); then their prefix. Only the
@@ -989,7 +988,7 @@ __device__ __forceinline__ unsigned wire16(float v) {
     return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
 }
 
-// LogFMT-10 (reference.logfmt10_wire, operation for operation: fp32 products, sums and quotients rounded to nearest,
+// LogFMT-10 (cupy_ep/logfmt.py, operation for operation: fp32 products, sums and quotients rounded to nearest,
 // no FMA, constants given by their bits, so the reference reproduces every decoded value bit for bit). A division's
 // meta is (lmin, step): its values' magnitudes a span [2^lmin, 2^(lmin + 510 step)], lmin = max(log2 amin,
 // log2 amax - 32) over the nonzero (normal) a; code 0 is zero, code k > 0 is 2^(lmin + (k-1) step); a value takes
@@ -1084,7 +1083,9 @@ __device__ __forceinline__ float logfmt_decode(const LogFmtChunk& w, int j) {
 // Where chunk c's LogFMT bytes sit in a partial row: the divisions' meta (8 bytes each, H/16 in all), then the low
 // plane (8 bytes per chunk, H), then the high plane (2 bytes per chunk, H/4).
 __device__ __forceinline__ long long logfmt_lo_offset(int hidden, int c) { return hidden / 16 + 8LL * c; }
-__device__ __forceinline__ long long logfmt_hi_offset(int hidden, int c) { return hidden / 16 + (long long)hidden + 2LL * c; }
+__device__ __forceinline__ long long logfmt_hi_offset(int hidden, int c) {
+    return hidden / 16 + (long long)hidden + 2LL * c;
+}
 
 // Chunk c of a partial row in `wire`. The LogFMT code is a separate instantiation (kLogFmt: wire is kWireLogFmt),
 // so that the 24-bit and bf16 paths compile as they did without it (one runtime branch on the wire cost the

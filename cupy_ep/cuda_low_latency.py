@@ -549,8 +549,7 @@ class LowLatencyState:
 
         def args(phases):
             return (raw_out, raw_x, layout_range, raw_idx, slots, raw_w, raw_wait, np.int32(num_tokens),
-                    np.int32(num_topk),
-                    _INT32_ARGS[zero_copy], np.int32(wire)) + common + \
+                    np.int32(num_topk), _INT32_ARGS[zero_copy], _INT32_ARGS[wire]) + common + \
                    (_INT32_ARGS[phases], self.stamps_of("combine"), self.buf._ctx)
         keep = (raw_x, raw_idx, slots, raw_w, raw_wait, raw_out, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
