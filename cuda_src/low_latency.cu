@@ -1,4 +1,5 @@
-// low_latency.cu: the low-latency (decode) path on NVSHMEM symmetric memory (research/deepep.md §1.8, §4).
+// low_latency.cu: the low-latency (decode) path on NVSHMEM symmetric memory, or on a CUDA-IPC buffer inside one node
+// (ll_transport.cuh says how the two builds differ; research/deepep.md §1.8, §4).
 //
 //   dispatch<kUseFP8, TopkT>   every token -> once to each rank owning one of its experts ([my rank][token] of
 //                              that rank's recv area); per expert its count (epoch << 32 | count); per (token,
@@ -11,9 +12,9 @@
 //                              wire) -> the owner, flag per token (sent by a flagger warp); receive: sum of
 //                              partials. One launch splits its blocks into an expert side and an owner side (its
 //                              own partials first, then the sums) that run at the same time
-//   clean_low_latency_buffer   zero both signal regions between two NVSHMEM barriers (the library cleans on the
-//                              host with timed barriers instead; tests/gpu/test_nvshmem.py uses this one as its
-//                              probe of the NVSHMEM device link and barriers)
+//   clean_low_latency_buffer   zero both signal regions between two NVSHMEM barriers (NVSHMEM build only; the
+//                              library cleans on the host with timed barriers instead; tests/gpu/test_nvshmem.py
+//                              uses this one as its probe of the NVSHMEM device link and barriers)
 //   ll_carve_probe             writes LowLatencyLayout's sizes (a GPU test compares them with config.py)
 //
 // Shape of both kernels: one block per SM (512 threads each; grid <= the SM
@@ -47,9 +48,10 @@
 // the warps take (row, part) units and copy each as soon as the row's index entry carries the epoch
 // (copy_rows_as_ready).
 //
-// Peers reachable by loads/stores (peer_bases[r] != 0, from nvshmem_ptr on the host) get direct NVLink
-// stores; the others get nvshmemx_putmem_nbi_warp (message rows, each warp's followed by nvshmem_quiet before the
-// block barrier that precedes the entries) / nvshmem_longlong_p (index entries) / nvshmem_int_p (combine flags).
+// Peers reachable by loads/stores (peer_bases[r] != 0: nvshmem_ptr on the host, or every peer with the CUDA-IPC
+// transport) get direct NVLink stores; the others get ll_put_warp (message rows, each warp's followed by ll_quiet
+// before the block barrier that precedes the entries) / ll_put_longlong (index entries) / ll_put_int (combine
+// flags): NVSHMEM puts (ll_transport.cuh; the build with -DCUPY_EP_NVSHMEM).
 //
 // Combine signals: the meta flag arrives as W << 28 | K << 24 | T + 1 (W: the owner wants bf16 partials) and the
 // token flags as 1, so 0 means "not arrived".
@@ -63,7 +65,7 @@
 // event.RecvHooks enforces).
 #include "common.cuh"
 #include "buffer.cuh"
-#include "nvshmem.cuh"
+#include "ll_transport.cuh"
 
 namespace ep {
 
@@ -166,12 +168,12 @@ __device__ __forceinline__ void send_signal(char* base, const unsigned long long
         st_release_sys(reinterpret_cast<int*>(direct + offset), value);
     } else {
         fence_acq_rel_sys();
-        nvshmem_int_p(reinterpret_cast<int*>(base + offset), value, pe);
+        ll_put_int(reinterpret_cast<int*>(base + offset), value, pe);
     }
 }
 
 // log2 of a power of two, at compile time.
-constexpr int log2_exact(int v) { return v > 1 ? 1 + log2_exact(v >> 1) : 0; }
+__host__ __device__ constexpr int log2_exact(int v) { return v > 1 ? 1 + log2_exact(v >> 1) : 0; }
 
 // x / d and x % d (x >= 0) for a divisor fixed per call (the rank count, the experts per rank), by shifts when d
 // is a power of two (the usual case: 2, 4, 8 ranks; 256 experts over them) and by division otherwise; `shift` =
@@ -312,7 +314,7 @@ __device__ __forceinline__ void send_index_entries(int t, int num_topk, char* ba
         fence_acq_rel_sys();
         st_relaxed_sys(reinterpret_cast<long long*>(direct + offset), entry);
     } else {
-        nvshmem_longlong_p(reinterpret_cast<long long*>(base + offset), entry, pe);
+        ll_put_longlong(reinterpret_cast<long long*>(base + offset), entry, pe);
     }
 }
 
@@ -411,7 +413,7 @@ __device__ __forceinline__ void send_counts(const int* hist_all, char* base, con
         const long long value = ((long long)sh.epoch << 32) | (unsigned)count;
         char* direct = reinterpret_cast<char*>(sh.peer[pe]);
         if (direct != nullptr) st_relaxed_sys(reinterpret_cast<long long*>(direct + offset), value);
-        else nvshmem_longlong_p(reinterpret_cast<long long*>(base + offset), value, pe);
+        else ll_put_longlong(reinterpret_cast<long long*>(base + offset), value, pe);
     }
 }
 
@@ -447,10 +449,9 @@ __device__ __noinline__ void put_message(char* base, const char* send_msg, long 
     const int part_int4 = (row_int4 + warps_per_dest - 1) / warps_per_dest;
     const int begin = 1 + part * part_int4, n = min(part_int4, msg_int4 - begin);
     if (n > 0)
-        nvshmemx_putmem_nbi_warp(base + recv_msg + begin * 16LL, send_msg + begin * 16LL, (size_t)n * 16,
-                                 sh.put_dest[d]);
+        ll_put_warp(base + recv_msg + begin * 16LL, send_msg + begin * 16LL, (size_t)n * 16, sh.put_dest[d]);
     __syncwarp();
-    if (lane_id() == 0) nvshmem_quiet();
+    if (lane_id() == 0) ll_quiet();
 }
 
 // Dispatch send, warp 0 first: peer_bases and the call's epoch into shared memory (token_targets reads them after
@@ -1197,9 +1198,9 @@ __device__ void combine_send_meta(OwnEntries<TopkT> own, const float* topk_weigh
         }
         __syncthreads();
         if (direct == nullptr && warp_id() == 0) {
-            nvshmemx_putmem_nbi_warp(base + dst, meta, (size_t)L.meta_bytes, r);
+            ll_put_warp(base + dst, meta, (size_t)L.meta_bytes, r);
             __syncwarp();
-            if (lane_id() == 0) nvshmem_quiet();
+            if (lane_id() == 0) ll_quiet();
         }
         if (threadIdx.x == 0)
             send_signal(base, peer_bases, r, L.signal_offset(buffer_idx) + 4LL * L.combine_meta_flag(rank),
@@ -1251,10 +1252,9 @@ __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, con
             if (t < 0) break;
             const long long dst = L.recv_offset(buffer_idx) + L.combine_partial_in(rank, t);
             if (direct == nullptr) {
-                nvshmemx_putmem_nbi_warp(base + dst, recv + L.combine_partial_out(s, t),
-                                         (size_t)partial_wire_bytes(L, wire), s);
+                ll_put_warp(base + dst, recv + L.combine_partial_out(s, t), (size_t)partial_wire_bytes(L, wire), s);
                 __syncwarp();
-                if (lane_id() == 0) nvshmem_quiet();
+                if (lane_id() == 0) ll_quiet();
             }
             if (lane_id() == 0) {
                 send_signal(base, peer_bases, s, L.signal_offset(buffer_idx) + 4LL * L.combine_token_flag(rank, t), 1);
@@ -1537,12 +1537,14 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
 // ---------------------------------------------------------------------------------------------------
 // cleaning and the carve probe
 // ---------------------------------------------------------------------------------------------------
+#ifdef CUPY_EP_NVSHMEM
 __global__ void clean_low_latency_buffer(int* signals0, int num_signals0, int* signals1, int num_signals1) {
-    nvshmemx_barrier_all_block();
+    ll_barrier_all_block();
     for (int i = threadIdx.x; i < num_signals0; i += blockDim.x) signals0[i] = 0;
     for (int i = threadIdx.x; i < num_signals1; i += blockDim.x) signals1[i] = 0;
-    nvshmemx_barrier_all_block();
+    ll_barrier_all_block();
 }
+#endif
 
 // out: signal, send, recv, total bytes, the offsets of sig1, send0, recv0, the dispatch's index table and the
 // combine's meta inside a recv region, the signal ints, the combine's area inside a recv region

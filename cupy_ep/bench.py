@@ -843,6 +843,9 @@ def parse_args(argv=None, gpu: bool = True):
                         "default: --tokens); serving often sizes M above the batch")
     p.add_argument("--ll-stamps", action="store_true",
                    help="--mode low-latency: also report where a call's time goes (the kernels' phase stamps)")
+    p.add_argument("--ll-transport", choices=["nvshmem", "ipc"], default=None,
+                   help="--mode low-latency: Buffer(low_latency_transport=...) (default: env CUPY_EP_LL_TRANSPORT, "
+                        "else nvshmem); with ipc the report is named bench_ll_gpu_ep<R>_ipc")
     p.add_argument("--backend", choices=["cuda", "host"], default=None)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--mode", choices=["normal", "low-latency", "internode"], default="normal",

@@ -82,7 +82,9 @@ class LowLatencyBench:
         self.M = max_tokens(a)
         self.steady_n = even_steady_n(a.steady_n)
         rdma = cfgmod.low_latency_rdma_size_hint(self.M, a.hidden, self.R, a.experts)
-        self.buf = Buffer(comm, num_rdma_bytes=rdma, low_latency_mode=True, check_values=False, backend="cuda")
+        self.buf = Buffer(comm, num_rdma_bytes=rdma, low_latency_mode=True, check_values=False, backend="cuda",
+                          low_latency_transport=getattr(a, "ll_transport", None))
+        self.transport = self.buf._ll.transport
         self.records: list[dict] = []
 
     def log(self, *a):
@@ -345,9 +347,12 @@ class LowLatencyBench:
             self.write()
 
     def write(self):
-        write_report(self.args.out, f"bench_ll_gpu_ep{self.R}", self.records,
-                     dict(num_ranks=self.R, args={k: v for k, v in vars(self.args).items()}),
-                     lambda common: markdown_lines(self.records, self.args, self.R, common), "low-latency")
+        stem = f"bench_ll_gpu_ep{self.R}" + ("" if self.transport == "nvshmem" else f"_{self.transport}")
+        write_report(self.args.out, stem, self.records,
+                     dict(num_ranks=self.R, transport=self.transport, args={k: v for k, v in vars(self.args).items()}),
+                     lambda common: markdown_lines(self.records, self.args, self.R, dict(common,
+                                                                                       transport=self.transport)),
+                     "low-latency")
 
 
 def _op_fields(label: str) -> dict:
@@ -370,7 +375,7 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
     steady = [r for r in records if r.get("timing") == "steady"]
     n = steady[0]["steady_n"] if steady else None
     out = [f"# cupy_ep low-latency benchmark (EP{num_ranks}, {common['gpu']})", "",
-           f"commit `{common['commit']}`; {args.tokens} tokens/rank (max tokens M = {max_tokens(args)}), hidden "
+           f"commit `{common['commit']}`; transport {common.get('transport', 'nvshmem')}; {args.tokens} tokens/rank (max tokens M = {max_tokens(args)}), hidden "
            f"{args.hidden}, top-{args.topk} of {args.experts}; {args.iters} iterations, median and p99 of the "
            "slowest rank per iteration.", "",
            "Timings: *call* = CUDA events around the Python call (host overhead included); *graph* = two ops per "

@@ -64,6 +64,10 @@ class Buffer:
             more than one such domain, the internode path runs (cupy_ep/cuda_internode.py).
         internode_transport: ``"nvshmem"`` (default; env ``CUPY_EP_INTERNODE_TRANSPORT``) or ``"ipc"`` (the RDMA
             domain through CUDA-IPC stores: for testing several "nodes" on one box). CUDA backend only.
+        low_latency_transport: ``"nvshmem"`` (default; env ``CUPY_EP_LL_TRANSPORT``) or ``"ipc"``: the
+            low-latency buffer as a CUDA-IPC allocation opened by every rank of the node instead of NVSHMEM
+            symmetric memory. The same kernels (every peer by NVLink stores), no NVSHMEM wheel or start-up, and
+            ranks may share a GPU; one node only (as the low-latency path is either way). CUDA backend only.
         check_values: check ``topk_idx`` values on the host (costs a device sync; off for benchmarks). With
             False, a low-latency call whose arguments look like the last ones that passed (types, dtypes, shapes,
             contiguity, device, scalar values) also skips re-checking them (host time per call).

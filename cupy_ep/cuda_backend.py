@@ -91,7 +91,7 @@ class CudaBuffer(Buffer):
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
                  backend=None, device=None, timeout_s=None, num_ranks_per_node=None, check_values=True,
-                 internode_transport=None):
+                 internode_transport=None, low_latency_transport=None):
         super().__init__(comm, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                          allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, enable_shrink,
                          backend=backend, device=device, timeout_s=timeout_s,
@@ -112,16 +112,21 @@ class CudaBuffer(Buffer):
                 raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain (unless low_latency_mode)")
         self.device_id = bootstrap.choose_device(self.topology.machine_rank, device)
         self._device = cupy.cuda.Device(self.device_id)
+        ll_transport = None  # the env var matters in low-latency mode only; a bad argument is refused always
+        if low_latency_mode or low_latency_transport is not None:
+            ll_transport = cuda_low_latency.resolve_transport(low_latency_transport)
         if low_latency_mode:  # the arguments first, then what this machine allows (the message names each)
             cuda_low_latency.check_num_rdma_bytes(num_rdma_bytes)
+            cuda_low_latency.resolve_force_put(ll_transport)
         ranks_per_gpu = -(-self.topology.local_size // max(1, _gpu_count()))
-        if low_latency_mode and ranks_per_gpu > 1:
+        if low_latency_mode and ranks_per_gpu > 1 and ll_transport == "nvshmem":
             # Checked on every rank alike, before anything collective: no rank is left waiting.
             raise ValueError(
-                f"low_latency_mode: needs one GPU per rank, but {self.topology.local_size} ranks share "
-                f"{_gpu_count()} GPU(s) on this node. NVSHMEM supports several processes per GPU only in a limited "
-                "way (CUDA MPS), and the low-latency kernels keep every block resident while they wait for peers' "
-                "signals; run one rank per GPU (the normal-mode calls do work with ranks sharing a GPU)")
+                f"low_latency_mode: the NVSHMEM transport needs one GPU per rank, but {self.topology.local_size} "
+                f"ranks share {_gpu_count()} GPU(s) on this node (NVSHMEM supports several processes per GPU only "
+                "through CUDA MPS). Run one rank per GPU, or pass low_latency_transport='ipc' (or set "
+                "CUPY_EP_LL_TRANSPORT=ipc): the same kernels over a CUDA-IPC buffer, which ranks sharing a GPU may "
+                "use (each wait for a peer then costs a time slice of the shared GPU)")
         with self._device:
             rt = cupy.cuda.runtime
             self.num_device_sms = rt.getDeviceProperties(self.device_id)["multiProcessorCount"]
@@ -151,7 +156,8 @@ class CudaBuffer(Buffer):
             self._join_event = cupy.cuda.Event(disable_timing=True)
             self._kernels: dict = {}
             # low-latency mode: NVSHMEM world + symmetric buffer (cupy_ep/cuda_low_latency.py)
-            self._ll = (cuda_low_latency.LowLatencyState(self, num_rdma_bytes, self.topology.num_nodes == 1)
+            self._ll = (cuda_low_latency.LowLatencyState(self, num_rdma_bytes, self.topology.num_nodes == 1,
+                                                         ll_transport)
                         if low_latency_mode else None)
             # internode path (cupy_ep/cuda_internode.py): NVLink buffer of the node + RDMA buffer
             self._internode = (cuda_internode.InternodeState(self, num_nvl_bytes, num_rdma_bytes, transport)

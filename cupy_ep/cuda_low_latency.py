@@ -1,5 +1,5 @@
-"""The GPU low-latency (decode) path: ``LowLatencyState`` owns the NVSHMEM world, the symmetric buffer, the
-alternating buffer index and the launches of ``cuda_src/low_latency.cu``. ``CudaBuffer`` (low_latency_mode=True)
+"""The GPU low-latency (decode) path: ``LowLatencyState`` owns the transport (an NVSHMEM world and its symmetric
+buffer, or a CUDA-IPC buffer), the alternating buffer index and the launches of ``cuda_src/low_latency.cu``. ``CudaBuffer`` (low_latency_mode=True)
 creates one and delegates ``low_latency_*`` to it.
 
 Decisions (research/deepep.md §1.8, §4 is the model):
@@ -30,9 +30,15 @@ Decisions (research/deepep.md §1.8, §4 is the model):
   reuses the hook's buffer, and peers may write it as soon as this rank's next call signalled them); do not
   change ``num_experts`` without
   :meth:`clean_low_latency_buffer`;
-* peers reachable over NVLink (``nvshmem_ptr`` != 0) get direct stores, others NVSHMEM puts.
-  ``CUPY_EP_LL_FORCE_PUT=1`` (or ``state.force_put = True``) sends everything through puts (tests use it to
-  cover both paths on one NVLink box);
+* transport (``Buffer(low_latency_transport=)`` or env ``CUPY_EP_LL_TRANSPORT``): ``"nvshmem"`` (default; the
+  path to many nodes) or ``"ipc"``: the buffer is a ``cudaMalloc`` that every rank of the node opens over CUDA IPC
+  (:class:`cupy_ep.bootstrap.IpcBuffer`), and the kernels are built without NVSHMEM (not relocatable, no device
+  library: ``cuda_src/ll_transport.cuh``). Every peer is then reached by stores, so the same kernels run, without
+  the NVSHMEM wheel or its start-up, and also where ranks share a GPU (NVSHMEM allows one PE per GPU only). The
+  low-latency path is intranode-only either way (``CudaBuffer`` refuses it across nodes);
+* peers reachable over NVLink (``nvshmem_ptr`` != 0, or every peer with ``"ipc"``) get direct stores, others
+  NVSHMEM puts. ``CUPY_EP_LL_FORCE_PUT=1`` (or ``state.force_put = True``) sends everything through puts (tests
+  use it to cover both paths on one NVLink box; NVSHMEM transport only: IPC has no puts);
 * outputs are fresh arrays allocated on the caller's stream (capturable: CuPy's pool is stream-ordered); a
   dispatch's come from two allocations (:func:`carve`): recv_x with its scales, and the count with the handle's
   arrays, each kept alive by any of its arrays; the combine's ``zero_copy`` buffer is the send region of the buffer
@@ -52,12 +58,15 @@ import os
 import numpy as np
 
 from . import config as _config
-from . import interop, jit, validate
+from . import bootstrap, interop, jit, validate
 from .event import EventOverlap, RecvHooks
 from .ll_handle import LowLatencyHandle
 from .reference import LOW_LATENCY_MAX_TOPK
 
 _FILE = "low_latency.cu"
+TRANSPORTS = ("nvshmem", "ipc")
+_TRANSPORT_ENV = "CUPY_EP_LL_TRANSPORT"
+_FORCE_PUT_ENV = "CUPY_EP_LL_FORCE_PUT"
 _THREADS = 512                  # kLLThreads (dispatch)
 _COMBINE_THREADS = 512          # kLLCombineThreads
 _COMBINE_CHUNKS = 2             # kCombineChunks
@@ -150,6 +159,25 @@ def check_num_rdma_bytes(num_rdma_bytes: int) -> None:
                          "Buffer.get_low_latency_rdma_size_hint(...)")
 
 
+def resolve_transport(transport: str | None) -> str:
+    """``transport`` or env ``CUPY_EP_LL_TRANSPORT`` or ``"nvshmem"``; checked (the message names the argument)."""
+    value = transport if transport is not None else os.environ.get(_TRANSPORT_ENV) or "nvshmem"
+    if value not in TRANSPORTS:
+        where = "low_latency_transport" if transport is not None else _TRANSPORT_ENV
+        raise ValueError(f"{where}: must be one of {TRANSPORTS}, got {value!r}")
+    return value
+
+
+def resolve_force_put(transport: str) -> bool:
+    """Env ``CUPY_EP_LL_FORCE_PUT``: anything but unset, empty or ``"0"`` sends every peer's data through NVSHMEM
+    puts; refused with the IPC transport, which has no puts (asking for them is a mistake, not a no-op)."""
+    force = os.environ.get(_FORCE_PUT_ENV, "0") not in ("", "0")
+    if force and transport != "nvshmem":
+        raise ValueError(f"{_FORCE_PUT_ENV}: forces NVSHMEM puts, but low_latency_transport is {transport!r} "
+                         "(CUDA-IPC stores only); unset it or use the 'nvshmem' transport")
+    return force
+
+
 def set_nvshmem_env(single_node: bool) -> None:
     """NVSHMEM settings we rely on (research/nvshmem.md §3): never NVLink multicast; on one node only P2P (no
     NIC transport), UID bootstrap over loopback. User-set values win, except NVLS which is always off."""
@@ -161,36 +189,41 @@ def set_nvshmem_env(single_node: bool) -> None:
 
 
 class LowLatencyState:
-    """NVSHMEM world + symmetric buffer of one ``CudaBuffer`` in low-latency mode.
+    """The low-latency transport and buffer of one ``CudaBuffer``: an NVSHMEM world and its symmetric buffer, or
+    a CUDA-IPC buffer opened by every rank of the node.
 
     Args:
         buf: the owning ``CudaBuffer`` (its comm, device, streams, DeviceCtx and launch bracketing are used).
-        num_rdma_bytes: size of the symmetric buffer (:func:`cupy_ep.config.low_latency_rdma_size_hint`).
+        num_rdma_bytes: size of the buffer (:func:`cupy_ep.config.low_latency_rdma_size_hint`).
         single_node: all ranks share one host (sets the NVLink-only NVSHMEM transport by default).
+        transport: ``"nvshmem"`` or ``"ipc"`` (already resolved: :func:`resolve_transport`).
     """
 
-    def __init__(self, buf, num_rdma_bytes: int, single_node: bool):
+    # class defaults, for states the unit tests make without __init__
+    transport = "nvshmem"
+    _force_put = False
+    nv = None      # the NVSHMEM world (transport "nvshmem")
+    ipc = None     # the bootstrap.IpcBuffer (transport "ipc")
+
+    def __init__(self, buf, num_rdma_bytes: int, single_node: bool, transport: str = "nvshmem"):
         import cupy
-        from .nvshmem import Nvshmem
         check_num_rdma_bytes(num_rdma_bytes)
         if buf.num_ranks > _config.LL_MAX_RANKS:
             raise ValueError(f"comm: the low-latency kernels support up to {_config.LL_MAX_RANKS} ranks, "
                              f"got {buf.num_ranks}")
-        set_nvshmem_env(single_node)
-        # the symmetric heap must hold the buffer (NVSHMEM's default is 1 GiB); a user setting wins
-        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, _config.align_up(num_rdma_bytes, 1 << 21)
-                                                               + (64 << 20))))
+        self.transport = transport
+        self._force_put = resolve_force_put(transport)
         self.buf = buf
         self.num_bytes = num_rdma_bytes
-        self.nv = Nvshmem(buf.comm, buf.device_id)
-        self.base = self.nv.align(num_rdma_bytes)
+        if transport == "nvshmem":
+            self.base, peers = self._open_nvshmem(single_node)
+        else:
+            self.ipc = bootstrap.IpcBuffer(buf.comm, num_rdma_bytes)  # zeroed: signals start at 0 ("not arrived")
+            self.base, peers = self.ipc.ptr, self.ipc.ptrs
         mem = cupy.cuda.UnownedMemory(self.base, num_rdma_bytes, self, buf.device_id)
         self.memory = cupy.cuda.MemoryPointer(mem, 0)
-        self.memory.memset(0, num_rdma_bytes)     # signals start at 0 ("not arrived")
-        peers = np.array([self.nv.peer_ptr(self.base, r) for r in range(buf.num_ranks)], dtype=np.uint64)
-        self.nvlink_peers = cupy.asarray(peers)
+        self.nvlink_peers = cupy.asarray(np.array(peers, dtype=np.uint64))
         self.no_peers = cupy.zeros(buf.num_ranks, dtype=cupy.uint64)
-        self.force_put = os.environ.get("CUPY_EP_LL_FORCE_PUT", "0") not in ("", "0")
         # Calls with both phases and no async_finish launch on the caller's stream: without the comm stream's
         # event pair a call costs 4-9 us less host time (S18B/S18E benchmark; the device time did not move
         # measurably, though the pair cost 1.1 us between two bare kernels in S18A's microbenchmark).
@@ -211,9 +244,35 @@ class LowLatencyState:
             self.enable_stamps()
         self._kernels: dict = {}
         cupy.cuda.runtime.deviceSynchronize()
-        self.nv.barrier_all()
+        if self.nv is not None:
+            self.nv.barrier_all()
+        # (IpcBuffer zeroed its memory and synchronised before its closing MPI barrier)
+
+    def _open_nvshmem(self, single_node: bool):
+        """NVSHMEM world over the buffer's comm and the symmetric buffer, zeroed: ``(base, peer addresses)``."""
+        import cupy
+        from .nvshmem import Nvshmem
+        set_nvshmem_env(single_node)
+        # the symmetric heap must hold the buffer (NVSHMEM's default is 1 GiB); a user setting wins
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, _config.align_up(self.num_bytes, 1 << 21)
+                                                               + (64 << 20))))
+        self.nv = Nvshmem(self.buf.comm, self.buf.device_id)
+        base = self.nv.align(self.num_bytes)
+        cupy.cuda.runtime.memset(base, 0, self.num_bytes)  # signals start at 0 ("not arrived")
+        return base, [self.nv.peer_ptr(base, r) for r in range(self.buf.num_ranks)]
 
     # ---- plumbing -----------------------------------------------------------------------------------
+    @property
+    def force_put(self) -> bool:
+        """Every peer through NVSHMEM puts (read at every launch); settable, NVSHMEM transport only."""
+        return self._force_put
+
+    @force_put.setter
+    def force_put(self, value: bool) -> None:
+        if value and self.transport != "nvshmem":
+            raise ValueError(f"force_put: the {self.transport!r} low-latency transport has no puts")
+        self._force_put = bool(value)
+
     def enable_stamps(self) -> None:
         """Have the kernels stamp their phases (see :func:`phase_breakdown`); costs a few block barriers."""
         import cupy
@@ -230,13 +289,16 @@ class LowLatencyState:
         return self.no_peers if self.force_put else self.nvlink_peers
 
     def kernel(self, name: str):
-        """A low-latency kernel, its module initialised for this NVSHMEM world (once); the stamping build while
-        stamps are enabled."""
+        """A low-latency kernel of this transport's build (NVSHMEM: its module initialised for this world, once);
+        the stamping build while stamps are enabled."""
         key = (name, self.stamps is not None)
         k = self._kernels.get(key)
         if k is None:
-            k = jit.get_kernel(_FILE, name, extra_options=(STAMPS_OPTION,) if key[1] else ())
-            self.nv.init_module(k._module.ptr)
+            nvshmem = self.transport == "nvshmem"
+            options = ((jit.NVSHMEM_DEFINE,) if nvshmem else ()) + ((STAMPS_OPTION,) if key[1] else ())
+            k = jit.get_kernel(_FILE, name, extra_options=options)
+            if nvshmem:
+                self.nv.init_module(k._module.ptr)
             self._kernels[key] = k
         return k
 
@@ -612,7 +674,9 @@ class LowLatencyState:
             time.sleep(20e-6)
 
     def destroy(self) -> None:
-        """Collective: free the symmetric buffer and finalize NVSHMEM (after the device is idle).
+        """Collective: free the buffer (IPC: close the peers' mappings, then free; NVSHMEM: as follows).
+
+        NVSHMEM: free the symmetric buffer and finalize NVSHMEM (after the device is idle).
 
         NVSHMEM's barrier, free and finalize are device collectives with no timeout: a rank that enters them
         while a peer cannot take part (its GPU hit a sticky error, so its NVSHMEM calls fail) waits forever.
@@ -624,6 +688,11 @@ class LowLatencyState:
         cannot be told apart from a slow one, so the MPI exchange waits for it: giving up on a timer would
         let the late rank see "all healthy" and enter the NVSHMEM barrier alone.)"""
         import cupy
+        if self.ipc is not None:
+            ipc, self.ipc = self.ipc, None
+            self.memory = self.nvlink_peers = self.no_peers = self.workspace = None
+            ipc.close()  # its MPI barrier has every rank's mappings closed before any rank frees
+            return
         if self.nv is None:
             return
         reason = None
@@ -672,5 +741,5 @@ def check_ll_experts(num_experts: int) -> None:
                          f"got {num_experts}")
 
 
-__all__ = ["LowLatencyState", "STAMP_NAMES", "phase_breakdown", "check_num_rdma_bytes",
-           "set_nvshmem_env", "check_ll_experts", "LOW_LATENCY_MAX_TOPK", "EventOverlap"]
+__all__ = ["LowLatencyState", "STAMP_NAMES", "phase_breakdown", "check_num_rdma_bytes", "TRANSPORTS",
+           "resolve_transport", "resolve_force_put", "set_nvshmem_env", "check_ll_experts", "LOW_LATENCY_MAX_TOPK", "EventOverlap"]

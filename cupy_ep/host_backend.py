@@ -147,9 +147,12 @@ class HostBuffer(Buffer):
                  explicitly_destroy: bool = False, enable_shrink: bool = False, *,
                  backend: str | None = None, device: int | None = None, timeout_s: float | None = None,
                  num_ranks_per_node: int | None = None, check_values: bool = True,
-                 internode_transport: str | None = None):
+                 internode_transport: str | None = None, low_latency_transport: str | None = None):
         if internode_transport not in (None, "nvshmem", "ipc"):  # accepted for the CUDA backend's sake
             raise ValueError(f"internode_transport: must be 'nvshmem', 'ipc' or None, got {internode_transport!r}")
+        if low_latency_transport not in (None, "nvshmem", "ipc"):  # likewise
+            raise ValueError("low_latency_transport: must be 'nvshmem', 'ipc' or None, got "
+                             f"{low_latency_transport!r}")
         super().__init__(comm, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                          allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, enable_shrink,
                          backend=backend, device=device, timeout_s=timeout_s,

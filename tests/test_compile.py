@@ -33,6 +33,9 @@ def internode_names(transport):
     return names + [f"ep::internode_put_bandwidth<{transport}>"]
 
 
+LL_KERNELS = ["ep::ll_carve_probe", "ep::combine<long long>", "ep::combine<int>"] + [
+    f"ep::dispatch<{fp8}, {t}>" for fp8 in ("true", "false") for t in ("long long", "int")]
+
 KERNELS = {
     "layout.cu": ["ep::get_dispatch_layout<long long>", "ep::get_dispatch_layout<int>"],
     "intranode.cu": intranode_names(),
@@ -40,10 +43,8 @@ KERNELS = {
     "timing.cu": ["ep::spin_ns"],
     # the IPC transport: no NVSHMEM header, not relocatable (the NVSHMEM one is test_internode_nvshmem_...)
     "internode.cu": internode_names("ep::IpcRdma"),
-    # relocatable + linked with NVSHMEM's device library
-    "low_latency.cu": ["ep::clean_low_latency_buffer", "ep::ll_carve_probe", "ep::combine<long long>",
-                       "ep::combine<int>"] + [f"ep::dispatch<{fp8}, {t}>" for fp8 in ("true", "false")
-                                              for t in ("long long", "int")],
+    # the CUDA-IPC build: no NVSHMEM (the NVSHMEM build is test_low_latency_nvshmem_build_is_linked...)
+    "low_latency.cu": LL_KERNELS,
 }
 
 
@@ -115,14 +116,31 @@ def test_source_hash_covers_headers(tmp_path, monkeypatch):
         jit.source_hash.cache_clear()
 
 
-def test_nvshmem_kernels_are_linked():
-    """low_latency.cu is relocatable code: the result must be an executable cubin with NVSHMEM's device
-    state linked in (the symbol nvshmemx_cumodule_init fills at load time)."""
-    assert jit.uses_nvshmem("low_latency.cu") and not jit.uses_nvshmem("intranode.cu")
-    result = jit.compile_only("low_latency.cu", KERNELS["low_latency.cu"])
+def test_low_latency_nvshmem_build_is_linked_without_spills():
+    """low_latency.cu with -DCUPY_EP_NVSHMEM (the NVSHMEM transport) is relocatable code: the result must be an
+    executable cubin with NVSHMEM's device state linked in (the symbol nvshmemx_cumodule_init fills at load time),
+    its kernels within the launch bounds' registers, without spills; clean_low_latency_buffer (NVSHMEM barriers)
+    exists in this build only."""
+    assert not jit.uses_nvshmem("low_latency.cu") and jit.uses_nvshmem("low_latency.cu", (jit.NVSHMEM_DEFINE,))
+    assert not jit.uses_nvshmem("intranode.cu")
+    names = LL_KERNELS + ["ep::clean_low_latency_buffer"]
+    result = jit.compile_only("low_latency.cu", names, extra_options=(jit.NVSHMEM_DEFINE,))
     assert b"nvshmemi_device_state_d" in result.cubin
     e_type = int.from_bytes(result.cubin[16:18], "little")
     assert e_type == 2, f"ELF type {e_type}: not an executable (linked) cubin"
+    resources = result.resources()
+    for expr, lowered in result.mapping.items():
+        res = resources[lowered]
+        assert res.get("spill_stores", 0) == 0, f"{expr} spills: {res}"
+        assert 0 < res["registers"] <= 128, f"{expr}: {res}"
+
+
+def test_low_latency_ipc_build_needs_no_nvshmem():
+    """The CUDA-IPC build: no NVSHMEM state in the cubin, and no NVSHMEM barrier kernel."""
+    result = jit.compile_only("low_latency.cu", ["ep::combine<int>"])
+    assert b"nvshmemi_device_state_d" not in result.cubin
+    with pytest.raises(CompileError):
+        jit.compile_only("low_latency.cu", ["ep::clean_low_latency_buffer"])
 
 
 def test_internode_nvshmem_transport_compiles_links_without_spills():

@@ -117,6 +117,65 @@ def test_destroy_skips_every_nvshmem_collective_when_a_device_failed(monkeypatch
     assert ("rank(s) [0]" if broken == "peer" else "rank(s) [1]") in state.leaked
 
 
+def test_resolve_transport_argument_env_default(monkeypatch):
+    from cupy_ep.cuda_low_latency import resolve_transport
+    monkeypatch.delenv("CUPY_EP_LL_TRANSPORT", raising=False)
+    assert resolve_transport(None) == "nvshmem"
+    monkeypatch.setenv("CUPY_EP_LL_TRANSPORT", "ipc")
+    assert resolve_transport(None) == "ipc"
+    assert resolve_transport("nvshmem") == "nvshmem"            # the argument wins
+    with pytest.raises(ValueError, match="^low_latency_transport: must be one of"):
+        resolve_transport("rdma")
+    monkeypatch.setenv("CUPY_EP_LL_TRANSPORT", "bogus")
+    with pytest.raises(ValueError, match="^CUPY_EP_LL_TRANSPORT: must be one of"):
+        resolve_transport(None)
+
+
+def test_force_put_is_refused_on_the_ipc_transport(monkeypatch):
+    """Env CUPY_EP_LL_FORCE_PUT asks for NVSHMEM puts; with IPC (no puts) it is an error, not a no-op; so is
+    setting the state's force_put."""
+    from cupy_ep.cuda_low_latency import LowLatencyState, resolve_force_put
+    monkeypatch.delenv("CUPY_EP_LL_FORCE_PUT", raising=False)
+    assert resolve_force_put("nvshmem") is False and resolve_force_put("ipc") is False
+    for value, expected in (("0", False), ("", False), ("1", True)):
+        monkeypatch.setenv("CUPY_EP_LL_FORCE_PUT", value)
+        assert resolve_force_put("nvshmem") is expected
+    with pytest.raises(ValueError, match="^CUPY_EP_LL_FORCE_PUT: .*'ipc'"):
+        resolve_force_put("ipc")
+    state = LowLatencyState.__new__(LowLatencyState)
+    state.force_put = True                                      # NVSHMEM (the class default): allowed
+    assert state.force_put is True
+    state.transport, state.force_put = "ipc", False
+    with pytest.raises(ValueError, match="^force_put: the 'ipc' low-latency transport has no puts"):
+        state.force_put = True
+    assert state.force_put is False
+
+
+def test_destroy_closes_the_ipc_buffer_and_touches_no_nvshmem(monkeypatch):
+    """IPC transport: destroy closes the IpcBuffer (its own collective: close, MPI barrier, free) once."""
+    from types import SimpleNamespace
+
+    from cupy_ep.cuda_low_latency import LowLatencyState
+    closed = []
+    state = LowLatencyState.__new__(LowLatencyState)
+    state.buf = SimpleNamespace(comm=_FakeComm(0, [None]), rank=0)
+    state.transport, state.ipc = "ipc", SimpleNamespace(close=lambda: closed.append(1))
+    state.memory = state.nvlink_peers = state.no_peers = state.workspace = object()
+    state.destroy()
+    state.destroy()                                            # idempotent
+    assert closed == [1] and state.ipc is None and state.nv is None and state.memory is None
+
+
+def test_host_backend_checks_the_low_latency_transport_argument():
+    from mpi4py import MPI
+
+    from cupy_ep.host_backend import HostBuffer
+    for value in (None, "nvshmem", "ipc"):
+        HostBuffer(MPI.COMM_SELF, backend="host", low_latency_transport=value).destroy()
+    with pytest.raises(ValueError, match="^low_latency_transport: must be"):
+        HostBuffer(MPI.COMM_SELF, backend="host", low_latency_transport="tcp")
+
+
 # ---- the dispatch's wire scheme, modelled in numpy on the layout's byte offsets ------------------------------
 @pytest.mark.parametrize("ranks,experts", [(2, 4), (2, 256), (4, 16)])
 def test_dispatch_index_table_lies_after_the_messages_inside_the_recv_region(ranks, experts):

@@ -107,6 +107,9 @@ CASES = {
     "combine/config-str": (lambda c: c.buf.combine(c.recv_x, c.handle, config="fast"), "config:"),
     "Buffer/low_latency_mode_without_num_rdma_bytes": (lambda c: Buffer(c.comm, backend="cuda", low_latency_mode=True),
                                                        "num_rdma_bytes"),
+    "Buffer/low_latency_transport-tcp": (lambda c: Buffer(c.comm, backend="cuda", low_latency_mode=True,
+                                                          num_rdma_bytes=1 << 20, low_latency_transport="tcp"),
+                                         "low_latency_transport:"),
 }
 
 

@@ -1,4 +1,8 @@
-"""Low-latency dispatch / combine on the GPU (NVSHMEM), bit for bit against cupy_ep.reference.
+"""Low-latency dispatch / combine on the GPU, bit for bit against cupy_ep.reference.
+
+Transport: env ``CUPY_EP_LL_TRANSPORT`` (default NVSHMEM, one rank per GPU); with ``ipc`` the same tests run over
+a CUDA-IPC buffer, also with ranks sharing a GPU (2 or 4 ranks on one GPU: every peer path is exercised on a
+one-GPU machine), and the forced-put cases skip (IPC has no puts).
 
 The kernels order rows deterministically (source rank, token, k) and mirror the reference's arithmetic (FP8
 cast: the same fp32 operations and an RNE satfinite e4m3 conversion; combine: per expert rank an fp32
@@ -77,7 +81,7 @@ def _buffer_bytes(num_ranks: int) -> int:
 
 
 def ranks_share_a_gpu(comm) -> bool:
-    """True when this node runs more ranks than it has GPUs (low_latency_mode refuses that)."""
+    """True when this node runs more ranks than it has GPUs (the NVSHMEM transport refuses that)."""
     import cupy
     from mpi4py import MPI
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -87,15 +91,34 @@ def ranks_share_a_gpu(comm) -> bool:
         local.Free()
 
 
+def ll_transport() -> str:
+    """The low-latency transport these tests run on (env CUPY_EP_LL_TRANSPORT, default nvshmem)."""
+    from cupy_ep.cuda_low_latency import resolve_transport
+    return resolve_transport(None)
+
+
+def skip_unless_usable(comm) -> None:
+    """Skip (on every rank alike) where this transport cannot run: NVSHMEM with ranks sharing a GPU."""
+    if ll_transport() == "nvshmem" and ranks_share_a_gpu(comm):
+        pytest.skip("the NVSHMEM transport needs one GPU per rank (see test_zz_low_latency_timeout.py::"
+                    "test_ranks_sharing_a_gpu_are_refused; CUPY_EP_LL_TRANSPORT=ipc runs these tests there)")
+
+
+def use_put_path(ll_buf, force_put: bool) -> None:
+    """Switch the buffer to the forced-put path (or back); skips the put case on a transport without puts."""
+    if force_put and ll_buf._ll.transport != "nvshmem":
+        pytest.skip(f"the {ll_buf._ll.transport!r} transport has no put path")
+    ll_buf._ll.force_put = force_put
+
+
 @pytest.fixture(scope="module")
 def ll_buf(comm):
     from tests.gpu.conftest import nvl_bytes_for
-    if ranks_share_a_gpu(comm):
-        pytest.skip("low_latency_mode needs one GPU per rank (NVSHMEM; see "
-                    "test_zz_low_latency_timeout.py::test_ranks_sharing_a_gpu_are_refused)")
+    skip_unless_usable(comm)
     buf = cupy_ep.Buffer(comm, num_nvl_bytes=nvl_bytes_for(comm.Get_size(), 8192, 24),
                          num_rdma_bytes=_buffer_bytes(comm.Get_size()), low_latency_mode=True, backend="cuda",
                          timeout_s=TIMEOUT_S)
+    assert buf._ll.transport == ll_transport()
     yield buf
     buf.destroy()
 
@@ -299,7 +322,7 @@ def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_ou
 def test_low_latency_matches_reference(comm, ll_buf, case, force_put):
     if case.lib == "torch":
         pytest.importorskip("torch")
-    ll_buf._ll.force_put = force_put
+    use_put_path(ll_buf, force_put)
     try:
         errors = _round(ll_buf, comm, case, seed=1)
     finally:
@@ -382,7 +405,7 @@ def test_bf16_partials_are_each_ranks_own_choice(comm, ll_buf, hook, force_put):
     rank = comm.Get_rank()
     if comm.Get_size() == 1:
         pytest.skip("one rank: every partial is the owner's own, which is never rounded (no choice to test)")
-    ll_buf._ll.force_put = force_put
+    use_put_path(ll_buf, force_put)
     errors = []
     try:
         for i, (choice, order_sensitive) in enumerate(((rank == 0, False), (True, False), (rank != 0, True))):
@@ -401,7 +424,7 @@ def test_use_logfmt_is_each_ranks_own_choice_and_exact(comm, ll_buf, hook, force
     operation). Rounds with rank 0 only, every rank, and the others, the last two at the decode shape (FP8, hidden
     7168, 256 experts) and with order-sensitive sums."""
     rank = comm.Get_rank()
-    ll_buf._ll.force_put = force_put
+    use_put_path(ll_buf, force_put)
     errors = []
     rounds = ((CASES[0], rank == 0, False), (CASES[4], True, False), (CASES[0], rank != 0, True))
     try:
@@ -416,7 +439,7 @@ def test_use_logfmt_is_each_ranks_own_choice_and_exact(comm, ll_buf, hook, force
 @pytest.mark.parametrize("force_put", [False, True], ids=["store", "put"])
 def test_hook_zero_copy_out_and_alternating_buffers(comm, ll_buf, force_put):
     """Five consecutive rounds (both buffers used twice) mixing hook mode, zero_copy and out=."""
-    ll_buf._ll.force_put = force_put
+    use_put_path(ll_buf, force_put)
     errors = []
     try:
         for i, (hook, zero_copy, use_out) in enumerate([(True, False, False), (False, True, False),

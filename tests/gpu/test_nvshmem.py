@@ -27,7 +27,8 @@ def test_nvshmem_init_align_and_linked_kernel(comm):
         signals.fill(7)
         cupy.cuda.runtime.deviceSynchronize()
         peer = nv.peer_ptr(ptr, (comm.Get_rank() + 1) % comm.Get_size())
-        kernel = jit.get_kernel("low_latency.cu", "ep::clean_low_latency_buffer")
+        kernel = jit.get_kernel("low_latency.cu", "ep::clean_low_latency_buffer",
+                                extra_options=(jit.NVSHMEM_DEFINE,))
         nv.init_module(kernel._module.ptr)
         kernel((1,), (128,), (signals[:n], np.int32(n), signals[n:], np.int32(n)))
         cupy.cuda.runtime.deviceSynchronize()

@@ -17,22 +17,23 @@ SKIPPER = 1
 
 @pytest.mark.mpi(min_size=2)
 def test_ranks_sharing_a_gpu_are_refused(comm):
-    """With several ranks per GPU, Buffer(low_latency_mode=True) raises a ValueError naming
-    low_latency_mode on every rank, before anything collective (nobody hangs)."""
+    """With several ranks per GPU, Buffer(low_latency_mode=True) on the NVSHMEM transport raises a ValueError naming
+    low_latency_mode and pointing at the IPC transport on every rank, before anything collective (nobody hangs)."""
     from tests.gpu.test_low_latency import ranks_share_a_gpu
     if not ranks_share_a_gpu(comm):
         pytest.skip("one rank per GPU here: low_latency_mode is allowed")
-    with pytest.raises(ValueError, match="^low_latency_mode: needs one GPU per rank"):
-        cupy_ep.Buffer(comm, num_rdma_bytes=1 << 20, low_latency_mode=True, backend="cuda")
+    with pytest.raises(ValueError, match="^low_latency_mode: the NVSHMEM transport needs one GPU per rank.*"
+                                         "low_latency_transport='ipc'"):
+        cupy_ep.Buffer(comm, num_rdma_bytes=1 << 20, low_latency_mode=True, backend="cuda",
+                       low_latency_transport="nvshmem")
     comm.Barrier()
 
 
 def _small_ll_buffer(comm):
-    """``(rank, R, M, H, E, buf)``: a small low-latency Buffer with the short timeout (skips where ranks share a
-    GPU: low_latency_mode refuses that)."""
-    from tests.gpu.test_low_latency import ranks_share_a_gpu
-    if ranks_share_a_gpu(comm):
-        pytest.skip("low_latency_mode needs one GPU per rank (see test_ranks_sharing_a_gpu_are_refused)")
+    """``(rank, R, M, H, E, buf)``: a small low-latency Buffer with the short timeout, on the transport of
+    CUPY_EP_LL_TRANSPORT (skips where ranks share a GPU on NVSHMEM, which refuses that)."""
+    from tests.gpu.test_low_latency import skip_unless_usable
+    skip_unless_usable(comm)
     rank, R = comm.Get_rank(), comm.Get_size()
     M, H, E = 32, 1024, 8 * R
     buf = cupy_ep.Buffer(comm, num_rdma_bytes=cfgmod.low_latency_rdma_size_hint(M, H, R, E),
