@@ -1,6 +1,6 @@
 """The GPU low-latency (decode) path: ``LowLatencyState`` owns the transport (an NVSHMEM world and its symmetric
-buffer, or a CUDA-IPC buffer), the alternating buffer index and the launches of ``cuda_src/low_latency.cu``. ``CudaBuffer`` (low_latency_mode=True)
-creates one and delegates ``low_latency_*`` to it.
+buffer, or a CUDA-IPC buffer), the alternating buffer index and the launches of ``cuda_src/low_latency.cu``.
+``CudaBuffer`` (low_latency_mode=True) creates one and delegates ``low_latency_*`` to it.
 
 Decisions (research/deepep.md §1.8, §4 is the model):
 
