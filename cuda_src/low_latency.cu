@@ -417,6 +417,18 @@ __device__ __forceinline__ void send_counts(const int* hist_all, char* base, con
     }
 }
 
+// encode_token's emit in the dispatch: each value of the message to every target of the token (a functor, not a
+// generic lambda: the NVRTC of CUDA 13.0 takes a generic lambda's call operator for host code unless the whole file
+// is compiled with -default-device, which only the NVSHMEM build is).
+struct StoreToTargets {
+    char* const* target;  // DispatchShared::target
+    int num_target;
+    template <typename T>
+    __device__ __forceinline__ void operator()(long long offset, T value) const {
+        for (int j = 0; j < num_target; ++j) *reinterpret_cast<T*>(target[j] + offset) = value;
+    }
+};
+
 // Dispatch, one token's message: its targets (warp 0), then every thread casts its part of the row and stores the
 // bytes straight from registers into every mapped destination (and the send slot for puts). The stores are issued,
 // not ordered: the caller's block barrier and the index entries' releases follow.
@@ -430,11 +442,8 @@ __device__ __forceinline__ void send_message(const int4* x, const TokenLoads& in
                   send + (long long)t * L.msg_bytes, sh);
     __syncthreads();  // the targets are visible to the block
     stamp(stamps, kStampSendRouted);
-    const int num_target = sh.num_target;
     encode_token<kUseFP8>(in, x + (long long)t * hidden_int4, L.hidden, round_scale,
-                          [&](long long offset, auto value) {
-        for (int j = 0; j < num_target; ++j) *reinterpret_cast<decltype(value)*>(sh.target[j] + offset) = value;
-    });
+                          StoreToTargets{sh.target, sh.num_target});
 }
 
 // Dispatch, the destinations without an NVLink mapping: the message from this rank's send slot by NVSHMEM puts,
