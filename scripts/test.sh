@@ -6,7 +6,8 @@
 # 1. creates or reuses a venv (${CUPY_EP_VENV:-.venv}) and installs the package with its test extras from
 #    wheels (CUPY_EP_SKIP_INSTALL=1 skips this and uses python/mpiexec from PATH);
 # 2. runs the single-process tests, then the MPI tests at 2 and 4 ranks (tests/gpu excluded);
-# 3. when a GPU is visible, runs tests/gpu with one rank per GPU.
+# 3. when a GPU is visible, runs tests/gpu with one rank per GPU, then the low-latency files at 2 ranks over the
+#    CUDA-IPC transport (ranks share the GPU on a one-GPU machine).
 # Fails when a step fails or a step ran no test; ends with the line "N passed, N failed, N skipped".
 set -euo pipefail
 
@@ -38,6 +39,14 @@ if [[ "$gpu_rc" == 0 ]]; then
     echo ""
     echo "GPU visible: running tests/gpu with $ngpus rank(s), one per GPU"
     ep_pytest_step gpu "$ngpus" --with-mpi "${common[@]}" --color=no tests/gpu -rs
+    # The low-latency files again at 2 ranks on the CUDA-IPC transport: on a one-GPU machine the ranks share the
+    # GPU (which NVSHMEM refuses), so every peer path of the low-latency kernels runs there too.
+    echo ""
+    echo "Low-latency tests at 2 ranks over CUDA IPC (CUPY_EP_LL_TRANSPORT=ipc)"
+    export CUPY_EP_LL_TRANSPORT=ipc
+    ep_pytest_step gpu-ll-ipc 2 --with-mpi "${common[@]}" --color=no -rs \
+        tests/gpu/test_low_latency.py tests/gpu/test_zz_low_latency_timeout.py
+    unset CUPY_EP_LL_TRANSPORT
 elif [[ "$gpu_rc" == 1 ]]; then
     echo ""
     echo "GPU tests skipped: no GPU is present (tests/gpu not run)"

@@ -255,7 +255,9 @@ def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_ou
         want_c = reference.low_latency_combine([g[2] for g in gathered], [g[1] for g in gathered],
                                                [g[3] for g in gathered], MAX_TOKENS, E, rank,
                                                bf16_partials=bf16_partials, use_logfmt=use_logfmt)
-        if (bf16_partials or use_logfmt) and x.shape[0] > 0:
+        # (not for order-sensitive rows: dominated by +-2^24, they cross every format alike once each rank holds few
+        # experts of a token, as at 4 ranks; the small-integer rounds of the same tests tell the formats apart)
+        if (bf16_partials or use_logfmt) and x.shape[0] > 0 and not order_sensitive:
             other = reference.low_latency_combine([g[2] for g in gathered], [g[1] for g in gathered],
                                                   [g[3] for g in gathered], MAX_TOKENS, E, rank)
             assert not same_bytes(want_c, other), "the inputs give the same bytes with 24-bit and other partials"
@@ -371,12 +373,14 @@ def test_wait_cost_stats_grow_by_each_source_ranks_wait(comm, ll_buf, hook):
 def test_wait_cost_stats_point_at_a_late_rank(comm, ll_buf):
     """Rank 1 starts its dispatch 5 ms late (a spin kernel ahead of it on its stream): every other rank's
     dispatch_wait_recv_cost_stats[1] grows by at least its L counts' worth of milliseconds and by more than ten
-    times any other entry. Needs two ranks."""
+    times any other entry. Needs two ranks. Where ranks share a GPU (IPC transport) every peer is also late by the
+    time slices of the shared GPU (S22B, 4 ranks on one GPU: ~0.15 s of waiting for a punctual rank, 0.33 s for
+    the 5 ms late one), so there the late rank is 0.5 s late."""
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()
     if R < 2:
         pytest.skip("needs a second rank to be late")
-    case, late, delay_s = CASES[1], 1, 5e-3
+    case, late, delay_s = CASES[1], 1, (0.5 if ranks_share_a_gpu(comm) else 5e-3)
     stats = (cupy.zeros(R, dtype=cupy.int64), None)
     errors = _round(ll_buf, comm, case, seed=6, wait_stats=stats, delay_ns=int(delay_s * 1e9) if rank == late else 0)
     grew = to_numpy(stats[0])
