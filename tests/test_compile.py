@@ -116,15 +116,9 @@ def test_source_hash_covers_headers(tmp_path, monkeypatch):
         jit.source_hash.cache_clear()
 
 
-def test_low_latency_nvshmem_build_is_linked_without_spills():
-    """low_latency.cu with -DCUPY_EP_NVSHMEM (the NVSHMEM transport) is relocatable code: the result must be an
-    executable cubin with NVSHMEM's device state linked in (the symbol nvshmemx_cumodule_init fills at load time),
-    its kernels within the launch bounds' registers, without spills; clean_low_latency_buffer (NVSHMEM barriers)
-    exists in this build only."""
-    assert not jit.uses_nvshmem("low_latency.cu") and jit.uses_nvshmem("low_latency.cu", (jit.NVSHMEM_DEFINE,))
-    assert not jit.uses_nvshmem("intranode.cu")
-    names = LL_KERNELS + ["ep::clean_low_latency_buffer"]
-    result = jit.compile_only("low_latency.cu", names, extra_options=(jit.NVSHMEM_DEFINE,))
+def _assert_nvshmem_linked_without_spills(result) -> None:
+    """An executable (linked) cubin holding NVSHMEM's device state; each of our kernels within the 128 registers
+    the launch bounds allow, without spills."""
     assert b"nvshmemi_device_state_d" in result.cubin
     e_type = int.from_bytes(result.cubin[16:18], "little")
     assert e_type == 2, f"ELF type {e_type}: not an executable (linked) cubin"
@@ -133,6 +127,18 @@ def test_low_latency_nvshmem_build_is_linked_without_spills():
         res = resources[lowered]
         assert res.get("spill_stores", 0) == 0, f"{expr} spills: {res}"
         assert 0 < res["registers"] <= 128, f"{expr}: {res}"
+
+
+def test_low_latency_nvshmem_build_is_linked_without_spills():
+    """low_latency.cu with -DCUPY_EP_NVSHMEM (the NVSHMEM transport) is relocatable code: the result must be an
+    executable cubin with NVSHMEM's device state linked in (the symbol nvshmemx_cumodule_init fills at load time),
+    its kernels within the launch bounds' registers, without spills; clean_low_latency_buffer (NVSHMEM barriers)
+    exists in this build only."""
+    assert not jit.uses_nvshmem("low_latency.cu") and jit.uses_nvshmem("low_latency.cu", (jit.NVSHMEM_DEFINE,))
+    assert not jit.uses_nvshmem("intranode.cu")
+    names = LL_KERNELS + ["ep::clean_low_latency_buffer"]
+    _assert_nvshmem_linked_without_spills(jit.compile_only("low_latency.cu", names,
+                                                           extra_options=(jit.NVSHMEM_DEFINE,)))
 
 
 def test_low_latency_ipc_build_needs_no_nvshmem():
@@ -148,14 +154,7 @@ def test_internode_nvshmem_transport_compiles_links_without_spills():
     device library; registers within the 128 the launch bounds allow, no spills."""
     names = internode_names("ep::NvshmemRdma")
     assert not jit.uses_nvshmem("internode.cu") and jit.uses_nvshmem("internode.cu", (jit.NVSHMEM_DEFINE,))
-    result = jit.compile_only("internode.cu", names, extra_options=(jit.NVSHMEM_DEFINE,))
-    assert b"nvshmemi_device_state_d" in result.cubin
-    assert int.from_bytes(result.cubin[16:18], "little") == 2, "not an executable (linked) cubin"
-    resources = result.resources()
-    for expr, lowered in result.mapping.items():
-        res = resources[lowered]
-        assert res.get("spill_stores", 0) == 0, f"{expr} spills: {res}"
-        assert 0 < res["registers"] <= 128, f"{expr}: {res}"
+    _assert_nvshmem_linked_without_spills(jit.compile_only("internode.cu", names, extra_options=(jit.NVSHMEM_DEFINE,)))
 
 
 def test_internode_ipc_transport_needs_no_nvshmem():
