@@ -12,6 +12,8 @@ import os
 import sys
 import warnings
 
+import numpy as np
+
 from . import config as _config
 from .errors import BackendUnavailableError, BufferUnusableError
 
@@ -150,6 +152,48 @@ class Buffer:
                         _config.direct_combine_bytes(r, t, hidden_bytes, num_topk))
         return max(_config.align_up(_config.NOTIFY_BYTES + zero_copy),
                    Buffer.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """DeepEP compatibility: whether the kernels use the SM90 features (TMA bulk copies, mbarriers). cupy_ep
+        compiles them at run time for the GPU it runs on, so this is True when the current GPU has compute
+        capability 9.0 or newer, False without a GPU (the host backend)."""
+        if not gpu_available():
+            return False
+        import cupy
+        return int(cupy.cuda.Device().compute_capability) >= 90
+
+    # ---- raw access (DeepEP API) ----------------------------------------------------------------------
+    def get_comm_stream(self):
+        """The stream the communication kernels run on (``async_finish`` calls, hooks): a ``cupy.cuda.Stream`` (torch
+        users: ``torch.cuda.ExternalStream(buf.get_comm_stream().ptr)``); None on the host backend, which runs
+        every call synchronously on the host."""
+        return None
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
+        """A view of this rank's own communication buffer, as DeepEP's: the ``num_nvl_bytes`` NVLink buffer, or
+        with ``use_rdma_buffer`` the ``num_rdma_bytes`` one (low-latency or internode). For tests and custom
+        kernels: the next call may overwrite it, and writing it while a call runs corrupts that call.
+
+        Args:
+            dtype: numpy / CuPy dtype, or a torch dtype (then a torch tensor comes back).
+            size: element count or shape; default: every whole element from ``offset`` to the buffer's end.
+            offset: bytes from the start of the buffer (a multiple of the dtype's size).
+
+        Returns:
+            ``[size]`` (or ``size``-shaped) array of ``dtype`` on the buffer's GPU (CUDA backend), or over host memory
+            that lives as long as the Buffer (host backend, which has no device buffer; zeroed at first use)."""
+        from . import interop, validate
+        self._check_usable()
+        dtype, itemsize = interop.requested_dtype(dtype)
+        region = "num_rdma_bytes" if use_rdma_buffer else "num_nvl_bytes"
+        shape = validate.check_buffer_view(getattr(self, region), itemsize, size, offset, region)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        return interop.view_bytes(self._buffer_bytes(offset, nbytes, bool(use_rdma_buffer)), dtype, shape)
+
+    def _buffer_bytes(self, offset: int, nbytes: int, rdma: bool):
+        """``nbytes`` bytes at ``offset`` of this rank's NVLink (or RDMA) buffer as a 1-D uint8 array."""
+        raise NotImplementedError
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def _check_usable(self) -> None:

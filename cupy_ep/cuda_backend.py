@@ -243,6 +243,19 @@ class CudaBuffer(Buffer):
         super()._check_usable()
         self.check_health()
 
+    def get_comm_stream(self):
+        return self.comm_stream
+
+    def _buffer_bytes(self, offset: int, nbytes: int, rdma: bool):
+        import cupy
+        if rdma:  # the low-latency buffer, or the internode RDMA buffer (Buffer checked num_rdma_bytes > 0)
+            base = self._ll.base if self._ll is not None else self._internode.rdma_base
+        else:     # the NVLink buffer after its signal header (num_nvl_bytes of it are the caller's to size)
+            nvl = self._nvl if self._nvl is not None else self._internode.nvl
+            base = nvl.ptr + _config.SIGNAL_BYTES
+        mem = cupy.cuda.UnownedMemory(base + offset, nbytes, self, self.device_id)
+        return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
     @_on_device
     def capture(self) -> EventOverlap:
         """An ``EventOverlap`` recorded on the current stream."""

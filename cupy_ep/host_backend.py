@@ -846,6 +846,13 @@ class HostBuffer(Buffer):
         return recv
 
     # ---- lifetime -----------------------------------------------------------------------------------
+    def _buffer_bytes(self, offset: int, nbytes: int, rdma: bool):
+        """Host memory standing in for the device buffer, zeroed at first use, kept as long as this Buffer."""
+        regions = self.__dict__.setdefault("_host_regions", {})
+        if rdma not in regions:
+            regions[rdma] = np.zeros(self.num_rdma_bytes if rdma else self.num_nvl_bytes, dtype=np.uint8)
+        return regions[rdma][offset:offset + nbytes]
+
     def destroy(self) -> None:
         """Collective: a barrier, then the buffer is unusable. Calling it again does nothing."""
         if self._destroyed:

@@ -219,3 +219,35 @@ def current_stream(kind: Kind, device_id: int | None = None):
         stream = torch.cuda.current_stream(device_id)
         return cupy.cuda.ExternalStream(stream.cuda_stream, device_id if device_id is not None else -1)
     return cupy.cuda.get_current_stream()
+
+
+def requested_dtype(dtype):
+    """A dtype a caller asks for (:meth:`cupy_ep.Buffer.get_local_buffer_tensor`): a torch dtype (returned as it
+    is), or anything ``numpy.dtype`` takes (numpy / CuPy dtypes, ml_dtypes' bfloat16 and float8_e4m3fn, names).
+    Returns ``(dtype, itemsize)``; TypeError naming ``dtype`` for anything else."""
+    if type(dtype).__module__.startswith("torch"):
+        return dtype, int(dtype.itemsize)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: must be a numpy, CuPy or torch dtype, got {dtype!r}") from None
+    if dt.itemsize == 0 or dt.hasobject:
+        raise TypeError(f"dtype: must be a fixed-size numeric dtype, got {dt}")
+    return dt, dt.itemsize
+
+
+def view_bytes(raw, dtype, shape: tuple):
+    """``raw`` (a 1-D uint8 CuPy or numpy array of ``prod(shape) * itemsize`` bytes) viewed as ``dtype`` with
+    ``shape``, zero-copy: a torch tensor for a torch dtype (through DLPack, or ``from_numpy`` on the host), else
+    an array of raw's library. CuPy keeps float8 (and bfloat16, where it lacks ml_dtypes support) as unsigned
+    integers of the same size, as every cupy_ep output does."""
+    if type(dtype).__module__.startswith("torch"):
+        import torch
+        t = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else torch.from_dlpack(raw)
+        return t.view(dtype).reshape(shape)
+    if not isinstance(raw, np.ndarray):
+        try:
+            return raw.view(dtype).reshape(shape)
+        except (TypeError, ValueError):  # a dtype CuPy cannot hold (ml_dtypes' float8)
+            return raw.view(np.dtype(f"u{dtype.itemsize}")).reshape(shape)
+    return raw.view(dtype).reshape(shape)

@@ -299,3 +299,29 @@ def check_low_latency_slots(handle, topk_idx, max_tokens: int, check_values: boo
             raise ValueError(f"handle.topk_slots: slots must lie in [-1, {max_tokens}), got "
                              f"[{int(host.min())}, {int(host.max())}]")
     return raw
+
+
+def check_buffer_view(nbytes: int, itemsize: int, size, offset, region: str) -> tuple:
+    """The shape of a view of ``itemsize``-byte elements at byte ``offset`` of a buffer of ``nbytes``
+    (:meth:`cupy_ep.Buffer.get_local_buffer_tensor`): ``size`` an element count or a shape, None for every whole
+    element to the end. ValueError naming the argument when it does not fit (``region``: the buffer's size
+    argument, for the message)."""
+    if nbytes <= 0:
+        raise ValueError(f"use_rdma_buffer: this Buffer has no such buffer ({region}=0)")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0 or offset % itemsize:
+        raise ValueError(f"offset: must be a non-negative multiple of the dtype's {itemsize} bytes, got {offset!r}")
+    if size is None:
+        shape = ((nbytes - offset) // itemsize,)
+    else:
+        dims = (size,) if isinstance(size, (int, np.integer)) else tuple(size) if isinstance(size, (tuple, list)) \
+            else None  # (torch.Size is a tuple)
+        if dims is None or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in dims):
+            raise TypeError(f"size: must be an int or a shape (a tuple of ints), got {size!r}")
+        shape = tuple(int(d) for d in dims)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"size: dimensions must be non-negative ints, got {size!r}")
+    need = offset + int(np.prod(shape, dtype=np.int64)) * itemsize
+    if offset > nbytes or need > nbytes:
+        raise ValueError(f"size: {shape} elements of {itemsize} bytes at offset {offset} need {need} bytes, the "
+                         f"buffer has {region}={nbytes}")
+    return shape

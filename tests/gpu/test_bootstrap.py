@@ -44,3 +44,40 @@ def test_peer_write_and_read_back(comm, gpu_buffer):
     comm.Barrier()
     gpu_buffer.barrier()  # the signal area we skipped is intact: the device barrier still works
     assert all_ok(comm, ok), f"rank {rank}: got {got[:4]}.. / {got[n:n + 4]}.."
+
+
+@pytest.mark.mpi(min_size=2)
+def test_local_buffer_tensor_is_what_the_peers_see(comm, gpu_buffer):
+    """get_local_buffer_tensor views this rank's own NVLink buffer: what a rank writes through it, the next rank
+    reads through its CUDA-IPC mapping of that buffer (past the signal header); a torch dtype gives a tensor over
+    the same bytes; get_comm_stream is the buffer's communication stream; is_sm90_compiled holds on an H200."""
+    import cupy
+
+    import cupy_ep
+    from cupy_ep import config as cfgmod
+    rank, size = comm.Get_rank(), comm.Get_size()
+    n, offset = 256, 8192
+    with cupy.cuda.Device(gpu_buffer.device_id):
+        whole = gpu_buffer.get_local_buffer_tensor(cupy.uint8)
+        view = gpu_buffer.get_local_buffer_tensor(np.int32, n, offset=offset)
+        view[:] = cupy.arange(n, dtype=cupy.int32) + 7000 * (rank + 1)
+        cupy.cuda.runtime.deviceSynchronize()
+        comm.Barrier()
+        src = (rank + size - 1) % size
+        mem = cupy.cuda.UnownedMemory(gpu_buffer._nvl.ptrs[src] + cfgmod.SIGNAL_BYTES + offset, 4 * n, gpu_buffer,
+                                      gpu_buffer.device_id)
+        got = cupy.ndarray((n,), cupy.int32, cupy.cuda.MemoryPointer(mem, 0)).get()
+        comm.Barrier()
+        same_bytes = np.array_equal(whole[offset:offset + 4 * n].view(cupy.int32).get(), view.get())
+        torch_ok = True
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None:
+            t = gpu_buffer.get_local_buffer_tensor(torch.int32, (n,), offset=offset)
+            torch_ok = t.is_cuda and t.cpu().numpy().tolist() == view.get().tolist()
+    ok = (np.array_equal(got, np.arange(n) + 7000 * (src + 1)) and same_bytes and torch_ok
+          and whole.shape == (gpu_buffer.num_nvl_bytes,)
+          and gpu_buffer.get_comm_stream() is gpu_buffer.comm_stream and cupy_ep.Buffer.is_sm90_compiled())
+    assert all_ok(comm, ok), f"rank {rank}: got {got[:4]}.. from rank {src}, same bytes {same_bytes}, torch {torch_ok}"

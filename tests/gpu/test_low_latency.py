@@ -370,6 +370,16 @@ def test_wait_cost_stats_grow_by_each_source_ranks_wait(comm, ll_buf, hook):
     assert all_ok(comm, not errors), f"rank {rank}: {errors}"
 
 
+def test_rdma_buffer_view_is_the_low_latency_buffer(comm, ll_buf):
+    """get_local_buffer_tensor(use_rdma_buffer=True) views the low-latency buffer itself (either transport): its
+    whole num_rdma_bytes, starting at the address the kernels get as their base."""
+    view = ll_buf.get_local_buffer_tensor(np.uint8, use_rdma_buffer=True)
+    words = ll_buf.get_local_buffer_tensor(np.int64, 4, offset=64, use_rdma_buffer=True)
+    ok = (view.shape == (ll_buf.num_rdma_bytes,) and view.data.ptr == ll_buf._ll.base
+          and words.data.ptr == ll_buf._ll.base + 64)
+    assert all_ok(comm, ok), f"rank {comm.Get_rank()}: view {view.shape} at {view.data.ptr:#x}"
+
+
 def test_wait_cost_stats_point_at_a_late_rank(comm, ll_buf):
     """Rank 1 starts its dispatch 5 ms late (a spin kernel ahead of it on its stream): every other rank's
     dispatch_wait_recv_cost_stats[1] grows by at least its L counts' worth of milliseconds and by more than ten
