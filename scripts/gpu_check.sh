@@ -5,10 +5,12 @@
 #   bash scripts/gpu_check.sh                         # every step
 #   GPU_CHECK_STEPS="nvidia_smi gpu2" bash scripts/gpu_check.sh
 #
-# Steps (in this order): nvidia_smi unit gpu2 gpu4 gpu8 internode bench llbench soak sanitize
+# Steps (in this order): nvidia_smi unit gpu2 gpu4 gpu8 llipc internode bench llbench soak sanitize
 #   nvidia_smi  GPUs, links and software versions
 #   unit        the single-process tests (tests/, without tests/gpu)
 #   gpuN        tests/gpu under the MPI launcher with N ranks (4 and 8: several ranks per GPU), without internode
+#   llipc       the low-latency files over the CUDA-IPC transport (CUPY_EP_LL_TRANSPORT=ipc) at 4 and 8 ranks,
+#               several per GPU (NVSHMEM refuses that, so gpu4 / gpu8 skip them)
 #   internode   tests/gpu/test_internode.py at 2 ranks (2 nodes x 1 GPU) and 4 ranks (2 nodes x 2, IPC transport)
 #   bench       python -m cupy_ep.bench --out $OUT_DIR at 2 ranks
 #   llbench     python -m cupy_ep.bench --mode low-latency --out $OUT_DIR at 2 ranks
@@ -55,7 +57,7 @@ else
     ep_log "[env] no .carry/wheels/*.whl (pytest-mpi must already be installed)"
 fi
 
-ALL_STEPS="nvidia_smi unit gpu2 gpu4 gpu8 internode bench llbench soak sanitize"
+ALL_STEPS="nvidia_smi unit gpu2 gpu4 gpu8 llipc internode bench llbench soak sanitize"
 STEPS="${GPU_CHECK_STEPS:-$ALL_STEPS}"
 for s in $STEPS; do
     [[ " $ALL_STEPS " == *" $s "* ]] || ep_record "$s" - - - - FAILED "unknown step (known: $ALL_STEPS)"
@@ -92,6 +94,14 @@ for n in 2 4 8; do
     want "gpu$n" && ep_pytest_step "gpu$n" "$n" --with-mpi -q -p no:cacheprovider --color=no \
         --timeout=900 --timeout-method=thread tests/gpu -rs --ignore=tests/gpu/test_internode.py
 done
+if want llipc; then
+    export CUPY_EP_LL_TRANSPORT=ipc
+    for n in 4 8; do
+        ep_pytest_step "llipc$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
+            --timeout-method=thread tests/gpu/test_low_latency.py tests/gpu/test_zz_low_latency_timeout.py -rs
+    done
+    unset CUPY_EP_LL_TRANSPORT
+fi
 for n in 2 4; do
     want internode && ep_pytest_step "internode$n" "$n" --with-mpi -q -p no:cacheprovider --color=no \
         --timeout=300 --timeout-method=thread tests/gpu/test_internode.py -rs
