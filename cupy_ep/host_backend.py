@@ -157,6 +157,7 @@ class HostBuffer(Buffer):
                          allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, enable_shrink,
                          backend=backend, device=device, timeout_s=timeout_s,
                          num_ranks_per_node=num_ranks_per_node, check_values=check_values)
+        self._host_regions: dict = {}  # get_local_buffer_tensor's stand-in buffers, made at first use
         if num_ranks_per_node is not None and (not isinstance(num_ranks_per_node, int)
                                                or num_ranks_per_node <= 0
                                                or self.num_ranks % num_ranks_per_node):
@@ -848,10 +849,9 @@ class HostBuffer(Buffer):
     # ---- lifetime -----------------------------------------------------------------------------------
     def _buffer_bytes(self, offset: int, nbytes: int, rdma: bool):
         """Host memory standing in for the device buffer, zeroed at first use, kept as long as this Buffer."""
-        regions = self.__dict__.setdefault("_host_regions", {})
-        if rdma not in regions:
-            regions[rdma] = np.zeros(self.num_rdma_bytes if rdma else self.num_nvl_bytes, dtype=np.uint8)
-        return regions[rdma][offset:offset + nbytes]
+        if rdma not in self._host_regions:
+            self._host_regions[rdma] = np.zeros(self.num_rdma_bytes if rdma else self.num_nvl_bytes, dtype=np.uint8)
+        return self._host_regions[rdma][offset:offset + nbytes]
 
     def destroy(self) -> None:
         """Collective: a barrier, then the buffer is unusable. Calling it again does nothing."""
