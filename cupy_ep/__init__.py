@@ -18,13 +18,33 @@ from . import preinit as _preinit
 
 _preinit.start()
 
-from .buffer import Buffer, gpu_available  # noqa: E402
-from .config import Config  # noqa: E402
+# The rest loads on first use (PEP 562), so that ``import cupy_ep`` stays light: numpy and the backend modules
+# can then import in a thread while MPI starts (cupy_ep/mpi_start.py: ``start_mpi``).
+import importlib as _importlib  # noqa: E402
+
 from .errors import (BackendUnavailableError, BufferUnusableError, CallMismatchError, CommError,  # noqa: E402
                      CommTimeoutError, CompileError, CupyEpError)
-from .event import EventOverlap  # noqa: E402
+
+_LAZY = {"Buffer": "buffer", "gpu_available": "buffer", "Config": "config", "EventOverlap": "event",
+         "start_mpi": "mpi_start"}
 
 __all__ = ["Buffer", "Config", "EventOverlap", "CupyEpError", "CompileError", "CommError", "CommTimeoutError",
-           "CallMismatchError",
-           "BufferUnusableError", "BackendUnavailableError", "gpu_available"]
+           "CallMismatchError", "BufferUnusableError", "BackendUnavailableError", "gpu_available", "start_mpi"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(_importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # the next lookup is a plain module attribute
+        return value
+    try:  # a submodule not imported yet (``cupy_ep.reference`` after a bare ``import cupy_ep``)
+        return _importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

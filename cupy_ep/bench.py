@@ -16,6 +16,12 @@ from __future__ import annotations
 
 import time
 
+if __name__ == "__main__":
+    # Run as the main job: start MPI now, while a thread imports numpy, CuPy and the backend (below they are then
+    # already loaded), instead of after them with the GIL held (cupy_ep/mpi_start.py; main() reads the times).
+    from cupy_ep.mpi_start import start_mpi
+    start_mpi()
+
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -353,16 +359,18 @@ class Bench:
                 cupy.cuda.get_current_stream().synchronize()
         t3 = time.perf_counter()
         age = process_age_s()
-        # Where a warm start goes: imports before MPI is up are in mpi_init_s/process age; buffer_s holds the
-        # CUDA context, the IPC exchange and the allocations; the first calls load their kernels (disk cache).
+        # Where a warm start goes: the interpreter and the imports before MPI starts, then MPI_Init (the imports
+        # and CuPy's runtime start run beside it: gpu_probe_s is what was left of them once MPI was up, mpi_start
+        # says whether they overlapped); buffer_s holds the IPC exchange and the allocations; the first calls
+        # load their kernels (disk cache).
         out = {"process_to_first_dispatch_s": age, "process_age_at_main_s": a.process_age_at_main_s,
+               "process_age_at_mpi_start_s": a.process_age_at_mpi_start_s, "mpi_start": a.mpi_start,
                "mpi_init_s": a.mpi_init_s, "gpu_probe_s": a.gpu_probe_s, "buffer_sizes_s": self.t_sizes,
                "buffer_s": self.t_buffer, "first_inputs_s": t1 - t0, "first_layout_s": t2 - t1,
                "first_dispatch_s": t3 - t2, "first_layout_dispatch_s": t3 - t0}
         out["warm_start_s"] = None if age is None else age - a.mpi_init_s
-        parts = ("process_age_at_main_s", "mpi_init_s", "gpu_probe_s", "buffer_sizes_s", "buffer_s",
-                 "first_layout_dispatch_s")
-        # the rest: argument parsing, Bench set-up, and the process-age clock's 10 ms ticks
+        parts = STARTUP_PARTS
+        # the rest: the imports after start_mpi, argument parsing, Bench set-up, the process-age clock's 10 ms ticks
         out["unaccounted_s"] = None if age is None else age - sum(out[k] for k in parts)
         return out
 
@@ -550,8 +558,8 @@ class Bench:
         a = self.args
         self.log(f"cupy_ep.bench: backend={self.buf.backend} ranks={self.R} tokens={a.tokens} hidden={a.hidden} "
                  f"topk={a.topk} experts={self.experts} skew={a.skew} iters={a.iters} steady_n={a.steady_n}")
-        self.log("  warm start (s): " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in self.startup.items()
-                                                  if v is not None))
+        self.log(f"  warm start (s; MPI start {self.startup['mpi_start']}): "
+                 + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in self.startup.items() if isinstance(v, float)))
         with self.device_ctx():
             if self.gpu:
                 self.nccl = NcclAllToAll(self.comm)
@@ -809,6 +817,11 @@ def _git_commit(repo: Path | None = None) -> str:
         return "unknown"
 
 
+# the warm start's consecutive parts (Bench.first_dispatch); what they leave of the process's age is unaccounted_s
+STARTUP_PARTS = ("process_age_at_mpi_start_s", "mpi_init_s", "gpu_probe_s", "buffer_sizes_s", "buffer_s",
+                 "first_layout_dispatch_s")
+
+
 def process_age_s() -> float | None:
     """Seconds since this process started (Linux /proc), to time start-up including the imports."""
     try:
@@ -859,20 +872,27 @@ def parse_args(argv=None, gpu: bool = True):
     return args
 
 
-def main(argv=None):
-    process_age_at_main = process_age_s()
-    t0 = time.perf_counter()
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
-    comm.Barrier()
-    mpi_init_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    gpu = cupy_ep.gpu_available()  # CuPy's runtime start (it meets the preinit thread's context, if still busy)
-    gpu_probe_s = time.perf_counter() - t0
+def start(argv=None):
+    """The benchmark's start-up, up to its arguments: MPI started with the imports and CuPy's runtime start (the
+    GPU probe) running beside it (already done at the top of this module when it runs as the main job), the
+    arguments parsed and the start-up times put into them. Returns ``(comm, args)``."""
+    process_age_at_main, t_main = process_age_s(), time.perf_counter()
+    started = cupy_ep.start_mpi()
+    comm = started.MPI.COMM_WORLD
+    gpu = started.gpu if started.gpu is not None else cupy_ep.gpu_available()
     args = parse_args(argv, gpu=gpu)
-    args.mpi_init_s = mpi_init_s
-    args.gpu_probe_s = gpu_probe_s
-    args.process_age_at_main_s = process_age_at_main  # interpreter start + imports (cupy_ep imports cupy)
+    args.mpi_init_s = started.mpi_init_s
+    args.gpu_probe_s = started.preload_wait_s  # the imports + probe left over once MPI was up
+    args.mpi_start = started.how
+    args.process_age_at_main_s = process_age_at_main  # interpreter start, imports and (run as main) MPI start
+    # interpreter start + the imports before start_mpi began (at the top of this module, or in this function)
+    args.process_age_at_mpi_start_s = None if process_age_at_main is None else \
+        max(0.0, process_age_at_main - (t_main - started.t_begin))
+    return comm, args
+
+
+def main(argv=None):
+    comm, args = start(argv)
     if args.mode == "low-latency":
         from . import bench_ll
         if not any(a.startswith("--tokens") for a in (sys.argv[1:] if argv is None else argv)):

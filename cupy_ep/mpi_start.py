@@ -1,0 +1,173 @@
+"""Start MPI while numpy, CuPy and cupy_ep's backend import, instead of before them.
+
+``from mpi4py import MPI`` runs ``MPI_Init_thread`` inside the module's import, holding the GIL: on the GPU
+machine that is 0.24-0.41 s during which no other Python thread moves, and numpy + CuPy + cupy_ep's modules
+(~0.3 s) and CuPy's runtime start (~0.15 s) then run after it (session 20, ``startup_probe.py``). ctypes releases
+the GIL around a foreign call, so :func:`start_mpi` imports mpi4py with ``rc.initialize = False``, calls
+``MPI_Init_thread`` from the very ``libmpi`` that mpi4py loaded through ctypes, and lets a thread do the imports
+and the GPU probe meanwhile. mpi4py works on an MPI that someone else initialised; what its own start would
+have done besides (the error handler ``rc.errors`` asks for, ``MPI_Finalize`` at exit) is done here.
+
+    from cupy_ep import start_mpi
+    MPI = start_mpi().MPI          # instead of: from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+
+Call it before anything imports ``mpi4py.MPI``. Where MPI is already up (mpi4py imported the usual way), it
+only runs the imports, in this thread. Where ``libmpi`` cannot be found in the process, it falls back to
+``MPI.Init_thread()`` (correct, just not overlapped) and says so in :attr:`Started.how`.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+_THREAD_LEVELS = {"single": "THREAD_SINGLE", "funneled": "THREAD_FUNNELED", "serialized": "THREAD_SERIALIZED",
+                  "multiple": "THREAD_MULTIPLE"}
+_ERRHANDLERS = {"exception": "ERRORS_RETURN", "abort": "ERRORS_ABORT", "fatal": "ERRORS_ARE_FATAL"}
+
+
+@dataclasses.dataclass
+class Started:
+    """What :func:`start_mpi` did, with its times in seconds (this process's view).
+
+    ``how``: ``"overlapped"`` (MPI_Init_thread through ctypes while the preload thread ran), ``"mpi4py"`` (the
+    fallback: ``MPI.Init_thread()`` then the preload), or ``"already"`` (MPI was up before the call).
+    ``mpi_init_s``: MPI_Init_thread plus a barrier over COMM_WORLD after the preload (the ranks' start-up skew
+    is MPI's too).
+    ``preload_s``: the preload's own duration; ``preload_wait_s``: how long this thread waited for it after MPI.
+    ``gpu``: what the preload's GPU probe returned (None without a probe).
+    ``t_begin`` / ``t_end``: ``time.perf_counter()`` when the call began and returned.
+    """
+    MPI: object
+    how: str
+    mpi_init_s: float
+    preload_s: float
+    preload_wait_s: float
+    gpu: bool | None
+    t_begin: float = 0.0
+    t_end: float = 0.0
+
+
+_started: Started | None = None
+
+
+def default_preload() -> bool:
+    """numpy, cupy_ep's backend modules (which import CuPy lazily) and CuPy's runtime start: True when a GPU is
+    visible (:func:`cupy_ep.gpu_available`)."""
+    import numpy  # noqa: F401
+
+    from . import buffer  # noqa: F401  (and through it config, reference, the CUDA backend modules)
+    return buffer.gpu_available()
+
+
+def libmpi_path() -> str | None:
+    """The path of the ``libmpi`` shared object mapped into this process (mpi4py's), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                path = fields[5] if len(fields) >= 6 else ""
+                if path.rsplit("/", 1)[-1].startswith("libmpi.so"):  # Open MPI .so.40, MPICH .so.12
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _run_preload(preload: Callable[[], bool | None], out: dict) -> None:
+    t0 = time.perf_counter()
+    try:
+        out["gpu"] = preload()
+    except BaseException as e:  # re-raised in the calling thread, which owns the error
+        out["error"] = e
+    out["s"] = time.perf_counter() - t0
+
+
+def _mpi_init_ctypes(MPI, level: int) -> bool:
+    """MPI_Init_thread through ctypes (the GIL released meanwhile); False when libmpi is not found."""
+    path = libmpi_path()
+    if path is None:
+        return False
+    lib = ctypes.CDLL(path)
+    provided = ctypes.c_int(-1)
+    rc = lib.MPI_Init_thread(None, None, ctypes.c_int(level), ctypes.byref(provided))
+    if rc != 0:
+        raise RuntimeError(f"start_mpi: MPI_Init_thread returned {rc} (through ctypes, {path})")
+    return True
+
+
+def _as_mpi4py_would(MPI, rc) -> None:
+    """The parts of mpi4py's own start that an external MPI_Init skips: ``rc.errors`` on COMM_SELF/COMM_WORLD."""
+    name = _ERRHANDLERS.get(str(rc.errors))
+    if name is not None and hasattr(MPI, name):
+        for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
+            comm.Set_errhandler(getattr(MPI, name))
+
+
+def _finalize_at_exit(MPI) -> None:
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+
+
+def start_mpi(preload: Callable[[], bool | None] | None = default_preload) -> Started:
+    """Initialise MPI (through mpi4py's library) while ``preload`` runs in a thread; returns :class:`Started`.
+
+    Args:
+        preload: a function run in a background thread during ``MPI_Init_thread`` (default: the imports of numpy,
+            cupy_ep's backend and CuPy, and the GPU probe); its return value lands in ``Started.gpu``; an
+            exception it raises is raised here. None: no preload.
+
+    Idempotent: a second call returns the first call's :class:`Started`.
+    """
+    global _started
+    if _started is not None:
+        return _started
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+        mpi4py.rc.initialize = False  # MPI_Init_thread comes from here, through ctypes, without the GIL
+    import mpi4py
+    from mpi4py import MPI
+
+    out: dict = {}
+    t0 = time.perf_counter()
+    if MPI.Is_initialized():
+        how = "already"
+        if preload is not None:
+            _run_preload(preload, out)
+        init_s = 0.0
+    else:
+        thread = threading.Thread(target=_run_preload, args=(preload, out), name="cupy_ep-preload", daemon=True) \
+            if preload is not None else None
+        if thread is not None:
+            thread.start()
+        level = getattr(MPI, _THREAD_LEVELS.get(str(mpi4py.rc.thread_level), "THREAD_MULTIPLE"))
+        if _mpi_init_ctypes(MPI, level):
+            how = "overlapped" if thread is not None else "ctypes"
+            _as_mpi4py_would(MPI, mpi4py.rc)
+        else:
+            how = "mpi4py"  # libmpi not found in the maps: mpi4py's own call, with the GIL held
+            MPI.Init_thread(level)
+        # mpi4py 4.1 finalises at exit only an MPI its import started (not after rc.initialize = False, whatever
+        # rc.finalize says), so this does; exit hooks registered later (a Buffer's) run before it
+        atexit.register(_finalize_at_exit, MPI)
+        init_s = time.perf_counter() - t0
+        if thread is not None:
+            t1 = time.perf_counter()
+            thread.join()
+            out["wait"] = time.perf_counter() - t1
+        # The ranks' start-up skew, counted as MPI's; after the join, because a rank that waits here busy-polls a
+        # core that its own preload (or a rank's sharing the host) would want.
+        t2 = time.perf_counter()
+        MPI.COMM_WORLD.Barrier()
+        init_s += time.perf_counter() - t2
+    if "error" in out:
+        raise out["error"]
+    _started = Started(MPI=MPI, how=how, mpi_init_s=init_s, preload_s=out.get("s", 0.0),
+                       preload_wait_s=out.get("wait", out.get("s", 0.0)), gpu=out.get("gpu"), t_begin=t0,
+                       t_end=time.perf_counter())
+    return _started
