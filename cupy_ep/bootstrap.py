@@ -64,6 +64,33 @@ def choose_device(local_rank: int, device: int | None = None) -> int:
     return device
 
 
+def check_peer_access(comm, rt) -> None:
+    """Collective: raise :class:`BackendUnavailableError` on every rank of ``comm`` (before any IPC handle is
+    opened, so no rank is left waiting) when one rank's GPU cannot reach another rank's memory by load/store
+    (``cudaDeviceCanAccessPeer`` = 0: no NVLink and no PCIe peer-to-peer between them). Ranks sharing a GPU
+    always can; a peer GPU this process cannot see (``CUDA_VISIBLE_DEVICES``) is left to ``cudaIpcOpenMemHandle``.
+    ``rt`` is ``cupy.cuda.runtime`` (a stand-in in the CPU tests)."""
+    from .errors import BackendUnavailableError
+    me = rt.getDevice()
+    bus = rt.deviceGetPCIBusId(me)
+    problems = []
+    for r, other in enumerate(comm.allgather(bus)):
+        if other == bus:
+            continue
+        try:
+            peer = rt.deviceGetByPCIBusId(other)
+        except Exception:  # not visible here: nothing to ask the driver
+            continue
+        if not rt.deviceCanAccessPeer(me, peer):
+            problems.append(f"rank {comm.Get_rank()} (GPU {bus}) cannot access rank {r}'s GPU {other}")
+    problems = [p for ps in comm.allgather(problems) for p in ps]
+    if problems:
+        raise BackendUnavailableError(
+            "CUDA IPC buffers need peer access (NVLink or PCIe P2P) between the GPUs of one NVLink domain, and "
+            f"cudaDeviceCanAccessPeer says no: {'; '.join(problems[:8])}"
+            + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
+
+
 class IpcBuffer:
     """One zeroed ``cudaMalloc`` of ``nbytes`` per rank, opened by every peer through CUDA IPC.
 
@@ -77,6 +104,7 @@ class IpcBuffer:
         rt = cupy.cuda.runtime
         self.comm, self.nbytes = comm, nbytes
         self.rank = comm.Get_rank()
+        check_peer_access(comm, rt)
         self.ptr = rt.malloc(nbytes)
         rt.memset(self.ptr, 0, nbytes)
         rt.deviceSynchronize()
