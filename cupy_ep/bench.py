@@ -273,11 +273,30 @@ def measure_ceiling(buf, timer, bytes_per_peer: int, sms_list, steady_n: int = 0
     return graph, steady
 
 
+def shared_gpu_ranks(gpus) -> list[list[int]]:
+    """Groups of ranks (ascending) whose ``gpus[r]`` (any hashable: host and PCI bus id) is the same."""
+    by_gpu: dict = {}
+    for r, g in enumerate(gpus):
+        by_gpu.setdefault(g, []).append(r)
+    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
+
+
 class NcclAllToAll:
     """Grouped send/recv (cupy.cuda.nccl) of given per-peer byte counts (self-send included)."""
 
     def __init__(self, comm):
+        import socket
+
+        import cupy
         from cupy.cuda import nccl
+        rt = cupy.cuda.runtime
+        # NCCL refuses two ranks on one GPU (NCCL_ERROR_INVALID_USAGE deep in the first call): say so first, on
+        # every rank (collective, so no rank is left waiting)
+        shared = shared_gpu_ranks(comm.allgather((socket.gethostname(), rt.deviceGetPCIBusId(rt.getDevice()))))
+        if shared:
+            raise SystemExit("cupy_ep.bench: the NCCL baseline needs one GPU per rank, but ranks "
+                             + "; ".join(", ".join(map(str, g)) for g in shared) + " share a GPU "
+                             "(run at most as many ranks per node as it has GPUs)")
         self.nccl = nccl
         uid = comm.bcast(nccl.get_unique_id() if comm.Get_rank() == 0 else None)
         self.nc = nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())

@@ -531,3 +531,9 @@ def test_ll_host_overhead_measures_with_and_without_value_checks(monkeypatch):
     with pytest.raises(RuntimeError):
         b.host_overhead({"ll_dispatch": (boom, None, "fp8")}, 128)
     assert b.buf.check_values is False
+
+
+def test_shared_gpu_ranks_groups_ranks_on_one_gpu():
+    gpus = [("a", "0000:18"), ("a", "0000:18"), ("a", "0000:2a"), ("b", "0000:18"), ("a", "0000:2a")]
+    assert bench.shared_gpu_ranks(gpus) == [[0, 1], [2, 4]]  # host b's GPU 0000:18 is another GPU
+    assert bench.shared_gpu_ranks([("a", "0"), ("a", "1")]) == []

@@ -1,8 +1,7 @@
 #!/bin/bash
 # S23C (kind nvidia-h200: one GPU; carry [".carry"]): the README's test command on the GPU machine after the lazy
 # `import cupy_ep`, start_mpi and the IPC buffers' peer-access check (CUPY_EP_SKIP_INSTALL=1: the image's python;
-# the pytest-mpi wheel in /tmp/site). Also what S23B ran by hand: gil_probe.py (what a thread can do during Open
-# MPI's MPI_Init) with the default components and with pml ob1 / btl self,vader.
+# the pytest-mpi wheel in /tmp/site).
 set -u
 source benchmarks/experiments/device_env.sh
 export PYTHONPATH=/tmp/site
