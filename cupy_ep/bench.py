@@ -285,14 +285,13 @@ class NcclAllToAll:
     """Grouped send/recv (cupy.cuda.nccl) of given per-peer byte counts (self-send included)."""
 
     def __init__(self, comm):
-        import socket
-
         import cupy
         from cupy.cuda import nccl
-        rt = cupy.cuda.runtime
+
+        from .bootstrap import gpu_of_each_rank
         # NCCL refuses two ranks on one GPU (NCCL_ERROR_INVALID_USAGE deep in the first call): say so first, on
         # every rank (collective, so no rank is left waiting)
-        shared = shared_gpu_ranks(comm.allgather((socket.gethostname(), rt.deviceGetPCIBusId(rt.getDevice()))))
+        shared = shared_gpu_ranks(gpu_of_each_rank(comm, cupy.cuda.runtime))
         if shared:
             raise SystemExit("cupy_ep.bench: the NCCL baseline needs one GPU per rank, but ranks "
                              + "; ".join(", ".join(map(str, g)) for g in shared) + " share a GPU "

@@ -64,6 +64,12 @@ def choose_device(local_rank: int, device: int | None = None) -> int:
     return device
 
 
+def gpu_of_each_rank(comm, rt) -> list[tuple[str, str]]:
+    """Collective: every rank's GPU as ``(host name, PCI bus id)``, by rank (``rt``: ``cupy.cuda.runtime``)."""
+    import socket
+    return comm.allgather((socket.gethostname(), rt.deviceGetPCIBusId(rt.getDevice())))
+
+
 def check_peer_access(comm, rt) -> None:
     """Collective: raise :class:`BackendUnavailableError` on every rank of ``comm`` (before any IPC handle is
     opened, so no rank is left waiting) when one rank's GPU cannot reach another rank's memory by load/store
@@ -72,9 +78,10 @@ def check_peer_access(comm, rt) -> None:
     ``rt`` is ``cupy.cuda.runtime`` (a stand-in in the CPU tests)."""
     from .errors import BackendUnavailableError
     me = rt.getDevice()
-    bus = rt.deviceGetPCIBusId(me)
+    gpus = gpu_of_each_rank(comm, rt)  # an IPC buffer's ranks share a host: the bus ids tell the GPUs apart
+    bus = gpus[comm.Get_rank()][1]
     problems = []
-    for r, other in enumerate(comm.allgather(bus)):
+    for r, (_, other) in enumerate(gpus):
         if other == bus:
             continue
         try:

@@ -127,10 +127,9 @@ def start_mpi(preload: Callable[[], bool | None] | None = default_preload) -> St
     global _started
     if _started is not None:
         return _started
-    if "mpi4py.MPI" not in sys.modules:
-        import mpi4py
-        mpi4py.rc.initialize = False  # MPI_Init_thread comes from here, through ctypes, without the GIL
     import mpi4py
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.initialize = False  # MPI_Init_thread comes from here, through ctypes, without the GIL
     from mpi4py import MPI
 
     out: dict = {}

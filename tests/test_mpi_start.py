@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(any(v in os.environ for v in _LAUNCHER_VARS),
 
 def run_child(code: str) -> dict[str, str]:
     """Run ``code`` in a fresh interpreter; returns its ``key=value`` output lines (the run must exit 0)."""
-    env = dict(os.environ)  # as is: Open MPI's singleton start as root needs OMPI_ALLOW_RUN_AS_ROOT*, for one
+    env = dict(os.environ)  # as is: e.g. Open MPI's singleton start as root needs OMPI_ALLOW_RUN_AS_ROOT*
     env["CUPY_EP_PREINIT"] = "0"  # no CUDA start in these children: they test MPI's start only
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
