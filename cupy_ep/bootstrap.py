@@ -98,6 +98,111 @@ def check_peer_access(comm, rt) -> None:
             + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
 
 
+@dataclasses.dataclass(frozen=True)
+class SmShare:
+    """How many SMs one rank's kernels may fill with resident blocks on its GPU.
+
+    Ranks sharing a GPU without CUDA MPS run in time slices, one process at a time, so a rank's kernel may use the
+    whole GPU. Under MPS they run at the same time, each on the SMs its MPS provisioning allows
+    (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``; MPS caps a client's SMs but reserves none), so the blocks of all of them
+    must be resident together: a block that waits for a peer's block would otherwise wait for an SM that the
+    peer's own waiting blocks hold.
+
+    Attributes:
+        device_sms: the SMs CUDA reports (``cudaDevAttrMultiProcessorCount``: under MPS already the provisioned
+            count, S24A).
+        provisioned_sms: the SMs this process may use (``cuCtxGetExecAffinity``; ``device_sms`` without MPS).
+        gpu_sms: the whole GPU's SMs (``device_sms`` without MPS; under MPS an estimate, see :func:`query_mps`).
+        ranks_per_gpu: ranks of this node per GPU (>= 1).
+        mps: every rank of the communicator is an MPS client (``cudaDevAttrMpsEnabled``).
+    """
+    device_sms: int
+    provisioned_sms: int
+    gpu_sms: int
+    ranks_per_gpu: int
+    mps: bool
+
+    @property
+    def per_rank(self) -> int:
+        """SMs one rank's kernel may hold at once: its MPS share of the GPU, else the whole GPU."""
+        if self.mps:
+            return max(1, min(self.provisioned_sms, self.gpu_sms // self.ranks_per_gpu))
+        return self.device_sms
+
+    @property
+    def normal_mode_sms(self) -> int:
+        """The most SMs a normal-mode call may ask for (``Config.num_sms``): without MPS the GPU's SMs divided among
+        the ranks sharing it (as before MPS was recognised), under MPS this rank's share."""
+        return self.per_rank if self.mps else self.device_sms // self.ranks_per_gpu
+
+    def describe(self) -> str:
+        if not self.mps:
+            return f"{self.device_sms} SMs, {self.ranks_per_gpu} rank(s) per GPU"
+        return (f"{self.ranks_per_gpu} rank(s) per GPU as CUDA MPS clients, {self.provisioned_sms} SMs provisioned "
+                f"to this rank of about {self.gpu_sms}")
+
+
+_CU_EXEC_AFFINITY_TYPE_SM_COUNT = 0
+_CUDA_DEV_ATTR_MPS_ENABLED = 133  # cudaDevAttrMpsEnabled / CU_DEVICE_ATTRIBUTE_MPS_ENABLED
+
+
+class _ExecAffinityParam(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("sm_count", ctypes.c_uint)]  # CUexecAffinityParam (smCount union arm)
+
+
+def whole_gpu_sms(provisioned_sms: int, percentage: float | None) -> int:
+    """The whole GPU's SMs as an MPS client can estimate them. CUDA reports only the provisioned SMs, rounded up
+    to what the hardware can split (S24A: 66 of 132 at 50 %; taken here as whole TPCs of 2 SMs). Taking
+    ``provisioned - 2`` keeps that rounding from overstating the GPU (8 clients at 12.5 % of 132 SMs get 18 each:
+    16 x 8 fits, 17 x 8 would not). Without a
+    percentage in this process's environment the provisioning is the whole GPU, or a default the control daemon
+    set that this process cannot see: the estimate is then the provisioned count (too small at worst, which costs
+    SMs but never residency)."""
+    if not percentage or percentage >= 100:
+        return provisioned_sms
+    return max(provisioned_sms, int(max(0, provisioned_sms - 2) * 100 // percentage))
+
+
+def query_mps(device_id: int) -> tuple[bool, int, int]:
+    """``(mps, provisioned_sms, gpu_sms)`` of this process on GPU ``device_id``: whether its contexts go through a
+    CUDA MPS server, how many SMs the MPS provisioning leaves it, and the whole GPU's SMs (:func:`whole_gpu_sms`;
+    both are the device's SMs without MPS). Creates the primary context of that GPU if MPS is on."""
+    import cupy
+    rt = cupy.cuda.runtime
+    device_sms = rt.deviceGetAttribute(16, device_id)  # cudaDevAttrMultiProcessorCount
+    try:
+        mps = bool(rt.deviceGetAttribute(_CUDA_DEV_ATTR_MPS_ENABLED, device_id))
+    except Exception:  # a driver older than the attribute: no way to tell, and MPS is rare there
+        mps = False
+    if not mps:
+        return False, device_sms, device_sms
+    with cupy.cuda.Device(device_id):
+        rt.free(0)  # the primary context, current on this thread: what cuCtxGetExecAffinity asks about
+        param = _ExecAffinityParam()
+        rc = ctypes.CDLL("libcuda.so.1").cuCtxGetExecAffinity(ctypes.byref(param), _CU_EXEC_AFFINITY_TYPE_SM_COUNT)
+    provisioned = int(param.sm_count) if rc == 0 and 0 < param.sm_count <= device_sms else device_sms
+    try:
+        percentage = float(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") or 0)
+    except ValueError:
+        percentage = 0.0
+    return True, provisioned, whole_gpu_sms(provisioned, percentage)
+
+
+def sm_share(comm, device_sms: int, ranks_per_gpu: int, mps: bool, provisioned_sms: int,
+             gpu_sms: int) -> SmShare:
+    """Collective: this rank's :class:`SmShare`. MPS counts only when every rank of ``comm`` is an MPS client, so
+    that all ranks take the same decisions from it (a mix raises nowhere here, and is treated as no MPS)."""
+    everywhere = bool(comm.allreduce(int(bool(mps)), op=_mpi_min()))
+    if not everywhere:
+        provisioned_sms = gpu_sms = device_sms
+    return SmShare(int(device_sms), int(provisioned_sms), int(gpu_sms), max(1, int(ranks_per_gpu)), everywhere)
+
+
+def _mpi_min():
+    from mpi4py import MPI
+    return MPI.MIN
+
+
 class IpcBuffer:
     """One zeroed ``cudaMalloc`` of ``nbytes`` per rank, opened by every peer through CUDA IPC.
 

@@ -119,17 +119,21 @@ class CudaBuffer(Buffer):
             cuda_low_latency.check_num_rdma_bytes(num_rdma_bytes)
             cuda_low_latency.resolve_force_put(ll_transport)
         ranks_per_gpu = -(-self.topology.local_size // max(1, _gpu_count()))
-        if low_latency_mode and ranks_per_gpu > 1 and ll_transport == "nvshmem":
-            # Checked on every rank alike, before anything collective: no rank is left waiting.
+        rt = cupy.cuda.runtime
+        self.num_device_sms = rt.deviceGetAttribute(_DEV_ATTR_SM_COUNT, self.device_id)
+        # Collective (every rank, before any check that raises): what each rank's kernels may hold at once.
+        self.sm_share = bootstrap.sm_share(self.comm, self.num_device_sms, ranks_per_gpu,
+                                           *bootstrap.query_mps(self.device_id))
+        if low_latency_mode and ranks_per_gpu > 1 and ll_transport == "nvshmem" and not self.sm_share.mps:
+            # Checked on every rank alike (sm_share agrees on mps everywhere): no rank is left waiting.
             raise ValueError(
                 f"low_latency_mode: the NVSHMEM transport needs one GPU per rank, but {self.topology.local_size} "
-                f"ranks share {_gpu_count()} GPU(s) on this node (NVSHMEM supports several processes per GPU only "
-                "through CUDA MPS). Run one rank per GPU, or pass low_latency_transport='ipc' (or set "
+                f"ranks share {_gpu_count()} GPU(s) on this node and are not CUDA MPS clients (NVSHMEM supports "
+                "several processes per GPU only through CUDA MPS). Run one rank per GPU, start the MPS control "
+                "daemon (nvidia-cuda-mps-control -d) before the ranks, or pass low_latency_transport='ipc' (or set "
                 "CUPY_EP_LL_TRANSPORT=ipc): the same kernels over a CUDA-IPC buffer, which ranks sharing a GPU may "
-                "use (each wait for a peer then costs a time slice of the shared GPU)")
+                "use (without MPS each wait for a peer then costs a time slice of the shared GPU)")
         with self._device:
-            rt = cupy.cuda.runtime
-            self.num_device_sms = rt.getDeviceProperties(self.device_id)["multiProcessorCount"]
             # internode: the NVLink buffer spans one node only; InternodeState makes it
             self._nvl = None if internode else bootstrap.IpcBuffer(self.comm, num_nvl_bytes + _config.SIGNAL_BYTES)
             self._workspace = cupy.zeros(_config.WORKSPACE_BYTES // 4, dtype=cupy.int32)
@@ -305,10 +309,10 @@ class CudaBuffer(Buffer):
                                                                "role": "host"})
 
     def _check_sms(self, cfg: _config.Config, arg: str = "config") -> None:
-        ranks_per_gpu = max(1, -(-self.topology.local_size // max(1, _gpu_count())))
-        if cfg.num_sms * ranks_per_gpu > self.num_device_sms:
-            raise ValueError(f"{arg}: num_sms={cfg.num_sms} x {ranks_per_gpu} rank(s) per GPU exceeds the "
-                             f"{self.num_device_sms} SMs of GPU {self.device_id} (every block must be resident)")
+        limit = self.sm_share.normal_mode_sms
+        if cfg.num_sms > limit:
+            raise ValueError(f"{arg}: num_sms={cfg.num_sms} exceeds the {limit} SMs a rank may use on GPU "
+                             f"{self.device_id} ({self.sm_share.describe()}; every block must be resident)")
 
     # ---- layout -------------------------------------------------------------------------------------
     @_on_device
@@ -761,6 +765,9 @@ class CudaBuffer(Buffer):
                              (self._nvl.ptr_table, np.int32(self.rank), self._ctx))
             self.comm_stream.synchronize()
         self.check_health()
+
+
+_DEV_ATTR_SM_COUNT = 16  # cudaDevAttrMultiProcessorCount
 
 
 def _gpu_count() -> int:

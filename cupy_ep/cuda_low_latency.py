@@ -168,6 +168,25 @@ def resolve_transport(transport: str | None) -> str:
     return value
 
 
+_NUM_BLOCKS_ENV = "CUPY_EP_LL_NUM_BLOCKS"
+
+
+def resolve_num_blocks(per_rank: int) -> int:
+    """The low-latency kernels' grid: ``per_rank`` (one block per SM the rank may hold), or fewer where
+    ``CUPY_EP_LL_NUM_BLOCKS`` asks (testing: the kernels' paths where a block serves several tokens and experts)."""
+    value = os.environ.get(_NUM_BLOCKS_ENV, "")
+    if not value:
+        return per_rank
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= per_rank:
+        raise ValueError(f"{_NUM_BLOCKS_ENV}: must be an integer in [1, {per_rank}] (the SMs this rank may hold), "
+                         f"got {value!r}")
+    return n
+
+
 def resolve_force_put(transport: str) -> bool:
     """Env ``CUPY_EP_LL_FORCE_PUT``: anything but unset, empty or ``"0"`` sends every peer's data through NVSHMEM
     puts; refused with the IPC transport, which has no puts (asking for them is a mistake, not a no-op)."""
@@ -213,6 +232,9 @@ class LowLatencyState:
                              f"got {buf.num_ranks}")
         self.transport = transport
         self._force_put = resolve_force_put(transport)
+        # One resident block per SM this rank may hold (blocks wait for each other): the whole GPU, or under
+        # CUDA MPS this rank's share of it (the ranks sharing the GPU then run at the same time).
+        self.num_blocks = resolve_num_blocks(buf.sm_share.per_rank)  # before anything collective
         self.buf = buf
         self.num_bytes = num_rdma_bytes
         if transport == "nvshmem":
@@ -234,7 +256,6 @@ class LowLatencyState:
         self.index = 0                             # the buffer the next call uses
         self.hooks = RecvHooks()                   # a hook runs once, before the next low-latency call
         self.signal_shape = None                   # (M, H, E) the signal regions were last cleaned for
-        self.num_blocks = buf.num_device_sms       # one resident block per SM (blocks wait for each other)
         self.leaked: str | None = None             # why destroy() skipped the NVSHMEM teardown, if it did
         # Optional phase stamps (profiling): [dispatch, combine][block][STAMP_NAMES] int64 %globaltimer ns, written
         # when enabled (CUPY_EP_LL_STAMPS=1 or enable_stamps()) by kernels built with STAMPS_OPTION; None: the

@@ -5,12 +5,17 @@
 #   bash scripts/gpu_check.sh                         # every step
 #   GPU_CHECK_STEPS="nvidia_smi gpu2" bash scripts/gpu_check.sh
 #
-# Steps (in this order): nvidia_smi unit gpu2 gpu4 gpu8 llipc internode bench llbench soak sanitize
+# Steps (in this order): nvidia_smi unit gpu2 gpu4 gpu8 llipc mps internode bench llbench soak sanitize
 #   nvidia_smi  GPUs, links and software versions
 #   unit        the single-process tests (tests/, without tests/gpu)
 #   gpuN        tests/gpu under the MPI launcher with N ranks (4 and 8: several ranks per GPU), without internode
 #   llipc       the low-latency files over the CUDA-IPC transport (CUPY_EP_LL_TRANSPORT=ipc) at 4 and 8 ranks,
 #               several per GPU (NVSHMEM refuses that, so gpu4 / gpu8 skip them)
+#   mps         ranks sharing each GPU as CUDA MPS clients of a private MPS control daemon (started and stopped
+#               here, its pipe and log folders in a temporary folder): the low-latency files on NVSHMEM (which
+#               refuses ranks sharing a GPU without MPS) at MPS_RANKS_PER_GPU (default 2) ranks per GPU, each
+#               provisioned 100 / that percent of its SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), then the rest of
+#               tests/gpu likewise; the kernels of the ranks on one GPU run at the same time there
 #   internode   tests/gpu/test_internode.py at 2 ranks (2 nodes x 1 GPU) and 4 ranks (2 nodes x 2, IPC transport)
 #   bench       python -m cupy_ep.bench --out $OUT_DIR at 2 ranks
 #   llbench     python -m cupy_ep.bench --mode low-latency --out $OUT_DIR at 2 ranks
@@ -57,7 +62,7 @@ else
     ep_log "[env] no .carry/wheels/*.whl (pytest-mpi must already be installed)"
 fi
 
-ALL_STEPS="nvidia_smi unit gpu2 gpu4 gpu8 llipc internode bench llbench soak sanitize"
+ALL_STEPS="nvidia_smi unit gpu2 gpu4 gpu8 llipc mps internode bench llbench soak sanitize"
 STEPS="${GPU_CHECK_STEPS:-$ALL_STEPS}"
 for s in $STEPS; do
     [[ " $ALL_STEPS " == *" $s "* ]] || ep_record "$s" - - - - FAILED "unknown step (known: $ALL_STEPS)"
@@ -101,6 +106,37 @@ if want llipc; then
             --timeout-method=thread tests/gpu/test_low_latency.py tests/gpu/test_zz_low_latency_timeout.py -rs
     done
     unset CUPY_EP_LL_TRANSPORT
+fi
+mps_stop() {  # quit the private MPS daemon (if it runs) and keep its control log
+    [[ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]] || return 0
+    echo quit | nvidia-cuda-mps-control
+    sleep 1
+    cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$OUT_DIR/mps_control.log" 2>/dev/null
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+}
+if want mps; then
+    per_gpu="${MPS_RANKS_PER_GPU:-2}"
+    n=$(( per_gpu * $(ep_num_gpus) ))  # counted before the daemon starts: CUDA in this shell stays outside MPS
+    mps_dir="$(mktemp -d /tmp/cupy_ep_mps.XXXXXX)"
+    mkdir -p "$mps_dir/pipe" "$mps_dir/log"
+    export CUDA_MPS_PIPE_DIRECTORY="$mps_dir/pipe" CUDA_MPS_LOG_DIRECTORY="$mps_dir/log"
+    export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$(( 100 / per_gpu ))
+    if ! command -v nvidia-cuda-mps-control >/dev/null; then
+        unset CUDA_MPS_PIPE_DIRECTORY
+        ep_record mps 1 - - - FAILED "nvidia-cuda-mps-control is not on PATH"
+    elif ! nvidia-cuda-mps-control -d; then
+        unset CUDA_MPS_PIPE_DIRECTORY
+        ep_record mps 1 - - - FAILED "the MPS control daemon did not start"
+    else
+        trap mps_stop EXIT  # a killed step must not leave the daemon running
+        ll=(tests/gpu/test_low_latency.py tests/gpu/test_nvshmem.py tests/gpu/test_zz_low_latency_timeout.py)
+        ep_pytest_step "mps_ll$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
+            --timeout-method=thread "${ll[@]}" -rs
+        ep_pytest_step "mps_rest$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
+            --timeout-method=thread tests/gpu -rs $(printf -- '--ignore=%s ' "${ll[@]}")
+        mps_stop
+        trap - EXIT
+    fi
 fi
 for n in 2 4; do
     want internode && ep_pytest_step "internode$n" "$n" --with-mpi -q -p no:cacheprovider --color=no \

@@ -151,6 +151,18 @@ def test_force_put_is_refused_on_the_ipc_transport(monkeypatch):
     assert state.force_put is False
 
 
+def test_num_blocks_is_the_rank_s_sms_unless_the_env_asks_for_fewer(monkeypatch):
+    from cupy_ep.cuda_low_latency import resolve_num_blocks
+    monkeypatch.delenv("CUPY_EP_LL_NUM_BLOCKS", raising=False)
+    assert resolve_num_blocks(132) == 132
+    monkeypatch.setenv("CUPY_EP_LL_NUM_BLOCKS", "30")
+    assert resolve_num_blocks(132) == 30
+    for bad in ("0", "133", "many"):
+        monkeypatch.setenv("CUPY_EP_LL_NUM_BLOCKS", bad)
+        with pytest.raises(ValueError, match=r"^CUPY_EP_LL_NUM_BLOCKS: must be an integer in \[1, 132\]"):
+            resolve_num_blocks(132)
+
+
 def test_destroy_closes_the_ipc_buffer_and_touches_no_nvshmem(monkeypatch):
     """IPC transport: destroy closes the IpcBuffer (its own collective: close, MPI barrier, free) once."""
     from types import SimpleNamespace

@@ -1,5 +1,7 @@
 """bootstrap.topology: the node-local rank (NVLink-domain index) and the machine rank (which picks the GPU) stay
 apart when num_ranks_per_node simulates several nodes on one machine."""
+import math
+
 import pytest
 
 from cupy_ep import bootstrap
@@ -79,3 +81,54 @@ def test_a_peer_gpu_hidden_from_this_process_is_not_refused(comm):
     rt = FakeRuntime(my_gpu=r, no_path={(0, 1)}, hidden={g for g in range(R) if g != r})
     bootstrap.check_peer_access(comm, rt)  # CUDA_VISIBLE_DEVICES=<own GPU>: cudaIpcOpenMemHandle decides
     assert rt.asked == []
+
+
+# ---- SMs per rank (bootstrap.SmShare): time slices without MPS, the MPS share with it ------------------------
+
+def test_without_mps_a_rank_may_hold_the_whole_gpu_and_normal_mode_divides_it():
+    share = bootstrap.SmShare(device_sms=132, provisioned_sms=132, gpu_sms=132, ranks_per_gpu=2, mps=False)
+    assert share.per_rank == 132          # time slices: one process at a time, the low-latency grid is unchanged
+    assert share.normal_mode_sms == 66    # what normal mode allowed before MPS was recognised
+    assert "MPS" not in share.describe()
+
+
+def test_under_mps_without_a_percentage_the_ranks_split_the_gpu():
+    # S24A: MPS at 100 % for each of two clients reports 132 SMs to each; both grids must be resident together
+    full = bootstrap.SmShare(device_sms=132, provisioned_sms=132, gpu_sms=132, ranks_per_gpu=2, mps=True)
+    assert full.per_rank == full.normal_mode_sms == 66
+
+
+def test_under_mps_a_rank_holds_its_provisioned_share():
+    # S24A: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 reports 66 SMs (the attribute and the execution affinity alike)
+    gpu = bootstrap.whole_gpu_sms(66, 50.0)
+    assert gpu == 128                     # (66 - 2) x 2: never more than the GPU has
+    half = bootstrap.SmShare(device_sms=66, provisioned_sms=66, gpu_sms=gpu, ranks_per_gpu=2, mps=True)
+    assert half.per_rank == half.normal_mode_sms == 64
+    assert "66 SMs provisioned" in half.describe()
+
+
+@pytest.mark.parametrize("sms,pct,clients", [(132, 25.0, 4), (132, 33.0, 3), (132, 50.0, 2), (132, 12.5, 8),
+                                             (114, 25.0, 4), (78, 50.0, 2)])
+def test_the_shares_of_clients_that_split_the_gpu_fit_on_it_together(sms, pct, clients):
+    # MPS rounds a share up to whole TPCs (2 SMs); what each client then takes must fit all clients on the GPU
+    wanted = math.ceil(sms * pct / 100)
+    provisioned = min(sms, wanted + wanted % 2)
+    gpu = bootstrap.whole_gpu_sms(provisioned, pct)
+    share = bootstrap.SmShare(provisioned, provisioned, gpu, clients, True)
+    assert share.per_rank * clients <= sms
+    assert share.per_rank >= sms // clients - 3      # and gives away little
+
+
+def test_without_a_percentage_the_estimate_is_what_is_provisioned():
+    assert bootstrap.whole_gpu_sms(132, None) == bootstrap.whole_gpu_sms(132, 100.0) == 132
+    assert bootstrap.whole_gpu_sms(40, 0.0) == 40   # a daemon default unseen here: smaller, never larger
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mps_counts_only_when_every_rank_is_a_client(comm):
+    r = comm.Get_rank()
+    everywhere = bootstrap.sm_share(comm, 132, 2, mps=True, provisioned_sms=132, gpu_sms=132)
+    assert everywhere.mps and everywhere.per_rank == 66
+    mixed = bootstrap.sm_share(comm, 132, 2, mps=(r != 0), provisioned_sms=66, gpu_sms=130)
+    # every rank takes the same decision: no MPS, the whole GPU (and its own SM count, not the provisioned one)
+    assert not mixed.mps and mixed.per_rank == 132 and mixed.provisioned_sms == mixed.gpu_sms == 132

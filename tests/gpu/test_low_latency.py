@@ -80,11 +80,6 @@ def _buffer_bytes(num_ranks: int) -> int:
     return cfgmod.low_latency_rdma_size_hint(MAX_TOKENS, MAX_HIDDEN, num_ranks, MAX_EXPERTS)
 
 
-def _gpu_count() -> int:
-    import cupy
-    return cupy.cuda.runtime.getDeviceCount()
-
-
 def ranks_share_a_gpu(comm) -> bool:
     """True when this node runs more ranks than it has GPUs (the NVSHMEM transport refuses that)."""
     import cupy
@@ -96,6 +91,16 @@ def ranks_share_a_gpu(comm) -> bool:
         local.Free()
 
 
+def mps_clients(comm) -> bool:
+    """True when every rank is a CUDA MPS client (then NVSHMEM allows ranks sharing a GPU, and their kernels run at
+    the same time instead of in time slices)."""
+    import cupy
+    from cupy_ep import bootstrap
+    from mpi4py import MPI
+    mps, _, _ = bootstrap.query_mps(cupy.cuda.runtime.getDevice())
+    return bool(comm.allreduce(int(mps), op=MPI.MIN))
+
+
 def ll_transport() -> str:
     """The low-latency transport these tests run on (env CUPY_EP_LL_TRANSPORT, default nvshmem)."""
     from cupy_ep.cuda_low_latency import resolve_transport
@@ -103,9 +108,9 @@ def ll_transport() -> str:
 
 
 def skip_unless_usable(comm) -> None:
-    """Skip (on every rank alike) where this transport cannot run: NVSHMEM with ranks sharing a GPU."""
-    if ll_transport() == "nvshmem" and ranks_share_a_gpu(comm):
-        pytest.skip("the NVSHMEM transport needs one GPU per rank (see test_zz_low_latency_timeout.py::"
+    """Skip (on every rank alike) where this transport cannot run: NVSHMEM with ranks sharing a GPU outside MPS."""
+    if ll_transport() == "nvshmem" and ranks_share_a_gpu(comm) and not mps_clients(comm):
+        pytest.skip("the NVSHMEM transport needs one GPU per rank or CUDA MPS (see test_zz_low_latency_timeout.py::"
                     "test_ranks_sharing_a_gpu_are_refused; CUPY_EP_LL_TRANSPORT=ipc runs these tests there)")
 
 
@@ -800,8 +805,7 @@ def test_normal_mode_still_works_on_a_low_latency_buffer(comm, ll_buf):
         pytest.skip("one rank: normal mode needs 2..8 ranks")
 
     # SMs that fit with every rank sharing the GPU resident at once (8 ranks on one GPU: 20 each would need 160)
-    per_gpu = -(-int(ll_buf.topology.local_size) // _gpu_count())
-    config = cupy_ep.Config(num_sms=min(cupy_ep.Buffer.num_sms, ll_buf.num_device_sms // per_gpu // 2 * 2))
+    config = cupy_ep.Config(num_sms=min(cupy_ep.Buffer.num_sms, ll_buf.sm_share.normal_mode_sms // 2 * 2))
 
     def prepare():
         rng = np.random.default_rng(comm.Get_rank())

@@ -17,11 +17,13 @@ SKIPPER = 1
 
 @pytest.mark.mpi(min_size=2)
 def test_ranks_sharing_a_gpu_are_refused(comm):
-    """With several ranks per GPU, Buffer(low_latency_mode=True) on the NVSHMEM transport raises a ValueError naming
-    low_latency_mode and pointing at the IPC transport on every rank, before anything collective (nobody hangs)."""
-    from tests.gpu.test_low_latency import ranks_share_a_gpu
+    """With several ranks per GPU and no MPS, Buffer(low_latency_mode=True) on the NVSHMEM transport raises a
+    ValueError naming low_latency_mode and pointing at the IPC transport on every rank (nobody hangs)."""
+    from tests.gpu.test_low_latency import mps_clients, ranks_share_a_gpu
     if not ranks_share_a_gpu(comm):
         pytest.skip("one rank per GPU here: low_latency_mode is allowed")
+    if mps_clients(comm):
+        pytest.skip("the ranks are CUDA MPS clients: NVSHMEM allows several per GPU (the low-latency tests run)")
     with pytest.raises(ValueError, match="^low_latency_mode: the NVSHMEM transport needs one GPU per rank.*"
                                          "low_latency_transport='ipc'"):
         cupy_ep.Buffer(comm, num_rdma_bytes=1 << 20, low_latency_mode=True, backend="cuda",
