@@ -552,7 +552,14 @@ class LowLatencyState:
 
     def check_handle(self, handle, check_values: bool):
         """``(src_info raw, layout_range raw, M, H, E)`` of a low-latency dispatch handle (validate.py)."""
-        return validate.check_low_latency_handle(handle, self.buf.num_ranks, check_values, self.buf.device_id)
+        try:
+            return validate.check_low_latency_handle(handle, self.buf.num_ranks, check_values, self.buf.device_id)
+        except ValueError:
+            # The values were read back (a sync): if the dispatch that wrote them stopped at a device wait's
+            # timeout they are garbage, and the timeout is what to report (S24C: "layout_range runs outside").
+            if check_values:
+                self.buf.check_health()
+            raise
 
     # ---- the API ------------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats, wait_stats, use_fp8,

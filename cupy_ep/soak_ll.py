@@ -97,6 +97,21 @@ def compare(got: dict, want, want_c) -> list[str]:
     return [name for name, ok in checks.items() if not ok]
 
 
+def device_failure(buf) -> str | None:
+    """After this rank's calls of an iteration: why its buffer failed on the device (a wait that timed out, ranks
+    that disagreed), or None. Waits for the device first (every device wait ends, at the latest at its timeout)."""
+    if buf.backend != "cuda":
+        return None
+    import cupy
+    from .errors import CommError
+    cupy.cuda.runtime.deviceSynchronize()
+    try:
+        buf.check_health()
+    except CommError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def main(args, comm) -> int:
     """Entry from :func:`cupy_ep.soak.main` (``--mode low-latency``). Returns the exit code (0, or 1 on a
     mismatch)."""
@@ -166,6 +181,16 @@ def main(args, comm) -> int:
         if hook is not None:
             hook()
 
+        # A device wait that timed out leaves garbage outputs: say so (on every rank alike), not "mismatch"
+        failures = comm.allgather(device_failure(buf))
+        if any(failures):
+            if rank == 0:
+                print(f"\nDEVICE WAIT FAILED at iteration {it} (seed {args.seed}, shape {s}): "
+                      + "; ".join(f"rank {r}: {f}" for r, f in enumerate(failures) if f) + "\n"
+                      f"replay: python -m cupy_ep.soak --mode low-latency --seed {args.seed} --start {it} "
+                      f"--iters 1 --max-tokens {M} --hiddens {','.join(map(str, hiddens))}", flush=True)
+            buf.destroy()
+            return 1
         if s["check"] or it % args.check_every == 0:   # the same decision on every rank
             checked += 1
             data, scales = recv_x if s["use_fp8"] else (recv_x, None)

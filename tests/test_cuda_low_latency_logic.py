@@ -163,6 +163,33 @@ def test_num_blocks_is_the_rank_s_sms_unless_the_env_asks_for_fewer(monkeypatch)
             resolve_num_blocks(132)
 
 
+def test_a_garbage_handle_from_a_timed_out_dispatch_reports_the_timeout(monkeypatch):
+    """check_values reads the handle back; values that fail the checks after the dispatch's device wait timed out
+    are its garbage, and the CommTimeoutError is what the caller gets (S24C got a ValueError about layout_range)."""
+    from types import SimpleNamespace
+
+    from cupy_ep import validate
+    from cupy_ep.cuda_low_latency import LowLatencyState
+    from cupy_ep.errors import CommTimeoutError
+
+    def bad_values(*args, **kwargs):
+        raise ValueError("handle.layout_range: a (begin << 32) | count entry runs outside [0, 512) rows")
+
+    def timed_out():
+        raise CommTimeoutError("rank 3: device wait timed out after 10.0 s", {"kernel": "low_latency_dispatch"})
+
+    monkeypatch.setattr(validate, "check_low_latency_handle", bad_values)
+    state = LowLatencyState.__new__(LowLatencyState)
+    state.buf = SimpleNamespace(num_ranks=4, device_id=0, check_health=timed_out)
+    with pytest.raises(CommTimeoutError, match="device wait timed out"):
+        state.check_handle(object(), check_values=True)
+    with pytest.raises(ValueError, match="^handle.layout_range"):
+        state.check_handle(object(), check_values=False)     # nothing was read back: nothing to blame
+    state.buf.check_health = lambda: None
+    with pytest.raises(ValueError, match="^handle.layout_range"):
+        state.check_handle(object(), check_values=True)      # a healthy buffer: the handle itself is bad
+
+
 def test_destroy_closes_the_ipc_buffer_and_touches_no_nvshmem(monkeypatch):
     """IPC transport: destroy closes the IpcBuffer (its own collective: close, MPI barrier, free) once."""
     from types import SimpleNamespace

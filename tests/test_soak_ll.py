@@ -61,3 +61,41 @@ def test_low_latency_soak_reports_a_mismatch(comm, monkeypatch, capsys):
     assert soak.main(ARGS + ["--iters", "5", "--check-every", "1", "--seed", "5"]) == 1
     if comm.Get_rank() == 0:
         assert "replay: python -m cupy_ep.soak --mode low-latency --seed 5" in capsys.readouterr().out
+
+
+def test_device_failure_reports_a_timed_out_wait_after_the_device_is_idle(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from cupy_ep.errors import CommTimeoutError
+    synced = []
+    fake_cupy = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(deviceSynchronize=lambda: synced.append(1))))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+
+    def timed_out():
+        assert synced, "the record is read only once the device is idle"
+        raise CommTimeoutError("rank 3: device wait timed out after 10.0 s", {"kernel": "low_latency_dispatch"})
+
+    assert soak_ll.device_failure(SimpleNamespace(backend="cuda", check_health=timed_out)).startswith(
+        "CommTimeoutError: rank 3: device wait timed out")
+    assert soak_ll.device_failure(SimpleNamespace(backend="cuda", check_health=lambda: None)) is None
+    assert soak_ll.device_failure(SimpleNamespace(backend="host")) is None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_low_latency_soak_reports_a_device_failure_not_a_mismatch(comm, monkeypatch, capsys):
+    """A wait that timed out leaves garbage outputs (S24C read them as "MISMATCH ... recv_count"): the soak stops
+    on every rank at that iteration, naming the rank and the error, before comparing anything."""
+    calls = []
+
+    def failing_on_rank_1_at_iteration_2(buf):
+        calls.append(1)
+        return "CommTimeoutError: rank 1: device wait timed out" if comm.Get_rank() == 1 and len(calls) == 3 else None
+
+    monkeypatch.setattr(soak_ll, "device_failure", failing_on_rank_1_at_iteration_2)
+    assert soak.main(ARGS + ["--iters", "5", "--check-every", "1"]) == 1
+    assert len(calls) == 3                      # every rank stopped at the same iteration
+    if comm.Get_rank() == 0:
+        out = capsys.readouterr().out
+        assert "DEVICE WAIT FAILED at iteration 2" in out and "rank 1: CommTimeoutError" in out
+        assert "MISMATCH" not in out
