@@ -132,3 +132,13 @@ def test_mps_counts_only_when_every_rank_is_a_client(comm):
     mixed = bootstrap.sm_share(comm, 132, 2, mps=(r != 0), provisioned_sms=66, gpu_sms=130)
     # every rank takes the same decision: no MPS, the whole GPU (and its own SM count, not the provisioned one)
     assert not mixed.mps and mixed.per_rank == 132 and mixed.provisioned_sms == mixed.gpu_sms == 132
+
+
+def test_low_latency_mode_is_refused_with_provisioned_shares_for_more_than_two_ranks():
+    # S24B-E: 4 ranks at 25 % (32 SMs provisioned, 30 blocks each) timed out; without a percentage they ran clean
+    quarter = bootstrap.SmShare(32, 32, bootstrap.whole_gpu_sms(32, 25.0), 4, True)
+    assert quarter.partial and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE unset" in quarter.low_latency_problem()
+    assert bootstrap.SmShare(132, 132, 132, 4, True).low_latency_problem() is None       # no percentage
+    half = bootstrap.SmShare(66, 66, bootstrap.whole_gpu_sms(66, 50.0), 2, True)
+    assert half.partial and half.low_latency_problem() is None                           # 2 at 50 %: ran clean
+    assert bootstrap.SmShare(132, 132, 132, 4, False).low_latency_problem() is None     # time slices

@@ -101,6 +101,22 @@ def mps_clients(comm) -> bool:
     return bool(comm.allreduce(int(mps), op=MPI.MIN))
 
 
+def mps_share_problem(comm) -> str | None:
+    """Why Buffer(low_latency_mode=True) refuses this job's MPS shares (bootstrap.SmShare.low_latency_problem)."""
+    import cupy
+    from cupy_ep import bootstrap
+    from mpi4py import MPI
+    dev = cupy.cuda.runtime.getDevice()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        per_gpu = -(-local.Get_size() // cupy.cuda.runtime.getDeviceCount())
+    finally:
+        local.Free()
+    share = bootstrap.sm_share(comm, cupy.cuda.runtime.deviceGetAttribute(16, dev), per_gpu,
+                               *bootstrap.query_mps(dev))
+    return share.low_latency_problem()
+
+
 def ll_transport() -> str:
     """The low-latency transport these tests run on (env CUPY_EP_LL_TRANSPORT, default nvshmem)."""
     from cupy_ep.cuda_low_latency import resolve_transport
@@ -112,6 +128,9 @@ def skip_unless_usable(comm) -> None:
     if ll_transport() == "nvshmem" and ranks_share_a_gpu(comm) and not mps_clients(comm):
         pytest.skip("the NVSHMEM transport needs one GPU per rank or CUDA MPS (see test_zz_low_latency_timeout.py::"
                     "test_ranks_sharing_a_gpu_are_refused; CUPY_EP_LL_TRANSPORT=ipc runs these tests there)")
+    if mps_share_problem(comm):
+        pytest.skip("these MPS shares are refused in low-latency mode (test_zz_low_latency_timeout.py::"
+                    "test_refused_mps_shares)")
 
 
 def use_put_path(ll_buf, force_put: bool) -> None:
