@@ -8,16 +8,13 @@ export PYTHONPATH=/tmp/site:$PWD
 tar xzf .carry/epc.tgz -C /tmp
 D=$OUT; LOG_TAG=none; pack() { :; }
 S="python3 -m cupy_ep.soak --mode low-latency --check-every 1"; R6="--start 6 --iters 1"
-G="mismatch|Error|error"
-export CUPY_EP_TIMEOUT_S=10
-RUN_GREP=$G CUPY_EP_LL_NUM_BLOCKS=7 run one_b7 60 $M -n 1 $S --iters 60
-RUN_GREP=$G CUPY_EP_LL_TRANSPORT=ipc CUPY_EP_LL_NUM_BLOCKS=30 run ts4_b30 60 $M -n 4 $S $R6
-RUN_GREP=$G CUPY_EP_LL_TRANSPORT=ipc run ts4_b132 60 $M -n 4 $S $R6
+G="mismatch|MISMATCH|Error|error"
+export CUPY_EP_TIMEOUT_S=10 CUPY_EP_LL_TRANSPORT=ipc
+RUN_GREP=$G CUPY_EP_LL_NUM_BLOCKS=30 run ts4_b30 45 $M -n 4 $S $R6
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
 nvidia-cuda-mps-control -d; echo "mps daemon rc=$?"
 trap 'echo quit | nvidia-cuda-mps-control' EXIT
-RUN_GREP=$G run mps4_b33 40 $M -n 4 $S $R6
-RUN_GREP=$G CUPY_EP_LL_NUM_BLOCKS=8 run mps4_b8 40 $M -n 4 $S $R6
-RUN_GREP=$G CUPY_EP_LL_NUM_BLOCKS=8 run mps2_b8 60 $M -n 2 $S --iters 100
-RUN_GREP=$G run mps4_it7 60 $M -n 4 $S --start 7 --iters 40
+RUN_GREP=$G run mps3 40 $M -n 3 $S --iters 20
+RUN_GREP=$G run mps4_b33 30 $M -n 4 $S $R6
+RUN_GREP=$G CUPY_EP_LL_NUM_BLOCKS=8 run mps2_b8 30 $M -n 2 $S --iters 50
