@@ -164,6 +164,7 @@ class SmShare:
 
 _CU_EXEC_AFFINITY_TYPE_SM_COUNT = 0
 _CUDA_DEV_ATTR_MPS_ENABLED = 133  # cudaDevAttrMpsEnabled / CU_DEVICE_ATTRIBUTE_MPS_ENABLED
+_CUDA_DEV_ATTR_SM_COUNT = 16      # cudaDevAttrMultiProcessorCount
 
 
 class _ExecAffinityParam(ctypes.Structure):
@@ -189,7 +190,7 @@ def query_mps(device_id: int) -> tuple[bool, int, int]:
     both are the device's SMs without MPS). Creates the primary context of that GPU if MPS is on."""
     import cupy
     rt = cupy.cuda.runtime
-    device_sms = rt.deviceGetAttribute(16, device_id)  # cudaDevAttrMultiProcessorCount
+    device_sms = rt.deviceGetAttribute(_CUDA_DEV_ATTR_SM_COUNT, device_id)
     try:
         mps = bool(rt.deviceGetAttribute(_CUDA_DEV_ATTR_MPS_ENABLED, device_id))
     except Exception:  # a driver older than the attribute: no way to tell, and MPS is rare there
@@ -216,6 +217,16 @@ def sm_share(comm, device_sms: int, ranks_per_gpu: int, mps: bool, provisioned_s
     if not everywhere:
         provisioned_sms = gpu_sms = device_sms
     return SmShare(int(device_sms), int(provisioned_sms), int(gpu_sms), max(1, int(ranks_per_gpu)), everywhere)
+
+
+def gpu_sm_share(comm, device_id: int, ranks_on_machine: int) -> SmShare:
+    """Collective: this rank's :class:`SmShare` on GPU ``device_id``, with ``ranks_on_machine`` ranks spread over
+    this machine's visible GPUs (what ``Buffer`` sizes its kernels by)."""
+    import cupy
+    rt = cupy.cuda.runtime
+    ranks_per_gpu = -(-ranks_on_machine // max(1, rt.getDeviceCount()))
+    return sm_share(comm, rt.deviceGetAttribute(_CUDA_DEV_ATTR_SM_COUNT, device_id), ranks_per_gpu,
+                    *query_mps(device_id))
 
 
 def _mpi_min():

@@ -118,12 +118,10 @@ class CudaBuffer(Buffer):
         if low_latency_mode:  # the arguments first, then what this machine allows (the message names each)
             cuda_low_latency.check_num_rdma_bytes(num_rdma_bytes)
             cuda_low_latency.resolve_force_put(ll_transport)
-        ranks_per_gpu = -(-self.topology.local_size // max(1, _gpu_count()))
-        rt = cupy.cuda.runtime
-        self.num_device_sms = rt.deviceGetAttribute(_DEV_ATTR_SM_COUNT, self.device_id)
         # Collective (every rank, before any check that raises): what each rank's kernels may hold at once.
-        self.sm_share = bootstrap.sm_share(self.comm, self.num_device_sms, ranks_per_gpu,
-                                           *bootstrap.query_mps(self.device_id))
+        self.sm_share = bootstrap.gpu_sm_share(self.comm, self.device_id, self.topology.local_size)
+        self.num_device_sms = self.sm_share.device_sms
+        ranks_per_gpu = self.sm_share.ranks_per_gpu
         if low_latency_mode and ranks_per_gpu > 1 and ll_transport == "nvshmem" and not self.sm_share.mps:
             # Checked on every rank alike (sm_share agrees on mps everywhere): no rank is left waiting.
             raise ValueError(
@@ -137,6 +135,7 @@ class CudaBuffer(Buffer):
         if problem:  # every rank alike (the same environment and shares), before anything collective
             raise ValueError(f"low_latency_mode: {problem}")
         with self._device:
+            rt = cupy.cuda.runtime
             # internode: the NVLink buffer spans one node only; InternodeState makes it
             self._nvl = None if internode else bootstrap.IpcBuffer(self.comm, num_nvl_bytes + _config.SIGNAL_BYTES)
             self._workspace = cupy.zeros(_config.WORKSPACE_BYTES // 4, dtype=cupy.int32)
@@ -768,9 +767,6 @@ class CudaBuffer(Buffer):
                              (self._nvl.ptr_table, np.int32(self.rank), self._ctx))
             self.comm_stream.synchronize()
         self.check_health()
-
-
-_DEV_ATTR_SM_COUNT = 16  # cudaDevAttrMultiProcessorCount
 
 
 def _gpu_count() -> int:

@@ -91,30 +91,27 @@ def ranks_share_a_gpu(comm) -> bool:
         local.Free()
 
 
-def mps_clients(comm) -> bool:
-    """True when every rank is a CUDA MPS client (then NVSHMEM allows ranks sharing a GPU, and their kernels run at
-    the same time instead of in time slices)."""
+def sm_share(comm):
+    """This job's bootstrap.SmShare, as Buffer computes it (collective)."""
     import cupy
     from cupy_ep import bootstrap
     from mpi4py import MPI
-    mps, _, _ = bootstrap.query_mps(cupy.cuda.runtime.getDevice())
-    return bool(comm.allreduce(int(mps), op=MPI.MIN))
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return bootstrap.gpu_sm_share(comm, cupy.cuda.runtime.getDevice(), local.Get_size())
+    finally:
+        local.Free()
+
+
+def mps_clients(comm) -> bool:
+    """True when every rank is a CUDA MPS client (then NVSHMEM allows ranks sharing a GPU, and their kernels run at
+    the same time instead of in time slices)."""
+    return sm_share(comm).mps
 
 
 def mps_share_problem(comm) -> str | None:
     """Why Buffer(low_latency_mode=True) refuses this job's MPS shares (bootstrap.SmShare.low_latency_problem)."""
-    import cupy
-    from cupy_ep import bootstrap
-    from mpi4py import MPI
-    dev = cupy.cuda.runtime.getDevice()
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        per_gpu = -(-local.Get_size() // cupy.cuda.runtime.getDeviceCount())
-    finally:
-        local.Free()
-    share = bootstrap.sm_share(comm, cupy.cuda.runtime.deviceGetAttribute(16, dev), per_gpu,
-                               *bootstrap.query_mps(dev))
-    return share.low_latency_problem()
+    return sm_share(comm).low_latency_problem()
 
 
 def ll_transport() -> str:

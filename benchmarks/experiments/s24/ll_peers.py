@@ -1,9 +1,7 @@
-"""S24: the low-latency buffer's peer table per rank (NVSHMEM: nvshmem_ptr of every PE; IPC: the opened handles),
-then one small dispatch + combine checked against the reference by the soak's own round. Run under mpirun."""
-import numpy as np
+"""S24: the low-latency buffer's peer table per rank (NVSHMEM: nvshmem_ptr of every PE; IPC: the opened handles)
+and its grid. Run under mpirun."""
 from mpi4py import MPI
 
-import cupy
 import cupy_ep
 from cupy_ep import config as cfgmod
 

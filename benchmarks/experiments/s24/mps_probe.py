@@ -1,4 +1,4 @@
-"""S24: what CUDA MPS gives ranks sharing one GPU (run under mpirun, 2 ranks, with and without the MPS daemon).
+"""S24 (its helpers tidied after the runs: the same kernels and output): what CUDA MPS gives ranks sharing one GPU (run under mpirun, 2 ranks, with and without the MPS daemon).
 
 Per rank it prints: whether contexts go through MPS (cudaDevAttrMpsEnabled), the device's SMs, the SMs MPS
 provisions to this process (cuCtxGetExecAffinity, via cupy_ep.bootstrap.query_mps) and the SmShare cupy_ep takes
@@ -16,31 +16,29 @@ import cupy
 from cupy_ep import bootstrap
 
 SRC = r'''
+__device__ long long now_ns() {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// Spin until *p >= n or timeout_ns have passed; returns the last value read.
+__device__ int wait_at_least(const int* p, int n, long long timeout_ns) {
+    const long long start = now_ns();
+    int v;
+    do { v = *((volatile const int*)p); } while (v < n && now_ns() - start < timeout_ns);
+    return v;
+}
 extern "C" __global__ void coresident(int* counter, int n, long long timeout_ns, int* seen) {
     if (threadIdx.x == 0) {
         atomicAdd(counter, 1);
-        long long start, now;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-        int v;
-        do {
-            v = *((volatile int*)counter);
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        } while (v < n && now - start < timeout_ns);
-        seen[blockIdx.x] = v;
+        seen[blockIdx.x] = wait_at_least(counter, n, timeout_ns);
     }
 }
 // rank 0 writes i to the peer's flag and waits for i back in its own; rank 1 echoes. Gives up after 1 s per trip.
 extern "C" __global__ void pingpong(int* mine, int* peer, int trips, int is_first, int* done) {
     for (int i = 1; i <= trips; ++i) {
         if (is_first) *((volatile int*)peer) = i;
-        long long start, now;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-        int v;
-        do {
-            v = *((volatile int*)mine);
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        } while (v < i && now - start < 1000000000LL);
-        if (v < i) { *done = -i; return; }
+        if (wait_at_least(mine, i, 1000000000LL) < i) { *done = -i; return; }
         if (!is_first) { __threadfence_system(); *((volatile int*)peer) = i; }
         __threadfence_system();
     }
@@ -54,10 +52,8 @@ def main():
     rank, R = comm.Get_rank(), comm.Get_size()
     dev = rank % cupy.cuda.runtime.getDeviceCount()
     cupy.cuda.Device(dev).use()
-    ranks_per_gpu = -(-R // cupy.cuda.runtime.getDeviceCount())
-    mps, provisioned, gpu_sms = bootstrap.query_mps(dev)
-    device_sms = cupy.cuda.runtime.deviceGetAttribute(16, dev)
-    share = bootstrap.sm_share(comm, device_sms, ranks_per_gpu, mps, provisioned, gpu_sms)
+    share = bootstrap.gpu_sm_share(comm, dev, R)  # one machine: all R ranks on it
+    mps, provisioned, gpu_sms, device_sms = share.mps, share.provisioned_sms, share.gpu_sms, share.device_sms
     mod = cupy.RawModule(code=SRC)
     lines = [f"rank {rank}: gpu {dev} mps={mps} device_sms={device_sms} provisioned={provisioned} gpu_sms={gpu_sms} "
              f"per_rank={share.per_rank} normal_mode_sms={share.normal_mode_sms} ({share.describe()})"]
