@@ -103,16 +103,19 @@ class SmShare:
     """How many SMs one rank's kernels may fill with resident blocks on its GPU.
 
     Ranks sharing a GPU without CUDA MPS run in time slices, one process at a time, so a rank's kernel may use the
-    whole GPU. Under MPS they run at the same time, each on the SMs its MPS provisioning allows
-    (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``; MPS caps a client's SMs but reserves none), so the blocks of all of them
-    must be resident together: a block that waits for a peer's block would otherwise wait for an SM that the
-    peer's own waiting blocks hold.
+    whole GPU. Under MPS they run at the same time, so the blocks of all of them must be resident together: a block
+    that waits for a peer's block would otherwise wait for an SM that the peer's own waiting blocks hold. MPS caps
+    each client at its provisioned SMs (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``) but does not keep the clients apart:
+    every client of a GPU may be placed on the same provisioned SMs. So the clients of one GPU divide one client's
+    provisioned SMs among them, whatever the percentage: that is the only count known to hold all their blocks
+    (at one block per SM, the heaviest shape the kernels use).
 
     Attributes:
         device_sms: the SMs CUDA reports (``cudaDevAttrMultiProcessorCount``: under MPS already the provisioned
-            count, S24A).
+            count).
         provisioned_sms: the SMs this process may use (``cuCtxGetExecAffinity``; ``device_sms`` without MPS).
-        gpu_sms: the whole GPU's SMs (``device_sms`` without MPS; under MPS an estimate, see :func:`query_mps`).
+        gpu_sms: the whole GPU's SMs (``device_sms`` without MPS; under MPS an estimate, see :func:`query_mps`),
+            for messages and :attr:`partial`.
         ranks_per_gpu: ranks of this node per GPU (>= 1).
         mps: every rank of the communicator is an MPS client (``cudaDevAttrMpsEnabled``).
     """
@@ -124,15 +127,16 @@ class SmShare:
 
     @property
     def per_rank(self) -> int:
-        """SMs one rank's kernel may hold at once: its MPS share of the GPU, else the whole GPU."""
+        """SMs one rank's kernel may hold at once: under MPS its part of the provisioned SMs (``per_rank *
+        ranks_per_gpu <= provisioned_sms``), else the whole GPU (time slices)."""
         if self.mps:
-            return max(1, min(self.provisioned_sms, self.gpu_sms // self.ranks_per_gpu))
+            return max(1, min(self.provisioned_sms, self.gpu_sms) // self.ranks_per_gpu)
         return self.device_sms
 
     @property
     def normal_mode_sms(self) -> int:
         """The most SMs a normal-mode call may ask for (``Config.num_sms``): without MPS the GPU's SMs divided among
-        the ranks sharing it (as before MPS was recognised), under MPS this rank's share."""
+        the ranks sharing it, under MPS :attr:`per_rank`."""
         return self.per_rank if self.mps else self.device_sms // self.ranks_per_gpu
 
     @property
@@ -141,25 +145,11 @@ class SmShare:
         this process's environment; a default set in the control daemon is not seen here)."""
         return self.mps and self.provisioned_sms < self.gpu_sms
 
-    def low_latency_problem(self) -> str | None:
-        """Why the low-latency kernels should not run with this share, or None. They need the blocks of every rank
-        on a GPU resident at once. With 4 ranks at 25 % each (S24B-E) their device waits timed out, on every
-        transport and with 30 blocks of the 32 SMs provisioned to each rank, while the same 4 ranks without a
-        percentage (33 blocks each), 2 ranks at 50 % and 4 ranks in time slices ran clean: MPS keeps a client to its
-        share of SMs but evidently not apart from the other clients' shares. Not understood further; refused."""
-        if self.partial and self.ranks_per_gpu > 2:
-            return (f"{self.ranks_per_gpu} ranks share each GPU as CUDA MPS clients with {self.provisioned_sms} SMs "
-                    "provisioned to each (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); the low-latency kernels need the blocks "
-                    "of every rank resident at once, which such shares did not give (4 ranks at 25 %: device waits "
-                    "timed out). Leave CUDA_MPS_ACTIVE_THREAD_PERCENTAGE unset: cupy_ep then divides the GPU's SMs "
-                    "among the ranks sharing it")
-        return None
-
     def describe(self) -> str:
         if not self.mps:
             return f"{self.device_sms} SMs, {self.ranks_per_gpu} rank(s) per GPU"
         return (f"{self.ranks_per_gpu} rank(s) per GPU as CUDA MPS clients, {self.provisioned_sms} SMs provisioned "
-                f"to this rank of about {self.gpu_sms}")
+                f"to this rank of about {self.gpu_sms}, {self.per_rank} for its kernels")
 
 
 _CU_EXEC_AFFINITY_TYPE_SM_COUNT = 0

@@ -131,9 +131,6 @@ class CudaBuffer(Buffer):
                 "daemon (nvidia-cuda-mps-control -d) before the ranks, or pass low_latency_transport='ipc' (or set "
                 "CUPY_EP_LL_TRANSPORT=ipc): the same kernels over a CUDA-IPC buffer, which ranks sharing a GPU may "
                 "use (without MPS each wait for a peer then costs a time slice of the shared GPU)")
-        problem = self.sm_share.low_latency_problem() if low_latency_mode else None
-        if problem:  # every rank alike (the same environment and shares), before anything collective
-            raise ValueError(f"low_latency_mode: {problem}")
         with self._device:
             rt = cupy.cuda.runtime
             # internode: the NVLink buffer spans one node only; InternodeState makes it

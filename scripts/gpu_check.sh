@@ -15,8 +15,9 @@
 #               here, its pipe and log folders in a temporary folder): the low-latency files on NVSHMEM (which
 #               refuses ranks sharing a GPU without MPS) at MPS_RANKS_PER_GPU (default 2) ranks per GPU, then the
 #               rest of tests/gpu likewise; the kernels of the ranks on one GPU run at the same time there. Each
-#               rank gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_THREAD_PERCENTAGE (default 50 at 2 ranks per GPU,
-#               unset above: cupy_ep refuses low-latency mode with such shares above 2 ranks per GPU, S24)
+#               rank gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_THREAD_PERCENTAGE (default 100 / ranks per GPU;
+#               empty: unset), so that the kernels run on provisioned shares; MPS_PARTS="ll rest" (default) picks
+#               the halves
 #   internode   tests/gpu/test_internode.py at 2 ranks (2 nodes x 1 GPU) and 4 ranks (2 nodes x 2, IPC transport)
 #   bench       python -m cupy_ep.bench --out $OUT_DIR at 2 ranks
 #   llbench     python -m cupy_ep.bench --mode low-latency --out $OUT_DIR at 2 ranks
@@ -120,7 +121,7 @@ if want mps; then
     n=$(( per_gpu * $(ep_num_gpus) ))  # counted before the daemon starts: CUDA in this shell stays outside MPS
     mps_dir="$(mktemp -d /tmp/cupy_ep_mps.XXXXXX)"
     mkdir -p "$mps_dir/pipe" "$mps_dir/log"
-    pct="${MPS_THREAD_PERCENTAGE-$( ((per_gpu == 2)) && echo 50)}"
+    pct="${MPS_THREAD_PERCENTAGE-$((100 / per_gpu))}"
     if ! command -v nvidia-cuda-mps-control >/dev/null; then
         ep_record mps 1 - - - FAILED "nvidia-cuda-mps-control is not on PATH"
     elif ! CUDA_MPS_PIPE_DIRECTORY="$mps_dir/pipe" CUDA_MPS_LOG_DIRECTORY="$mps_dir/log" nvidia-cuda-mps-control -d
@@ -132,9 +133,9 @@ if want mps; then
         echo "mps: $n ranks, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${pct:-unset}"
         trap mps_stop EXIT  # a killed step must not leave the daemon running
         ll=(tests/gpu/test_low_latency.py tests/gpu/test_nvshmem.py tests/gpu/test_zz_low_latency_timeout.py)
-        ep_pytest_step "mps_ll$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
+        [[ " ${MPS_PARTS:-ll rest} " == *" ll "* ]] && ep_pytest_step "mps_ll$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
             --timeout-method=thread "${ll[@]}" -rs
-        ep_pytest_step "mps_rest$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
+        [[ " ${MPS_PARTS:-ll rest} " == *" rest "* ]] && ep_pytest_step "mps_rest$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
             --timeout-method=thread tests/gpu -rs $(printf -- '--ignore=%s ' "${ll[@]}")
         mps_stop
         trap - EXIT

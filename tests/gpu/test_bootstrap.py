@@ -81,3 +81,59 @@ def test_local_buffer_tensor_is_what_the_peers_see(comm, gpu_buffer):
           and whole.shape == (gpu_buffer.num_nvl_bytes,)
           and gpu_buffer.get_comm_stream() is gpu_buffer.comm_stream and cupy_ep.Buffer.is_sm90_compiled())
     assert all_ok(comm, ok), f"rank {rank}: got {got[:4]}.. from rank {src}, same bytes {same_bytes}, torch {torch_ok}"
+
+
+_ARRIVE = r"""
+extern "C" __global__ void arrive(unsigned long long* ptrs, int total, long long timeout_cycles, int* seen) {
+    // Every block of every rank on this GPU counts itself in, then waits for all of them: only blocks that are
+    // resident at the same time get past the wait before the timeout.
+    extern __shared__ int pad[];
+    int* counter = (int*)ptrs[0];
+    if (threadIdx.x == 0) {
+        atomicAdd(counter, 1);
+        long long start = clock64();
+        int n = 0;
+        while ((n = *(volatile int*)counter) < total && clock64() - start < timeout_cycles) {}
+        seen[blockIdx.x] = n;
+    }
+    pad[threadIdx.x] = threadIdx.x;  // the shared memory is used, so that it is really allocated
+}
+"""
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_ranks_of_a_gpu_hold_their_sm_share_at_once(comm, gpu_buffer):
+    """Buffer.sm_share.per_rank blocks per rank, on every rank of a GPU at once, are all resident together at one
+    block per SM (the most shared memory a block may take): the low-latency grid and the normal-mode SM limit rely
+    on it, since their blocks wait for the peers' blocks. Under MPS with a provisioned share
+    (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) a grid sized by the whole GPU's half left blocks waiting for SMs."""
+    import cupy
+
+    from cupy_ep import bootstrap
+    share = gpu_buffer.sm_share
+    if share.ranks_per_gpu > 1 and not share.mps:
+        pytest.skip("ranks sharing a GPU without CUDA MPS run in time slices: their blocks are never resident at once")
+    rt = cupy.cuda.runtime
+    with cupy.cuda.Device(gpu_buffer.device_id):
+        bus = rt.deviceGetPCIBusId(gpu_buffer.device_id)
+        import socket
+        colors = sorted(set(comm.allgather((socket.gethostname(), bus))))
+        same_gpu = comm.Split(colors.index((socket.gethostname(), bus)), comm.Get_rank())
+        try:
+            total = same_gpu.allreduce(share.per_rank)
+            counter = bootstrap.IpcBuffer(same_gpu, 256)
+            smem = rt.deviceGetAttribute(97, gpu_buffer.device_id)  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+            kernel = cupy.RawKernel(_ARRIVE, "arrive")
+            kernel.max_dynamic_shared_size_bytes = smem
+            seen = cupy.zeros(share.per_rank, dtype=cupy.int32)
+            same_gpu.Barrier()
+            kernel((share.per_rank,), (1024,), (counter.ptr_table, np.int32(total), np.int64(10 * 2_000_000_000),
+                                                seen), shared_mem=smem)
+            rt.deviceSynchronize()
+            got = seen.get()
+            counter.close()
+        finally:
+            same_gpu.Free()
+    ok = bool((got == total).all())
+    assert all_ok(comm, ok), (f"rank {comm.Get_rank()}: {share.describe()}: of {total} blocks on this GPU, this "
+                              f"rank's saw at least {got.min()} and at most {got.max()} arrive")

@@ -52,19 +52,31 @@ def _buffer_bytes(num_ranks: int, gpus_per_node: int) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module", params=["nvshmem", "ipc"])
-def internode_buffer(request, comm):
+def _internode_slot(request, comm):
+    from tests.gpu.conftest import BufferSlot
     transport = request.param
     R = comm.Get_size()
     G = _topology(R, transport)
     if G is None:
         pytest.skip(f"internode tests run at 2 ranks (nvshmem, ipc) or 4 ranks (ipc), not {R} ranks with {transport}")
     nvl, rdma = _buffer_bytes(R, G)
-    buf = cupy_ep.Buffer(comm, num_nvl_bytes=nvl, num_rdma_bytes=rdma, backend="cuda",
-                         timeout_s=float(os.environ.get("CUPY_EP_TEST_TIMEOUT_S", "20")),
-                         num_ranks_per_node=G, internode_transport=transport)
-    assert buf._internode is not None and buf._internode.transport == transport
-    yield buf
-    buf.destroy()
+
+    def make():
+        buf = cupy_ep.Buffer(comm, num_nvl_bytes=nvl, num_rdma_bytes=rdma, backend="cuda",
+                             timeout_s=float(os.environ.get("CUPY_EP_TEST_TIMEOUT_S", "20")),
+                             num_ranks_per_node=G, internode_transport=transport)
+        assert buf._internode is not None and buf._internode.transport == transport
+        return buf
+    slot = BufferSlot(comm, make)
+    yield slot
+    slot.close()
+
+
+@pytest.fixture
+def internode_buffer(_internode_slot):
+    """The module's internode Buffer for one transport (made anew for a test when an earlier test left it
+    unusable)."""
+    return _internode_slot.get()
 
 
 def _gathered_itr(comm, idx_np, num_experts):

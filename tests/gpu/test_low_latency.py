@@ -109,11 +109,6 @@ def mps_clients(comm) -> bool:
     return sm_share(comm).mps
 
 
-def mps_share_problem(comm) -> str | None:
-    """Why Buffer(low_latency_mode=True) refuses this job's MPS shares (bootstrap.SmShare.low_latency_problem)."""
-    return sm_share(comm).low_latency_problem()
-
-
 def ll_transport() -> str:
     """The low-latency transport these tests run on (env CUPY_EP_LL_TRANSPORT, default nvshmem)."""
     from cupy_ep.cuda_low_latency import resolve_transport
@@ -125,9 +120,6 @@ def skip_unless_usable(comm) -> None:
     if ll_transport() == "nvshmem" and ranks_share_a_gpu(comm) and not mps_clients(comm):
         pytest.skip("the NVSHMEM transport needs one GPU per rank or CUDA MPS (see test_zz_low_latency_timeout.py::"
                     "test_ranks_sharing_a_gpu_are_refused; CUPY_EP_LL_TRANSPORT=ipc runs these tests there)")
-    if mps_share_problem(comm):
-        pytest.skip("these MPS shares are refused in low-latency mode (test_zz_low_latency_timeout.py::"
-                    "test_refused_mps_shares)")
 
 
 def use_put_path(ll_buf, force_put: bool) -> None:
@@ -137,16 +129,28 @@ def use_put_path(ll_buf, force_put: bool) -> None:
     ll_buf._ll.force_put = force_put
 
 
-@pytest.fixture(scope="module")
-def ll_buf(comm):
+def _make_ll_buf(comm):
     from tests.gpu.conftest import nvl_bytes_for
-    skip_unless_usable(comm)
     buf = cupy_ep.Buffer(comm, num_nvl_bytes=nvl_bytes_for(comm.Get_size(), 8192, 24),
                          num_rdma_bytes=_buffer_bytes(comm.Get_size()), low_latency_mode=True, backend="cuda",
                          timeout_s=TIMEOUT_S)
     assert buf._ll.transport == ll_transport()
-    yield buf
-    buf.destroy()
+    return buf
+
+
+@pytest.fixture(scope="module")
+def _ll_slot(comm):
+    from tests.gpu.conftest import BufferSlot
+    skip_unless_usable(comm)
+    slot = BufferSlot(comm, lambda: _make_ll_buf(comm))
+    yield slot
+    slot.close()
+
+
+@pytest.fixture
+def ll_buf(_ll_slot):
+    """The module's low-latency Buffer (made anew for a test when an earlier test left it unusable)."""
+    return _ll_slot.get()
 
 
 @pytest.fixture(autouse=True)

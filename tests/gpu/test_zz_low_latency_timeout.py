@@ -31,18 +31,6 @@ def test_ranks_sharing_a_gpu_are_refused(comm):
     comm.Barrier()
 
 
-@pytest.mark.mpi(min_size=2)
-def test_refused_mps_shares(comm):
-    """More than 2 ranks per GPU as MPS clients with a provisioned share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE): the
-    low-latency Buffer raises a ValueError naming the variable on every rank, before anything collective."""
-    from tests.gpu.test_low_latency import mps_share_problem
-    if not mps_share_problem(comm):
-        pytest.skip("no refused MPS share here (needs > 2 ranks per GPU as MPS clients at < 100 %)")
-    with pytest.raises(ValueError, match="^low_latency_mode: .*CUDA_MPS_ACTIVE_THREAD_PERCENTAGE unset"):
-        cupy_ep.Buffer(comm, num_rdma_bytes=1 << 20, low_latency_mode=True, backend="cuda")
-    comm.Barrier()
-
-
 def _small_ll_buffer(comm):
     """``(rank, R, M, H, E, buf)``: a small low-latency Buffer with the short timeout, on the transport of
     CUPY_EP_LL_TRANSPORT (skips where ranks share a GPU on NVSHMEM, which refuses that)."""
