@@ -1,4 +1,4 @@
-// internode.cu: the hierarchical normal (high-throughput) path across nodes (research/deepep.md §3).
+// internode.cu: the hierarchical normal (high-throughput) path across nodes (DeepEP V1's internode design).
 //
 // A token crosses the RDMA domain once per destination node, to the GPU with the same local index, which
 // forwards it over NVLink to the destination GPUs of its node. Combine goes back the same way: each
@@ -744,7 +744,7 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                                [&] { return (tl = ld_acquire_sys(tail_ptr)) != head; },
                                [&](long long& h, long long& t2, long long& e) { h = head; t2 = tl; e = num_to_recv; });
             if (!ok) break;
-            // Review fix: every lane loaded the tail itself; take lane 0's value so that the token loop below
+            // Every lane loaded the tail itself; take lane 0's value so that the token loop below
             // (full-mask __shfl_sync inside) has one trip count for the whole warp even if the loads differed;
             // __syncwarp orders lane 0's acquire before every lane's slot loads.
             __syncwarp();
@@ -812,7 +812,7 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                                      },
                                      [&](long long& h, long long& tl, long long& e) { h = consumed; tl = consumed + avail; e = num_rdma; });
             if (!ok) break;
-            // Review fix: only lane n acquired node n's tail; ballot/shfl are not memory-ordering operations, so
+            // Only lane n acquired node n's tail; ballot/shfl are not memory-ordering operations, so
             // the other lanes' slot loads below are ordered after that acquire by this warp barrier.
             __syncwarp();
             const unsigned mask = __ballot_sync(kFullMask, lane < N && consumed < num_rdma && avail > 0);

@@ -809,7 +809,7 @@ dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, fl
             if (targets == 0) continue;
             const int4* src = x + (long long)t * hidden_int4;
             // A row only for this rank is a local copy (HBM to HBM): a bulk copy keeps 8 KB per warp in flight where
-            // the register path keeps 2 KB (own-row blocks at 24 SMs, S12D: 6 of them 212.5 us, against 230.7 with
+            // the register path keeps 2 KB (own-row blocks at 24 SMs: 6 of them 212.5 us, against 230.7 with
             // register copies). A row also for peers goes through registers to all its ranks: one load feeds every
             // store (a bulk copy of the own row next to it took the fused 8-SM dispatch from ~310 to 336.5 us).
             if (targets == (1u << rank)) {

@@ -1,5 +1,5 @@
 // low_latency.cu: the low-latency (decode) path on NVSHMEM symmetric memory, or on a CUDA-IPC buffer inside one node
-// (ll_transport.cuh says how the two builds differ; research/deepep.md §1.8, §4).
+// (ll_transport.cuh says how the two builds differ).
 //
 //   dispatch<kUseFP8, TopkT>   every token -> once to each rank owning one of its experts ([my rank][token] of
 //                              that rank's recv area); per expert its count (epoch << 32 | count); per (token,
@@ -70,7 +70,7 @@
 namespace ep {
 
 // The dispatch runs 512 threads per block: against 1024 its kernel ends ~1 us earlier and a 0-token call costs ~1 us
-// less (docs/performance.md, session 17). A token's row takes two passes of the block (TokenLoads holds both).
+// less. A token's row takes two passes of the block (TokenLoads holds both).
 constexpr int kLLThreads = 512;
 constexpr int kLLWarps = kLLThreads / kWarpSize;
 // The combine runs 512 threads per block: 128 registers each (its owner loop spills at 64), and its token rows
@@ -99,7 +99,7 @@ constexpr bool kStampsBuilt = false;
 //   dispatch: routed = the last token's destinations known; prepared = histograms built; encoded = its bytes
 //             stored; written = thread 0 past its index entry (released); recv_prepared = the counts read and
 //             prefixed; recv_first_data = the block's first row in.
-//             The receive side's first row, finer (session 18: at one rank it comes 1.7 us after the prefix
+//             The receive side's first row, finer (at one rank it comes 1.7 us after the prefix
 //             although every entry is released before it): recv_copy_start = the warp of the block's first unit
 //             starts waiting for its row (past the per-expert outputs); recv_row_seen = its lane 0 has the row's
 //             index entry (recv_first_data follows after the warp's shuffle and __syncwarp). send_first_stored =
@@ -178,7 +178,7 @@ __host__ __device__ constexpr int log2_exact(int v) { return v > 1 ? 1 + log2_ex
 // x / d and x % d (x >= 0) for a divisor fixed per call (the rank count, the experts per rank), by shifts when d
 // is a power of two (the usual case: 2, 4, 8 ranks; 256 experts over them) and by division otherwise; `shift` =
 // log2(d) or -1 (a uniform branch). An integer division is a dependent chain of ~15 instructions (~70 cycles), and
-// the dispatch's bookkeeping on its critical path had several (S19F).
+// the dispatch's bookkeeping on its critical path had several.
 struct FastDiv {
     int d, shift;
     __device__ __forceinline__ explicit FastDiv(int d_) : d(d_), shift((d_ & (d_ - 1)) == 0 ? __ffs(d_) - 1 : -1) {}
@@ -198,7 +198,7 @@ __device__ __forceinline__ void zero_histograms(int num_experts, int* hist, int*
 // Dispatch send, at the kernel's start: the call's whole topk_idx copied into shared memory by cp.async (no
 // registers held while it travels) when it fits in kTopkStageBytes (128 tokens x top-8 of int64 does), so that the
 // histograms and the slots read it there after the first message instead of paying a global load round trip each
-// on the critical path (S19). Returns where to read topk_idx from: the stage, or topk_idx itself. Each thread waits
+// on the critical path. Returns where to read topk_idx from: the stage, or topk_idx itself. Each thread waits
 // for its copies (cp_async_wait_all) before the first block barrier, which makes them visible.
 constexpr int kTopkStageBytes = 8192;
 template <typename TopkT>
@@ -537,7 +537,7 @@ struct DispatchRecvShared {
     int failed;
     // The receive phase's counters (warps 1..; warp 0 may still be releasing the send phase's last index entries)
     // sync among themselves on `scan` and arrive once on `prefix_ready` when the prefix is written, which warp 0
-    // waits for. mbarriers, not named barriers: racecheck miscounts a warp that skips a `bar.sync id, n` (S13C).
+    // waits for. mbarriers, not named barriers: racecheck miscounts a warp that skips a `bar.sync id, n`.
     unsigned long long scan, prefix_ready;
 };
 
@@ -589,7 +589,7 @@ __device__ __forceinline__ void scan_counts(int* a, int n, int* warp_sums, Sync 
 // Largest i < n with prefix[i] <= row (row < prefix[n]): the (local expert, source) pair holding global row `row`,
 // found by the whole warp (every lane calls it with the same row): each round the lanes test 32 evenly spaced
 // candidates at once and keep the last one at or below the row, so n = 256 pairs take two rounds of one shared
-// load per lane instead of eight dependent rounds of a binary search (S19F: the receive phase's bookkeeping before
+// load per lane instead of eight dependent rounds of a binary search (the receive phase's bookkeeping before
 // the first copy is a chain of dependent latencies, ~0.9 us at one rank).
 __device__ __forceinline__ int warp_pair_of_row(const int* prefix, int n, int row) {
     int lo = 0, hi = n;  // the answer lies in [lo, hi), and prefix[lo] <= row
@@ -753,7 +753,7 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
     // Every thread of the block has read the epoch by now (the counters before arriving on prefix_ready, which
     // warp 0 waited for). Thread 0 takes the block's ticket now, and only looks at it at the end: the last block
     // to take one advances the epoch. At the end the atomic's round trip sat on the launch's tail (~0.6 us for a
-    // kernel of this shape, benchmarks/experiments/s20/launch_gap.py); here the copies hide it.
+    // kernel of this shape); here the copies hide it.
     const int ticket = threadIdx.x == 0 ? atomicAdd(workspace + kWsRecvDone, 1) : 0;
     if (!rs.failed) {
         stamp_by(stamps, kStampRecvPrepared, threadIdx.x == kWarpSize);  // a counter, past the counters' last sync
@@ -780,7 +780,7 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
     // The last block to take a ticket advances the buffer's epoch for its next dispatch (every block read it
     // before its ticket; the kernel boundary orders the write before the next launch). The stored count is
     // epoch - 1 (dispatch_epoch) and nothing else writes it during the launch, so the new one follows from the
-    // epoch in hand: no load of it on the launch's last path (a round trip, launch_gap.py S20K's post). After 2^32
+    // epoch in hand: no load of it on the launch's last path (a round trip). After 2^32
     // dispatches the count wraps: it skips -1 (stored -2 -> 0), so that no epoch is 0, the value of zeroed memory.
     if (threadIdx.x == 0 && ticket == (int)gridDim.x - 1) {
         workspace[kWsRecvDone] = 0;
@@ -793,7 +793,7 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
 // cumulative_stats [L] or null, wait_stats [R] or null (add_wait_cost). x [T][H] bf16, topk_idx [T][K];
 // topk_slots [T][K] int32 (out, written by the send phase): each entry's slot, -1 = not sent. rank, num_ranks
 // (combine's too): the DeviceCtx's, passed by value: loading them from ctx sat on the prologue's critical path
-// (~0.25 us, benchmarks/experiments/s20/launch_gap.py S20K); ctx is read only by the waits and failure reports,
+// (~0.25 us); ctx is read only by the waits and failure reports,
 // off that path.
 template <bool kUseFP8, typename TopkT>
 __global__ void __launch_bounds__(kLLThreads, 1)
@@ -1099,7 +1099,7 @@ __device__ __forceinline__ long long logfmt_hi_offset(int hidden, int c) {
 
 // Chunk c of a partial row in `wire`. The LogFMT code is a separate instantiation (kLogFmt: wire is kWireLogFmt),
 // so that the 24-bit and bf16 paths compile as they did without it (one runtime branch on the wire cost the
-// stamped combine ~1 us, S21C). With kLogFmt every lane of a half-warp must call it together (the division's amax /
+// stamped combine ~1 us). With kLogFmt every lane of a half-warp must call it together (the division's amax /
 // amin are exchanged by shuffles).
 template <bool kLogFmt>
 __device__ __forceinline__ void store_partial(char* row, int hidden, int c, const float (&p)[8], int wire) {
@@ -1239,7 +1239,7 @@ __device__ __forceinline__ void hand_to_flagger(int t, CombineShared& sh, Handof
 // `empty` (the flagger has read the token number: the compute side may publish the next one, at most one row
 // ahead of the flagger). Token -1 ends the owner. The compute warps sync among themselves on a third mbarrier
 // (group_mbarrier_sync), not a named barrier: with `bar.sync 1, n` racecheck reported a race across the next
-// __syncthreads (S13C), most likely counting the flagger warp, which skips the named barrier, as a warp behind on
+// __syncthreads, most likely counting the flagger warp, which skips the named barrier, as a warp behind on
 // block barriers; with the mbarrier it reports none.
 template <bool kLogFmt, typename Entries, typename WeightT>
 __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, const WeightT* weights, int T, int K,
@@ -1404,7 +1404,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
     char* recv = base + L.recv_offset(buffer_idx);
     const int4* rows = zero_copy ? reinterpret_cast<const int4*>(base + L.send_offset(buffer_idx)) : x;
     stage_range_begins(layout_range, rank, L, begin);
-    __syncthreads();  // begin is read by prepare_batch (racecheck caught its absence in S15B)
+    __syncthreads();  // begin is read by prepare_batch (racecheck reports a race without it)
     const int mine = tokens_of_block(num_tokens, blocks.index, blocks.count);
     for (int j0 = 0; j0 < mine; j0 += kCombineBatch) {
         const int n = min(kCombineBatch, mine - j0), t0 = blocks.index + j0 * blocks.count;
@@ -1510,7 +1510,7 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     const OwnEntries<TopkT> own{topk_idx, topk_slots, num_experts};
     if (threadIdx.x == 0) sh.failed = 0;
     // Here, not in combine_send: with one rank the split below leaves no expert-side block, and a combine that
-    // did not record its buffer made the next dispatch report a reuse (S18, the LL tests at one rank).
+    // did not record its buffer made the next dispatch report a reuse (the LL tests at one rank).
     if (phases & kPhaseSend) check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
     __syncthreads();
     const bool own_in_recv = (phases & kPhaseSend) && (phases & kPhaseRecv);

@@ -307,7 +307,7 @@ class LowLatencyBench:
             self.time_ops(timer, runs, T, ("steady",), with_nccl=T > 0)
             if getattr(a, "ll_stamps", False):  # where a call's time goes at this T too (T = 0: the fixed cost)
                 self.phases(runs, T, flush=timer.flush)
-            # (what each size costs in wall time, to plan device sessions: each took ~20 s in S17B)
+            # (what each size costs in wall time)
             self.log(f"  (token sweep T={T}: {time.perf_counter() - started:.1f} s)")
 
     def run(self):

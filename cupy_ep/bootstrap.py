@@ -2,7 +2,7 @@
 
 Handles travel as bytes over MPI (the pip MPIs are not CUDA-aware, so no device buffer ever goes to MPI).
 IPC buffers are plain ``cudaMalloc`` allocations: a handle of a pooled sub-allocation would point at the
-pool's base allocation (research/cupy_mpi.md §3.1).
+pool's base allocation.
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ class _ExecAffinityParam(ctypes.Structure):
 
 def whole_gpu_sms(provisioned_sms: int, percentage: float | None) -> int:
     """The whole GPU's SMs as an MPS client can estimate them. CUDA reports only the provisioned SMs, rounded up
-    to what the hardware can split (S24A: 66 of 132 at 50 %; taken here as whole TPCs of 2 SMs). Taking
+    to what the hardware can split (66 of 132 at 50 % on an H200; taken here as whole TPCs of 2 SMs). Taking
     ``provisioned - 2`` keeps that rounding from overstating the GPU (8 clients at 12.5 % of 132 SMs get 18 each:
     16 x 8 fits, 17 x 8 would not). Without a
     percentage in this process's environment the provisioning is the whole GPU, or a default the control daemon

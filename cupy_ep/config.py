@@ -102,7 +102,7 @@ def _largest_fitting(guess: int, room: int, size) -> int:
 
 
 # Rows a zero-copy combine sender warp stores before releasing them with one flag (combine_direct's rows_per_flag):
-# small, so the rows land in the order the owners reduce them (benchmarks/experiments/zero_copy_s11/).
+# small, so the rows land in the order the owners reduce them.
 DIRECT_COMBINE_ROWS_PER_FLAG = 2
 
 
@@ -170,7 +170,7 @@ class Config:
 
         A channel is a sender SM (NVLink writes into the peers' rings) and a receiver SM (drains the rings
         of the R - 1 peers into the outputs); the own-row SMs copy this rank's own tokens into the outputs
-        (no ring). Shares measured at R = 2 (benchmarks/experiments/exp_split.py): senders, receivers and
+        (no ring). Shares measured at R = 2: senders, receivers and
         own rows 3 : 3 : 2 (8 SMs -> 3 + 3 + 2, 16 -> 6 + 6 + 4, 24 -> 9 + 9 + 6, 32 -> 12 + 12 + 8); with
         more ranks the own rows are 1 / R of the rows and the rings R - 1 of R, so their weights scale by
         R - 1: ``channels = floor(num_sms * 3(R-1) / (6(R-1) + 2) + 1/4)``, at least one own-row SM."""
@@ -190,7 +190,7 @@ class Config:
         """Blocks of a zero-copy dispatch (``num_sms`` in all) that copy only the rank's own rows (local HBM
         copies); the others store only the peers' rows (NVLink). 0: every block does both.
 
-        Measured at R = 2, 4096 x 7168 bf16 (benchmarks/experiments/zero_copy_s11/): the own rows need about 8
+        Measured at R = 2, 4096 x 7168 bf16: the own rows need about 8
         SMs to keep pace with the NVLink stores, and the NVLink stores about 8 (steady: 16 SMs 204 us both
         ways -> 193 us with 8 + 8; 24 SMs 216 -> 196 with 16 + 8; with 16 : 4 or 24 : 6 the own rows were the
         slower side, 330 and 231 us). Below 16 SMs a split leaves either side short, so every block does both.
@@ -202,7 +202,7 @@ class Config:
     def zero_copy_combine_senders(self, num_ranks: int) -> int:
         """Blocks of a zero-copy combine (``num_sms`` in all) that store rows into the owners' buffers; the
         others reduce (each token reads two rows and writes one). ``min(9, 3 * num_sms // 8)``, at least one:
-        measured at R = 2, 4096 x 7168 (benchmarks/experiments/zero_copy_s11/, steady, 2 rows per flag): 24 SMs
+        measured at R = 2, 4096 x 7168 (steady, 2 rows per flag): 24 SMs
         with 7 / 8 / 9 senders 241 / 216 / 211 us, 16 SMs with 6: 272 us, 32 SMs with 8 / 10: 215 / 216 us."""
         if num_ranks == 1:
             return 0
@@ -236,7 +236,7 @@ class Config:
         return internode_buffer_bytes(num_ranks // MAX_NVL_RANKS, MAX_NVL_RANKS, hidden_bytes, self)[1]
 
 
-# (nvl_send, nvl_recv, rdma_send, rdma_recv). Dispatch: DeepEP's defaults (research/deepep.md §1.3).
+# (nvl_send, nvl_recv, rdma_send, rdma_recv). Dispatch: DeepEP's defaults.
 # Combine: a sender copies nvl_send rows per step with all its warps for that peer (24, 8 and 3 at R = 2, 4, 8:
 # cuda_backend._remote_warps), so the chunk is a multiple of them (DeepEP's 10 / 9 / 4 left warps idle).
 _DEFAULT_DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128)}
@@ -307,7 +307,7 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
                                num_experts: int) -> int:
     """``num_rdma_bytes`` the low-latency kernels need: DeepEP's ``get_low_latency_rdma_size_hint``.
 
-    The total of DeepEP's ``LowLatencyLayout`` (research/deepep.md §4.1), with M = max tokens per rank,
+    The total of DeepEP's ``LowLatencyLayout`` , with M = max tokens per rank,
     S = hidden / 128 scales and E experts::
 
         msg_dispatch = 16 + max(2H, H + 4S)      # int4 header (source token index) + bf16 row or fp8 row + scales

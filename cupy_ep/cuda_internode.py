@@ -2,7 +2,7 @@
 symmetric heap, or CUDA IPC for testing) and the launches of ``cuda_src/internode.cu``. ``CudaBuffer`` creates one
 when the job spans more than one node and routes ``dispatch`` / ``combine`` here.
 
-Decisions (research/deepep.md §1.5, §3 is the model):
+Decisions (DeepEP V1's internode path is the model):
 
 * topology: node = ``rank // G`` and GPU index = ``rank % G`` with G = ``num_ranks_per_node`` (default: the MPI
   shared-memory split). The NVLink domain is the G ranks of a node (one CUDA-IPC buffer each), the RDMA domain

@@ -2,7 +2,7 @@
 buffer, or a CUDA-IPC buffer), the alternating buffer index and the launches of ``cuda_src/low_latency.cu``.
 ``CudaBuffer`` (low_latency_mode=True) creates one and delegates ``low_latency_*`` to it.
 
-Decisions (research/deepep.md §1.8, §4 is the model):
+Decisions (DeepEP V1's low-latency path is the model):
 
 * rows of a local expert are ordered (source rank, token, k), bit for bit as :mod:`cupy_ep.reference`: the
   kernels compute each message's slot from a histogram of ``topk_idx`` instead of DeepEP's atomics, so the
@@ -198,7 +198,7 @@ def resolve_force_put(transport: str) -> bool:
 
 
 def set_nvshmem_env(single_node: bool) -> None:
-    """NVSHMEM settings we rely on (research/nvshmem.md §3): never NVLink multicast; on one node only P2P (no
+    """NVSHMEM settings we rely on : never NVLink multicast; on one node only P2P (no
     NIC transport), UID bootstrap over loopback. User-set values win, except NVLS which is always off."""
     os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
     if single_node:
@@ -247,8 +247,8 @@ class LowLatencyState:
         self.nvlink_peers = cupy.asarray(np.array(peers, dtype=np.uint64))
         self.no_peers = cupy.zeros(buf.num_ranks, dtype=cupy.uint64)
         # Calls with both phases and no async_finish launch on the caller's stream: without the comm stream's
-        # event pair a call costs 4-9 us less host time (S18B/S18E benchmark; the device time did not move
-        # measurably, though the pair cost 1.1 us between two bare kernels in S18A's microbenchmark).
+        # event pair a call costs 4-9 us less host time (the benchmark; the device time did not move
+        # measurably, though the pair cost 1.1 us between two bare kernels).
         # CUPY_EP_LL_COMM_STREAM=1 puts every call on the comm stream, as before (for A/B timing).
         self.direct = direct_launch_enabled()
         self.last_stream = None  # where the previous low-latency kernel was launched (ordering across streams)
@@ -374,7 +374,7 @@ class LowLatencyState:
     def common_args(self, index: int, max_tokens: int, hidden: int, num_experts: int):
         """The kernel arguments every low-latency kernel takes (buffer, peers, buffer index, M, H, E, rank,
         num_ranks, workspace); the numpy scalars of the last (M, H, E) are kept. rank and num_ranks are arguments,
-        not read from the DeviceCtx: that load sat on the kernels' prologue (~0.25 us, S20K)."""
+        not read from the DeviceCtx: that load sat on the kernels' prologue (~0.25 us)."""
         key = (max_tokens, hidden, num_experts)
         last = self._last_shape_args
         if last is None or last[0] != key:
@@ -389,7 +389,7 @@ class LowLatencyState:
 
         A call with both phases and no async_finish runs on the caller's stream itself: it is ordered after the
         caller's kernels by the stream, and the event pair to the comm stream and back costs host time (4-9 us
-        a call, S18).
+        a call).
         Async calls and a hook's two phases run on the communication stream bracketed by the caller's stream,
         as the normal-mode calls do (the hook's receive phase may run under another current stream than its
         send phase; the comm stream keeps them in order). Either way the kernel waits for the previous
@@ -428,7 +428,7 @@ class LowLatencyState:
         return self.hooks.make(run, what)
 
     # ---- argument checks (same order and messages as host_backend.HostBuffer) -------------------------
-    # The checks are a large part of a call's host time (S19's profile: 40 of 176 us of a dispatch, 95 of 207 us of
+    # The checks are a large part of a call's host time (a profile: 40 of 176 us of a dispatch, 95 of 207 us of
     # a combine under cProfile; 4 and 8 us without it on a development CPU, where the fast path takes 1 and 3). So
     # each call kind remembers the signature of the last arguments that passed (every array's
     # interop.array_signature, every scalar's type and value: all the non-value checks read) with what the checks
@@ -556,7 +556,7 @@ class LowLatencyState:
             return validate.check_low_latency_handle(handle, self.buf.num_ranks, check_values, self.buf.device_id)
         except ValueError:
             # The values were read back (a sync): if the dispatch that wrote them stopped at a device wait's
-            # timeout they are garbage, and the timeout is what to report (S24C: "layout_range runs outside").
+            # timeout they are garbage, and the timeout is what to report (a ValueError about layout_range would hide it).
             if check_values:
                 self.buf.check_health()
             raise

@@ -24,7 +24,7 @@ Decisions where DeepEP is silent or GPU-specific:
   ``allocate_on_comm_stream`` are only checked;
 * with ``check_values`` the layout arguments are checked against each other (and against ``topk_idx``).
 
-Low-latency mode (``low_latency_mode=True``; research/deepep.md §1.8, §4): ``low_latency_dispatch`` /
+Low-latency mode (``low_latency_mode=True``): ``low_latency_dispatch`` /
 ``low_latency_combine`` compute :func:`reference.low_latency_dispatch` / :func:`reference.low_latency_combine`
 bit for bit. Dispatch sends one message per (token, top-k slot) like DeepEP (an 8-byte header with the
 source token and expert, the bf16 or e4m3 row, the scales) in one ``MPI_Alltoallv``; combine sends each

@@ -18,7 +18,7 @@ from . import reference
 
 
 class InternodeHandle(NamedTuple):
-    """DeepEP's internode handle (research/deepep.md §1.5), as this rank holds it."""
+    """DeepEP's internode handle , as this rank holds it."""
     is_token_in_rank: np.ndarray                 # [T, R] bool (my tokens)
     rdma_channel_prefix_matrix: np.ndarray       # [N, C] int32: inclusive prefix over channels of my tokens per node
     gbl_channel_prefix_matrix: np.ndarray        # [R, C] int32: the same per destination rank

@@ -151,7 +151,7 @@ class CompileResult:
 
 
 # ---- NVSHMEM: files that include nvshmem.cuh are compiled relocatable and linked with the wheel's
-# ---- libnvshmem_device.a by nvJitLink (no compiler toolchain; research/nvshmem.md §2)
+# ---- libnvshmem_device.a by nvJitLink (no compiler toolchain)
 #: Compile option that selects NVSHMEM inside a file that supports both transports (internode.cu: its
 #: NvshmemRdma transport exists only with it); such a compile is relocatable and linked like an NVSHMEM file.
 NVSHMEM_DEFINE = "-DCUPY_EP_NVSHMEM"
@@ -305,7 +305,7 @@ class Kernel:
         # The dynamic shared memory the function may take (its MAX_DYNAMIC_SHARED_SIZE_BYTES, set on demand).
         # Without the attribute, static + dynamic must fit in 48 KB, so it is set for any dynamic size, not only
         # above 48 KB: the low-latency combine (~19 KB static) failed to launch with 32-48 KB dynamic (top-k 2-3)
-        # as its first call (CUDA_ERROR_INVALID_VALUE, found in S18).
+        # as its first call (CUDA_ERROR_INVALID_VALUE).
         self._smem_limit = 0
 
     def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):

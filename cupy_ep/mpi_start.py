@@ -2,7 +2,7 @@
 
 ``from mpi4py import MPI`` runs ``MPI_Init_thread`` inside the module's import, holding the GIL: on the GPU
 machine that is 0.24-0.41 s during which no other Python thread moves, and numpy + CuPy + cupy_ep's modules
-(~0.3 s) and CuPy's runtime start (~0.15 s) then run after it (session 20, ``startup_probe.py``). ctypes releases
+(~0.3 s) and CuPy's runtime start (~0.15 s) then run after it (measured on an H200 machine). ctypes releases
 the GIL around a foreign call, so :func:`start_mpi` imports mpi4py with ``rc.initialize = False``, calls
 ``MPI_Init_thread`` from the very ``libmpi`` that mpi4py loaded through ctypes, and lets a thread do the imports
 and the GPU probe meanwhile. mpi4py works on an MPI that someone else initialised; what its own start would

@@ -3,7 +3,7 @@
 The unique id is made on rank 0 and broadcast with mpi4py; every rank then initialises with it
 (``nvshmemx_set_attr_uniqueid_args`` + ``nvshmemx_hostlib_init_attr``). Kernels that use the device API are
 compiled relocatable and linked with ``libnvshmem_device.a`` by :mod:`cupy_ep.jit`; each loaded module then
-needs :meth:`Nvshmem.init_module` (it copies the device state into the module). research/nvshmem.md §2e gives
+needs :meth:`Nvshmem.init_module` (it copies the device state into the module). NVSHMEM's documentation gives
 the struct layouts used here (verified against the 3.4.5 headers).
 
 Used by the low-latency path (cuda_low_latency.py, run on GPUs) and the internode path (cuda_internode.py: one

@@ -1,8 +1,7 @@
 """Start the CUDA driver in the background when ``cupy_ep`` is imported.
 
 A warm start (kernel cache present) is mostly fixed costs: the interpreter, ``import numpy`` and ``import cupy``,
-``MPI_Init`` and the CUDA context (~0.26 s on an H200, measured with
-``benchmarks/experiments/warm_start_profile.py`` in session 7).
+``MPI_Init`` and the CUDA context (~0.26 s on an H200).
 Only the last one does not need the GIL: ``cuInit`` and ``cuDevicePrimaryCtxRetain`` are plain driver calls, so
 a thread started first thing in ``cupy_ep/__init__.py`` creates this rank's context while the main thread imports
 numpy, CuPy and mpi4py and starts MPI. CuPy (the runtime API) later finds the primary context ready.

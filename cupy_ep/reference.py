@@ -1,7 +1,7 @@
 """The numpy oracle: what every operation of cupy_ep computes, written as plainly as possible.
 
 Every test compares the GPU kernels and the host backend against these functions. The semantics are
-DeepEP V1's (research/deepep.md §1.4-1.6, §1.5b):
+DeepEP V1's:
 
 * experts are owned contiguously: rank(e) = e // (E / R); ``-1`` in ``topk_idx`` means "no expert";
 * dispatch output rows are ordered by (source rank, source token index);
@@ -270,7 +270,7 @@ def float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# low-latency (decode) mode: FP8 cast, dispatch, combine (research/deepep.md §1.8, §4)
+# low-latency (decode) mode: FP8 cast, dispatch, combine
 # ----------------------------------------------------------------------------------------------------------
 #: Largest finite float8_e4m3fn value.
 FP8_E4M3_MAX = np.float32(448.0)

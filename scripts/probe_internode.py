@@ -6,7 +6,7 @@
 For each token count it runs a dispatch, a cached dispatch, a combine and a barrier, and prints per rank every
 kernel's device time and when (host us after the start) it was launched. A kernel that waits for its peer
 shows the peer's lateness; times that alternate between the ranks mean the ranks are not running at once
-(session 3 found both processes of a 2 x 1 job on GPU 0 this way: every barrier kernel took ~4.4 ms).
+(both processes of a 2 x 1 job on GPU 0 show this way: every barrier kernel takes ~4.4 ms).
 """
 import os
 import time

@@ -95,7 +95,7 @@ def bad_input_problem(call, prefix: str, errors: tuple) -> str | None:
 def gather_all(comm, obj) -> list:
     """Every rank's ``obj`` (numpy arrays, tuples of them, ...), in rank order, on every rank. One broadcast per
     rank rather than one allgather: MPI counts are ints, and the low-latency decode shape's expert outputs (470 MB
-    a rank) put more than 2 GiB into one allgather at 8 ranks (MPI_ERR_ARG, S22F)."""
+    a rank) put more than 2 GiB into one allgather at 8 ranks (MPI_ERR_ARG)."""
     return [comm.bcast(obj if r == comm.Get_rank() else None, root=r) for r in range(comm.Get_size())]
 
 

@@ -447,7 +447,7 @@ def test_ll_markdown():
     for op, dtype in (("ll_dispatch", "fp8"), ("ll_combine", "bf16")):
         b.records.append({"op": op, "graph": False, "timing": "host", "host_us_per_call": 150.0,
                           "host_wall_us_per_call": 160.0, "calls": 200, "time_us_median": None, "dtype": dtype,
-                          "tokens": 128, "max_tokens": 128})  # (before session 19: no check_values field)
+                          "tokens": 128, "max_tokens": 128})  # (an older record: no check_values field)
     b.records.append({"op": "ll_dispatch", "graph": False, "timing": "host", "host_us_per_call": 250.0,
                       "host_wall_us_per_call": 260.0, "check_values": True, "calls": 200, "time_us_median": None,
                       "dtype": "fp8", "tokens": 128, "max_tokens": 128})

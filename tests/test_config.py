@@ -81,7 +81,7 @@ def test_default_tables_above_one_node_are_deepeps_internode_table(num_ranks, ta
     d, c = cfg.get_dispatch_config(num_ranks, 24), cfg.get_combine_config(num_ranks, 24)
     assert d == Config(24, *cfg._DEFAULT_INTERNODE_DISPATCH[tabulated])
     assert c == Config(24, *cfg._DEFAULT_INTERNODE_COMBINE[tabulated])
-    assert cfg.get_dispatch_config(16, 24) == Config(24, 36, 288, 20, 128)   # research/deepep.md §1.3
+    assert cfg.get_dispatch_config(16, 24) == Config(24, 36, 288, 20, 128)   # DeepEP's table
     assert cfg.get_combine_config(16, 24) == Config(24, 4, 288, 12, 128)
 
 
@@ -208,7 +208,7 @@ def test_dispatch_split_uses_every_sm(num_sms, num_ranks):
 
 
 def test_dispatch_split_at_ep2_is_3_3_2():
-    # senders : ring receivers : own-row SMs as measured best (benchmarks/experiments/exp_split.py)
+    # senders : ring receivers : own-row SMs as measured best
     got = {n: Config(num_sms=n).intranode_dispatch_split(2) for n in (8, 16, 24, 32)}
     assert got == {8: (3, 2), 16: (6, 4), 24: (9, 6), 32: (12, 8)}
 

@@ -165,7 +165,7 @@ def test_num_blocks_is_the_rank_s_sms_unless_the_env_asks_for_fewer(monkeypatch)
 
 def test_a_garbage_handle_from_a_timed_out_dispatch_reports_the_timeout(monkeypatch):
     """check_values reads the handle back; values that fail the checks after the dispatch's device wait timed out
-    are its garbage, and the CommTimeoutError is what the caller gets (S24C got a ValueError about layout_range)."""
+    are its garbage, and the CommTimeoutError is what the caller gets (not a ValueError about layout_range)."""
     from types import SimpleNamespace
 
     from cupy_ep import validate

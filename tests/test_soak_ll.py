@@ -84,7 +84,7 @@ def test_device_failure_reports_a_timed_out_wait_after_the_device_is_idle(monkey
 
 @pytest.mark.mpi(min_size=2)
 def test_low_latency_soak_reports_a_device_failure_not_a_mismatch(comm, monkeypatch, capsys):
-    """A wait that timed out leaves garbage outputs (S24C read them as "MISMATCH ... recv_count"): the soak stops
+    """A wait that timed out leaves garbage outputs (read as data they look like "MISMATCH ... recv_count"): the soak stops
     on every rank at that iteration, naming the rank and the error, before comparing anything."""
     calls = []
 

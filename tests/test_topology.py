@@ -93,7 +93,7 @@ def test_without_mps_a_rank_may_hold_the_whole_gpu_and_normal_mode_divides_it():
 
 
 def test_under_mps_without_a_percentage_the_ranks_split_the_gpu():
-    # S24A: MPS at 100 % for each of two clients reports 132 SMs to each; both grids must be resident together
+    # MPS at 100 % for each of two clients reports 132 SMs to each; both grids must be resident together
     full = bootstrap.SmShare(device_sms=132, provisioned_sms=132, gpu_sms=132, ranks_per_gpu=2, mps=True)
     assert full.per_rank == full.normal_mode_sms == 66
 

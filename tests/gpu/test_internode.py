@@ -1,7 +1,7 @@
 """Internode layout / dispatch / cached dispatch / combine on the GPU, against the reference, with the intranode
 suite's cases (tests/gpu/test_intranode.py CASES).
 
-Topologies ("nodes" share one box; research/nvshmem.md §3):
+Topologies ("nodes" share one box;):
   * 2 ranks: 2 nodes x 1 GPU, over NVSHMEM (P2P transport) and over the IPC transport;
   * 4 ranks: 2 nodes x 2 ranks, IPC transport only (ranks of one RDMA domain share a GPU: NVSHMEM cannot).
 Other rank counts skip. Run (GPU machine):

@@ -429,7 +429,7 @@ def test_cuda_graph_capture_num_worst_tokens(comm, gpu_buffer):
         x_np, idx_np, w_np, num_experts = _inputs(case, rank, R, seed=0)
         x, idx, w = _to_gpu(x_np), cupy.asarray(idx_np), cupy.asarray(w_np)
         # the copies above ran on the legacy default stream, which a non-blocking stream does not wait for: without
-        # this sync the first call read stale pool memory as topk_idx (S20D/S20F, four ranks sharing one GPU)
+        # this sync the first call read stale pool memory as topk_idx (four ranks sharing one GPU)
         cupy.cuda.runtime.deviceSynchronize()
         stream = cupy.cuda.Stream(non_blocking=True)
         outs = {}

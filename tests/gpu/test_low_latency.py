@@ -31,7 +31,7 @@ import cupy_ep
 from cupy_ep import config as cfgmod, reference
 from tests.helpers import all_ok, bad_input_problem, gather_all, make_inputs, random_bf16, same_bytes, to_numpy
 
-# One rank works too (every expert is local; the low-latency path at EP1, run on one-GPU machines since S18); the
+# One rank works too (every expert is local; the low-latency path at EP1, run on one-GPU machines); the
 # tests that need a peer skip there.
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -419,7 +419,7 @@ def test_wait_cost_stats_point_at_a_late_rank(comm, ll_buf):
     """Rank 1 starts its dispatch 5 ms late (a spin kernel ahead of it on its stream): every other rank's
     dispatch_wait_recv_cost_stats[1] grows by at least its L counts' worth of milliseconds and by more than ten
     times any other entry. Needs two ranks. Where ranks share a GPU (IPC transport) every peer is also late by the
-    time slices of the shared GPU (S22B, 4 ranks on one GPU: ~0.15 s of waiting for a punctual rank, 0.33 s for
+    time slices of the shared GPU (4 ranks on one GPU: ~0.15 s of waiting for a punctual rank, 0.33 s for
     the 5 ms late one), so there the late rank is 0.5 s late."""
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()

@@ -13,8 +13,8 @@ def test_nvshmem_init_align_and_linked_kernel(comm):
     from cupy_ep import jit
     from cupy_ep.nvshmem import Nvshmem
     from tests.gpu.test_low_latency import mps_clients, ranks_share_a_gpu
-    # NVSHMEM supports one PE per GPU (several only under MPS); with two ranks on one GPU this passed in S19D and
-    # crashed the process in nvshmem init in S20C (SIGSEGV), so it is skipped there like the low-latency tests
+    # NVSHMEM supports one PE per GPU (several only under MPS); with two ranks on one GPU outside MPS it
+    # can crash the process in nvshmem init (SIGSEGV), so it is skipped there like the low-latency tests
     if ranks_share_a_gpu(comm) and not mps_clients(comm):
         pytest.skip("NVSHMEM needs one GPU per PE or CUDA MPS (low_latency_mode refuses ranks sharing a GPU likewise)")
     os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # this test box has NVLink only
