@@ -9,25 +9,269 @@ Each op is timed as a call, as a CUDA-graph replay (one op per replay) and, wher
 (--steady-n ops back to back per replay, GpuTimer.steady: the ranks' launch skew paid once per n ops); the
 ceiling and NCCL are timed the same ways, and each comparison uses the same timing on both sides.
 Every result is checked against ``cupy_ep.reference`` before timing; a mismatch aborts the run.
-Writes JSON, a markdown table and a PNG plot into --out. Without a GPU it runs the host backend
-(verification and a small table; no ceiling, no NCCL).
+Writes JSON, a markdown table and a PNG plot into --out (default ``benchmarks/results``). Without a GPU (or with
+``--backend host``) it runs the host backend (verification and a small table; no ceiling, no NCCL), written to
+``out/bench_host`` (ignored by git) unless --out says otherwise.
+
+The command line (``--help``) is parsed before MPI starts, by every rank alike; rank 0 alone prints help and errors.
 """
 from __future__ import annotations
 
+import argparse
+import os
+import sys
 import time
 
+# ------------------------------------------------------------------------------------------------------
+# the command line (shared by cupy_ep.soak and cupy_ep.tune). Defined before anything heavy is imported: run as
+# the main job, this module parses its arguments first, so that --help and a bad value end the process, printed
+# by one rank, before MPI starts or CuPy loads.
+# ------------------------------------------------------------------------------------------------------
+# A process's rank as launchers export it before MPI_Init: Open MPI, MPICH/Hydra (PMI), PMIx, MVAPICH, Slurm,
+# torchrun (RANK, else LOCAL_RANK). The MPI launchers' own names come first: a Slurm or torchrun variable may be
+# inherited by every rank of an mpirun started inside such a job.
+LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID",
+                      "RANK", "LOCAL_RANK")
+
+
+def launcher_rank() -> int | None:
+    """This process's rank as its launcher exported it (``LAUNCHER_RANK_VARS``, first found), or None (a plain
+    ``python``)."""
+    for name in LAUNCHER_RANK_VARS:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with ``(default: ...)``; one whose default depends on other options or on the
+    machine states it in its own text (``(default: ...)`` already there) and is left as written."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "(default" in text else super()._get_help_string(action)
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ArgumentParser for a command started with several ranks: every rank parses the same argv, and only rank 0
+    prints (help, usage, errors); the other ranks exit with the same status silently. ``rank``: the process's rank
+    (None: ``launcher_rank()``, known before MPI starts; a plain ``python`` prints)."""
+
+    def __init__(self, *args, rank: int | None = None, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.rank = rank
+
+    def _print_message(self, message, file=None):
+        rank = self.rank if self.rank is not None else launcher_rank()
+        if not rank:
+            super()._print_message(message, file)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+
+
+def int_at_least(low: int):
+    """An argparse type: an int >= ``low``."""
+    def parse(text: str) -> int:
+        value = _int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def sm_count(text: str) -> int:
+    """An argparse type: an SM count of dispatch/combine (``Config.num_sms``: even, and >= 4 for a dispatch)."""
+    value = _int(text)
+    if value < 4 or value % 2:
+        raise argparse.ArgumentTypeError(f"an SM count must be an even number >= 4, got {value}")
+    return value
+
+
+def int_list(item=positive_int, allow_empty: bool = True):
+    """An argparse type: comma-separated values, each parsed by ``item`` ("" is the empty list when
+    ``allow_empty``)."""
+    def parse(text: str) -> list:
+        parts = [p.strip() for p in text.split(",")]
+        if parts == [""]:
+            if allow_empty:
+                return []
+            raise argparse.ArgumentTypeError("needs at least one value")
+        if "" in parts:
+            raise argparse.ArgumentTypeError(f"an empty item in {text!r}")
+        try:
+            return [item(p) for p in parts]
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} (in {text!r})" if len(parts) > 1 else str(e)) from None
+    parse.__name__ = "comma-separated list"
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a float in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def fail_once(comm, parser: CliParser, problem: str | None) -> None:
+    """Collective: when any rank of ``comm`` found a ``problem`` (one rank may see what another does not: a GPU),
+    every rank ends with ``parser.error`` (exit status 2), the message (the first rank's, naming it unless all
+    agree) printed by rank 0 of ``comm`` only."""
+    problems = comm.allgather(problem)
+    first = next(((r, p) for r, p in enumerate(problems) if p), None)
+    if first is not None:
+        r, p = first
+        parser.rank = comm.Get_rank()
+        parser.error(p if all(q == p for q in problems) else f"{p} (rank {r})")
+
+
+PROG = "python -m cupy_ep.bench"
+# defaults that differ by backend: (GPU, host backend); a host run is small, it checks that the pipeline runs
+BACKEND_DEFAULTS = {"sms": ([8, 16, 24, 32], [4]), "default_sms": (24, 4), "token_sweep": ([512, 1024, 2048, 8192], []),
+                    "iters": (50, 3), "warmup": (5, 1), "out": ("benchmarks/results", "out/bench_host")}
+LL_DEFAULT_TOKENS = 128
+
+
+def build_parser(rank: int | None = None) -> CliParser:
+    """The benchmark's options (``python -m cupy_ep.bench --help``)."""
+    def per_backend(key: str, fmt=lambda v: ",".join(map(str, v)) if isinstance(v, list) else str(v)) -> str:
+        gpu, host = BACKEND_DEFAULTS[key]
+        return f"(default: {fmt(gpu) or 'none'} on a GPU, {fmt(host) or 'none'} on the host backend)"
+    p = CliParser(prog=PROG, rank=rank, description=(
+        "The dispatch/combine benchmark: start it under mpirun, one rank per GPU (scripts/bench.sh). Every op is "
+        "verified against cupy_ep.reference, then timed; the results go to --out as JSON and markdown (and a PNG "
+        "plot on a GPU). Without a GPU it runs the host backend (numpy + MPI: a check that the pipeline runs, not "
+        "GPU numbers)."))
+    p.add_argument("--mode", choices=["normal", "low-latency", "internode"], default="normal",
+                   help="normal: intranode dispatch/combine bandwidth; low-latency: decode dispatch/combine latency "
+                        "(cupy_ep/bench_ll.py; GPU only); internode: RDMA/NVLink-domain bandwidth across nodes "
+                        "(cupy_ep/bench_internode.py; GPU only)")
+    p.add_argument("--tokens", type=positive_int, default=None,
+                   help=f"tokens per rank (default: 4096; {LL_DEFAULT_TOKENS} in --mode low-latency)")
+    p.add_argument("--hidden", type=positive_int, default=7168,
+                   help="hidden size, bf16 values per token (a multiple of 16: rows of 16-byte units; of 128 in "
+                        "--mode low-latency)")
+    p.add_argument("--topk", type=positive_int, default=8, help="experts per token (at most --experts)")
+    p.add_argument("--experts", type=positive_int, default=256, help="experts in all (a multiple of the rank count)")
+    p.add_argument("--sms", type=int_list(sm_count, allow_empty=False), default=None,
+                   help="comma-separated SM counts to sweep (even, >= 4) " + per_backend("sms"))
+    p.add_argument("--default-sms", type=sm_count, default=None,
+                   help="SM count of the token sweep and of --mode internode (even, >= 4) " + per_backend("default_sms"))
+    p.add_argument("--token-sweep", type=int_list(), default=None,
+                   help="comma-separated tokens per rank to run at --default-sms besides --tokens ('' for none) "
+                        + per_backend("token_sweep"))
+    p.add_argument("--iters", type=positive_int, default=None,
+                   help="timed iterations per measurement " + per_backend("iters")[:-1]
+                        + "; at least 200 in --mode low-latency)")
+    p.add_argument("--warmup", type=non_negative_int, default=None,
+                   help="untimed iterations before each measurement " + per_backend("warmup"))
+    p.add_argument("--skew", type=fraction, default=0.0,
+                   help="fraction of tokens whose experts are all on rank 0 (routing skew, in [0, 1])")
+    p.add_argument("--steady-n", type=non_negative_int, default=10,
+                   help="ops back to back per graph in the steady timing (GpuTimer.steady; 0: no steady timing; "
+                        "rounded up to even in --mode low-latency, where two buffers alternate)")
+    p.add_argument("--ll-token-sweep", type=int_list(non_negative_int), default="0,128",
+                   help="--mode low-latency: comma-separated tokens per rank T of the steady sweep, at the same max "
+                        "tokens M (--ll-max-tokens); T=0 is the fixed cost; T > M is skipped; '' for none")
+    p.add_argument("--ll-max-tokens", type=positive_int, default=None,
+                   help="--mode low-latency: the buffer's max tokens per rank M (num_max_dispatch_tokens_per_rank), "
+                        "at least --tokens; serving often sizes M above the batch (default: --tokens)")
+    p.add_argument("--ll-stamps", action="store_true",
+                   help="--mode low-latency: also report where a call's time goes (the kernels' phase stamps)")
+    p.add_argument("--ll-transport", choices=["nvshmem", "ipc"], default=None,
+                   help="--mode low-latency: Buffer(low_latency_transport=...); with ipc the report is named "
+                        "bench_ll_gpu_ep<R>_ipc (default: env CUPY_EP_LL_TRANSPORT, else nvshmem)")
+    p.add_argument("--backend", choices=["cuda", "host"], default=None,
+                   help="cuda: the GPU kernels; host: numpy + MPI on the CPU, --mode normal only (default: cuda when "
+                        "a GPU is visible, else host)")
+    p.add_argument("--out", default=None,
+                   help="folder for the JSON, markdown and plot " + per_backend("out")[:-1]
+                        + ", which git ignores)")
+    return p
+
+
+def parse_args(argv=None, gpu: bool | None = None, rank: int | None = None) -> argparse.Namespace:
+    """The benchmark's arguments from ``argv`` (default ``sys.argv[1:]``); needs nothing beyond argparse and runs
+    before MPI starts: ``--help`` and a bad value exit here (status 0 / 2), printed by rank 0 only. Defaults that
+    depend on the mode are set; those that depend on the backend stay None until :func:`resolve_defaults`,
+    done here when ``gpu`` (whether a GPU runs the benchmark) is given."""
+    p = build_parser(rank)
+    args = p.parse_args(argv)
+    if args.tokens is None:
+        args.tokens = LL_DEFAULT_TOKENS if args.mode == "low-latency" else 4096
+    if args.hidden % (128 if args.mode == "low-latency" else 16):
+        p.error(f"argument --hidden: must be a multiple of {128 if args.mode == 'low-latency' else 16}"
+                f"{' in --mode low-latency' if args.mode == 'low-latency' else ''}, got {args.hidden}")
+    if args.topk > args.experts:
+        p.error(f"argument --topk: must be at most --experts {args.experts}, got {args.topk}")
+    if args.mode != "normal" and args.backend == "host":
+        p.error(f"argument --backend: --mode {args.mode} runs on a GPU only, not on the host backend")
+    if args.mode == "low-latency" and args.ll_max_tokens is not None and args.tokens > args.ll_max_tokens:
+        p.error(f"argument --tokens: --tokens {args.tokens} is above --ll-max-tokens {args.ll_max_tokens}")
+    if gpu is not None:
+        resolve_defaults(args, gpu)
+    return args
+
+
+def resolve_defaults(args, gpu: bool) -> None:
+    """Fill the defaults that differ by backend (``BACKEND_DEFAULTS``): ``gpu`` says whether a GPU runs the
+    benchmark (a GPU is visible and ``--backend`` is not host). A host run writes to ``out/bench_host``, which git
+    ignores, so that it never lands among the committed GPU results in ``benchmarks/results``."""
+    for key, (on_gpu, on_host) in BACKEND_DEFAULTS.items():
+        if getattr(args, key) is None:
+            value = on_gpu if gpu else on_host
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+
+
+def check_world(args, comm, gpu_visible: bool) -> None:
+    """Collective, once MPI is up: the arguments against the job (rank count, GPUs); a problem ends every rank
+    with one argparse error (:func:`fail_once`), before any buffer exists."""
+    from .config import MAX_TOPK
+    from .reference import LOW_LATENCY_MAX_TOPK
+    R = comm.Get_size()
+    problem = None
+    if args.backend == "cuda" and not gpu_visible:
+        problem = "argument --backend: cuda, but this rank sees no GPU"
+    elif args.mode != "normal" and not gpu_visible:
+        problem = f"argument --mode: {args.mode} needs a GPU, and this rank sees none"
+    elif args.experts % R:
+        problem = f"argument --experts: must be a multiple of the rank count {R}, got {args.experts}"
+    elif args.mode == "low-latency" and args.topk > LOW_LATENCY_MAX_TOPK:
+        problem = f"argument --topk: the low-latency kernels take at most {LOW_LATENCY_MAX_TOPK}, got {args.topk}"
+    elif args.topk > MAX_TOPK:
+        problem = f"argument --topk: must be at most {MAX_TOPK}, got {args.topk}"
+    elif args.mode == "internode" and R < 2:
+        problem = f"argument --mode: internode needs at least 2 ranks (2 nodes), got {R}"
+    fail_once(comm, build_parser(), problem)
+
+
 if __name__ == "__main__":
-    # Run as the main job: start MPI now, while a thread imports numpy, CuPy and the backend (below they are then
-    # already loaded), instead of after them with the GIL held (cupy_ep/mpi_start.py; main() reads the times).
+    # Run as the main job: the arguments first (--help and bad values end here, before MPI), then MPI starts while
+    # a thread imports numpy, CuPy and the backend (below they are then already loaded), instead of after them
+    # with the GIL held (cupy_ep/mpi_start.py; main() reads the times).
+    _MAIN_ARGS = parse_args()
     from cupy_ep.mpi_start import start_mpi
     start_mpi()
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -701,8 +945,16 @@ def markdown_table(doc: dict) -> str:
 
     def each(r, key, fmt, hows=("", "_graph", "_steady")):
         return " / ".join(f(r.get(key + h), fmt) for h in hows)
-    lines = [f"# cupy_ep benchmark ({doc['backend']}, {doc['num_ranks']} ranks, {doc.get('gpu') or 'no GPU'})", "",
-             f"commit `{doc['commit']}`, driver {doc.get('driver')}, ceiling (P2P copy, every GPU writing to all its "
+    host = doc["backend"] == "host"
+    if host:
+        title = f"# cupy_ep benchmark: host-backend results (numpy + MPI on the CPU, no GPU), {doc['num_ranks']} ranks"
+    else:
+        title = f"# cupy_ep benchmark ({doc['backend']}, {doc['num_ranks']} ranks, {doc.get('gpu')})"
+    lines = [title, ""]
+    if host:
+        lines += ["Host backend (backend=host): the CPU reference path, run to check the pipeline; its times are "
+                  "not GPU numbers and say nothing about NVLink.", ""]
+    lines += [f"commit `{doc['commit']}`, driver {doc.get('driver')}, ceiling (P2P copy, every GPU writing to all its "
              f"peers) {f(doc['ceiling_gbps'], '.1f')} GB/s per GPU as graph replays (`ceiling_gbps`), "
              f"{f(doc.get('ceiling_gbps_steady'), '.1f')} GB/s steady (`ceiling_gbps_steady`); "
              f"startup {doc['startup']}", "",
@@ -850,55 +1102,20 @@ def process_age_s() -> float | None:
         return None
 
 
-def parse_args(argv=None, gpu: bool = True):
-    p = argparse.ArgumentParser(prog="python -m cupy_ep.bench", description=__doc__.split("\n")[0])
-    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--sms", type=ints, default=[8, 16, 24, 32] if gpu else [4], help="SM counts to sweep")
-    p.add_argument("--default-sms", type=int, default=24 if gpu else 4)
-    p.add_argument("--token-sweep", type=ints, default=[512, 1024, 2048, 8192] if gpu else [])
-    p.add_argument("--iters", type=int, default=50 if gpu else 3)
-    p.add_argument("--warmup", type=int, default=5 if gpu else 1)
-    p.add_argument("--skew", type=float, default=0.0, help="fraction of tokens routed to rank 0 only")
-    p.add_argument("--steady-n", type=int, default=10,
-                   help="ops back to back per graph in the steady timing (GpuTimer.steady; default 10; 0: no steady "
-                        "timing; rounded up to even in --mode low-latency, where two buffers alternate)")
-    p.add_argument("--ll-token-sweep", type=ints, default=[0, 128],
-                   help="--mode low-latency: tokens per rank T of the steady sweep, at the same max tokens M "
-                        "(--ll-max-tokens, default --tokens; default 0,128; T=0 is the fixed cost; T > M is skipped)")
-    p.add_argument("--ll-max-tokens", type=int, default=None,
-                   help="--mode low-latency: the buffer's max tokens per rank M (num_max_dispatch_tokens_per_rank; "
-                        "default: --tokens); serving often sizes M above the batch")
-    p.add_argument("--ll-stamps", action="store_true",
-                   help="--mode low-latency: also report where a call's time goes (the kernels' phase stamps)")
-    p.add_argument("--ll-transport", choices=["nvshmem", "ipc"], default=None,
-                   help="--mode low-latency: Buffer(low_latency_transport=...) (default: env CUPY_EP_LL_TRANSPORT, "
-                        "else nvshmem); with ipc the report is named bench_ll_gpu_ep<R>_ipc")
-    p.add_argument("--backend", choices=["cuda", "host"], default=None)
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--mode", choices=["normal", "low-latency", "internode"], default="normal",
-                   help="low-latency: decode dispatch/combine latency (cupy_ep/bench_ll.py; --tokens defaults to 128); "
-                        "internode: RDMA/NVLink-domain bandwidth across nodes (cupy_ep/bench_internode.py)")
-    args = p.parse_args(argv)
-    if args.steady_n < 0:
-        p.error(f"--steady-n must be >= 0, got {args.steady_n}")
-    if args.ll_max_tokens is not None and args.ll_max_tokens < 1:
-        p.error(f"--ll-max-tokens must be >= 1, got {args.ll_max_tokens}")
-    return args
-
-
-def start(argv=None):
-    """The benchmark's start-up, up to its arguments: MPI started with the imports and CuPy's runtime start (the
+def start(argv=None, args: argparse.Namespace | None = None):
+    """The benchmark's start-up, up to its arguments: the arguments parsed (unless ``args`` are given: run as the
+    main job, this module parsed them at its top), MPI started with the imports and CuPy's runtime start (the
     GPU probe) running beside it (already done at the top of this module when it runs as the main job), the
-    arguments parsed and the start-up times put into them. Returns ``(comm, args)``."""
+    defaults that depend on the backend filled in, the arguments checked against the job (:func:`check_world`)
+    and the start-up times put into them. Returns ``(comm, args)``."""
     process_age_at_main, t_main = process_age_s(), time.perf_counter()
+    if args is None:
+        args = parse_args(argv)  # before MPI: --help and bad values end here
     started = cupy_ep.start_mpi()
     comm = started.MPI.COMM_WORLD
-    gpu = started.gpu if started.gpu is not None else cupy_ep.gpu_available()
-    args = parse_args(argv, gpu=gpu)
+    gpu_visible = bool(started.gpu if started.gpu is not None else cupy_ep.gpu_available())
+    resolve_defaults(args, gpu_visible and args.backend != "host")
+    check_world(args, comm, gpu_visible)
     args.mpi_init_s = started.mpi_init_s
     args.gpu_probe_s = started.preload_wait_s  # the imports + probe left over once MPI was up
     args.mpi_start = started.how
@@ -909,25 +1126,23 @@ def start(argv=None):
     return comm, args
 
 
-def main(argv=None):
-    comm, args = start(argv)
+def main(argv=None, args: argparse.Namespace | None = None):
+    """``python -m cupy_ep.bench``: ``argv`` (default ``sys.argv[1:]``) or already parsed ``args``."""
+    comm, args = start(argv, args)
     if args.mode == "low-latency":
         from . import bench_ll
-        if not any(a.startswith("--tokens") for a in (sys.argv[1:] if argv is None else argv)):
-            args.tokens = 128
-        if args.tokens > bench_ll.max_tokens(args):
-            raise SystemExit(f"cupy_ep.bench: --tokens {args.tokens} is above --ll-max-tokens {args.ll_max_tokens}")
         bench_ll.main(args, comm)
         return
     if args.mode == "internode":
         from . import bench_internode
         bench_internode.main(args, comm)
         return
-    if not cupy_ep.gpu_available() and comm.Get_rank() == 0:
-        print("cupy_ep.bench: NO GPU visible -> host backend (numpy + MPI); the numbers are not GPU numbers",
-              flush=True)
+    if comm.Get_rank() == 0 and (args.backend == "host" or not cupy_ep.gpu_available()):
+        why = "--backend host" if args.backend == "host" else "NO GPU visible"
+        print(f"cupy_ep.bench: {why} -> host backend (numpy + MPI); the numbers are not GPU numbers; results go to "
+              f"{args.out}", flush=True)
     Bench(args, comm).run()
 
 
 if __name__ == "__main__":
-    main()
+    main(args=_MAIN_ARGS)

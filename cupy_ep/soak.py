@@ -13,14 +13,13 @@ dispatch/combine soak instead (:mod:`cupy_ep.soak_ll`).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import zlib
 
 import numpy as np
 
 from . import Buffer, Config, reference
-from .bench import make_routing
+from .bench import CliParser, fail_once, make_routing, non_negative_int, positive_int, sm_count
 
 
 def iteration_shape(seed: int, it: int, max_tokens: int, num_ranks: int) -> dict:
@@ -33,13 +32,14 @@ def iteration_shape(seed: int, it: int, max_tokens: int, num_ranks: int) -> dict
                 check=bool(rng.random() < 0.1))
 
 
-def progress(start: int, iters: int, rank: int, desc: str):
-    """Iterations ``start .. start + iters - 1``, with a tqdm bar on rank 0 (a plain range without tqdm)."""
+def progress(items, rank: int, desc: str, unit: str = "it"):
+    """``items`` with a tqdm bar on rank 0; ``items`` itself where tqdm is not installed (an optional package: the
+    bench extra). Callers check ``hasattr(bar, "set_postfix")``."""
     try:
         from tqdm import tqdm
     except ImportError:
-        return range(start, start + iters)
-    return tqdm(range(start, start + iters), disable=rank != 0, desc=desc, unit="it", mininterval=5.0)
+        return items
+    return tqdm(items, disable=rank != 0, desc=desc, unit=unit, mininterval=5.0)
 
 
 def checksum(*arrays) -> int:
@@ -50,30 +50,56 @@ def checksum(*arrays) -> int:
     return crc
 
 
-def main(argv=None) -> int:
-    from . import soak_ll  # imported here: soak_ll imports this module's helpers
-    from mpi4py import MPI
-    p = argparse.ArgumentParser(prog="python -m cupy_ep.soak", description=__doc__.split("\n")[0])
-    p.add_argument("--iters", type=int, default=10000)
-    p.add_argument("--start", type=int, default=0, help="first iteration (replay)")
-    p.add_argument("--seed", type=int, default=2026)
-    p.add_argument("--mode", choices=["normal", "low-latency"], default="normal")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help=f"tokens per rank at most (default 1024; low-latency: {soak_ll.DEFAULT_MAX_TOKENS}, = M)")
-    p.add_argument("--check-every", type=int, default=50)
-    p.add_argument("--num-sms", type=int, default=12)
-    p.add_argument("--backend", choices=["cuda", "host"], default=None)
-    p.add_argument("--zero-copy", action="store_true", help="zero-copy dispatch and combine (normal mode)")
-    soak_ll.add_arguments(p)
-    args = p.parse_args(argv)
+DEFAULT_MAX_TOKENS = 1024  # normal mode's tokens per rank at most
 
-    comm = MPI.COMM_WORLD
-    if args.mode == "low-latency":
-        if args.max_tokens is None:
-            args.max_tokens = soak_ll.DEFAULT_MAX_TOKENS
-        return soak_ll.main(args, comm)
+
+def build_parser(rank: int | None = None) -> CliParser:
+    """The soak's options (``python -m cupy_ep.soak --help``)."""
+    from . import soak_ll  # imported here: soak_ll imports this module's helpers
+    p = CliParser(prog="python -m cupy_ep.soak", rank=rank, description=(
+        "Many randomly shaped dispatch / cached dispatch / combine rounds (or low-latency ones), checked against "
+        "cupy_ep.reference; start it under mpirun, on any backend. The first mismatch stops every rank with exit "
+        "status 1 and the command that replays it."))
+    p.add_argument("--mode", choices=["normal", "low-latency"], default="normal",
+                   help="normal: intranode dispatch/combine; low-latency: the low-latency kernels (cupy_ep/soak_ll.py)")
+    p.add_argument("--iters", type=positive_int, default=10000, help="iterations to run")
+    p.add_argument("--start", type=non_negative_int, default=0,
+                   help="first iteration (replay one: --start N --iters 1 with the same --seed)")
+    p.add_argument("--seed", type=non_negative_int, default=2026, help="seed of every iteration's shape and data")
+    p.add_argument("--max-tokens", type=positive_int, default=None,
+                   help=f"tokens per rank at most (default: {DEFAULT_MAX_TOKENS}; {soak_ll.DEFAULT_MAX_TOKENS} in "
+                        "--mode low-latency, where it is the buffer's M)")
+    p.add_argument("--check-every", type=positive_int, default=50,
+                   help="compare every N-th iteration with the reference (and a random tenth of the others)")
+    p.add_argument("--num-sms", type=sm_count, default=12, help="normal mode: Config.num_sms (even, >= 4)")
+    p.add_argument("--backend", choices=["cuda", "host"], default=None,
+                   help="cuda: the GPU kernels; host: numpy + MPI (default: cuda when a GPU is visible, else host)")
+    p.add_argument("--zero-copy", action="store_true", help="normal mode: zero-copy dispatch and combine")
+    soak_ll.add_arguments(p)
+    return p
+
+
+def parse_args(argv=None, rank: int | None = None):
+    """The soak's arguments; argparse only, so that --help and bad values end before MPI starts (printed by rank 0
+    only). ``--max-tokens`` gets its mode's default."""
+    from . import soak_ll
+    args = build_parser(rank).parse_args(argv)
     if args.max_tokens is None:
-        args.max_tokens = 1024
+        args.max_tokens = soak_ll.DEFAULT_MAX_TOKENS if args.mode == "low-latency" else DEFAULT_MAX_TOKENS
+    return args
+
+
+def main(argv=None) -> int:
+    """``python -m cupy_ep.soak``: returns the exit status (0: no mismatch, 1: a mismatch)."""
+    from . import soak_ll
+    args = parse_args(argv)
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    if args.backend == "cuda":
+        from .buffer import gpu_available
+        fail_once(comm, build_parser(), None if gpu_available() else "argument --backend: cuda, but this rank sees no GPU")
+    if args.mode == "low-latency":
+        return soak_ll.main(args, comm)
     rank, R = comm.Get_rank(), comm.Get_size()
     cfg = Config(args.num_sms, 8, 256)
     nvl = cfg.get_nvl_buffer_size_hint(7168 * 2, R)
@@ -128,7 +154,7 @@ def main(argv=None) -> int:
             total.append(xp.sum(words * weights * xp.uint64(0x9E3779B1)))
         return int(xp.stack(total).sum()) if total else 0
 
-    bar = progress(args.start, args.iters, rank, "soak")
+    bar = progress(range(args.start, args.start + args.iters), rank, "soak")
     checked = 0
     for it in bar:
         shape = iteration_shape(args.seed, it, args.max_tokens, R)

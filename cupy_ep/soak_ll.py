@@ -43,8 +43,9 @@ def hidden_list(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hiddens", type=hidden_list, default=HIDDENS,
-                   help="low-latency mode: comma-separated hidden sizes to draw from (default 2048,4096,7168)")
+    """The low-latency soak's own options, on ``python -m cupy_ep.soak``'s parser."""
+    p.add_argument("--hiddens", type=hidden_list, default=",".join(map(str, HIDDENS)),
+                   help="low-latency mode: comma-separated hidden sizes to draw from (positive multiples of 128)")
 
 
 def iteration_shape(seed: int, it: int, max_tokens: int, num_ranks: int, hiddens=HIDDENS) -> dict:
@@ -144,7 +145,7 @@ def main(args, comm) -> int:
     def bf16_bits(bits):
         return bits.astype(xp.uint16).view(BF16)
 
-    bar = progress(args.start, args.iters, rank, "soak-ll")
+    bar = progress(range(args.start, args.start + args.iters), rank, "soak-ll")
     checked = 0
     for it in bar:
         s = iteration_shape(args.seed, it, M, R, hiddens)

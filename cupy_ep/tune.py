@@ -8,7 +8,6 @@ the JSON under ``"sweep"`` for reference. Explicit ``Config`` arguments always o
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import time
@@ -16,32 +15,69 @@ import time
 import numpy as np
 
 from . import config as cfgmod
-from .bench import GpuTimer, make_inputs
+from .bench import CliParser, GpuTimer, fail_once, int_list, make_inputs, positive_int, sm_count
+
+
+def build_parser(rank: int | None = None) -> CliParser:
+    """The tuner's options (``python -m cupy_ep.tune --help``)."""
+    p = CliParser(prog="python -m cupy_ep.tune", rank=rank, description=(
+        "Sweep SM counts and ring/chunk sizes of dispatch and combine on this machine (GPU only; start it under "
+        "mpirun, one rank per GPU) and write the fastest configs where Buffer finds them by default. Each candidate "
+        "is timed as CUDA-graph replays on the benchmark's default workload."))
+    p.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")
+    p.add_argument("--hidden", type=positive_int, default=7168, help="hidden size, bf16 values per token (a multiple of 16)")
+    p.add_argument("--topk", type=positive_int, default=8, help="experts per token (at most --experts)")
+    p.add_argument("--experts", type=positive_int, default=256, help="experts in all (a multiple of the rank count)")
+    p.add_argument("--sms", type=int_list(sm_count, allow_empty=False), default="8,16,24,32,40,48",
+                   help="comma-separated SM counts to sweep (even, >= 4)")
+    p.add_argument("--max-sms", type=sm_count, default=24,
+                   help="the chosen config uses at most this many SMs (the fastest overall if none of the swept fit)")
+    p.add_argument("--dispatch-chunks", type=int_list(allow_empty=False), default="8,16,24,32,48",
+                   help="comma-separated dispatch chunk sizes (num_max_nvl_chunked_send_tokens) to sweep")
+    p.add_argument("--combine-chunks", type=int_list(allow_empty=False), default="12,24,48,72,96",
+                   help="comma-separated combine chunk sizes to sweep")
+    p.add_argument("--slots", type=int_list(allow_empty=False), default="256,512",
+                   help="comma-separated ring sizes in tokens (num_max_nvl_chunked_recv_tokens) to sweep; a chunk "
+                        "must be smaller than its ring")
+    p.add_argument("--iters", type=positive_int, default=20, help="timed graph replays per candidate")
+    p.add_argument("--out", default=None,
+                   help="JSON to write (default: config.tuned_config_path(): env CUPY_EP_TUNED_CONFIG, else "
+                        "cupy_ep/tuned_configs.json under $XDG_CACHE_HOME or ~/.cache)")
+    return p
+
+
+def parse_args(argv=None, rank: int | None = None):
+    """The tuner's arguments; argparse only, so that --help and bad values end before MPI starts (printed by rank 0
+    only)."""
+    p = build_parser(rank)
+    args = p.parse_args(argv)
+    if args.hidden % 16:
+        p.error(f"argument --hidden: must be a multiple of 16, got {args.hidden}")
+    if args.topk > min(args.experts, cfgmod.MAX_TOPK):
+        p.error(f"argument --topk: must be at most --experts {args.experts} and {cfgmod.MAX_TOPK}, got {args.topk}")
+    if not any(c < q for q in args.slots for c in args.dispatch_chunks + args.combine_chunks):
+        p.error(f"argument --slots: no chunk size is below a ring size {args.slots}: nothing to sweep")
+    return args
 
 
 def main(argv=None):
+    """``python -m cupy_ep.tune``."""
+    args = parse_args(argv)
     from mpi4py import MPI
-    import cupy
-    from tqdm import tqdm
-    from . import Buffer, Config
-    from .interop import BF16
-
-    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
-    p = argparse.ArgumentParser(prog="python -m cupy_ep.tune", description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--sms", type=ints, default=list(range(8, 49, 8)))
-    p.add_argument("--max-sms", type=int, default=24, help="the chosen config uses at most this many SMs")
-    p.add_argument("--dispatch-chunks", type=ints, default=[8, 16, 24, 32, 48])
-    p.add_argument("--combine-chunks", type=ints, default=[12, 24, 48, 72, 96])
-    p.add_argument("--slots", type=ints, default=[256, 512])
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--out", default=None, help="JSON to write (default: config.tuned_config_path())")
-    args = p.parse_args(argv)
 
     comm = MPI.COMM_WORLD
+    from .buffer import gpu_available
+    problem = None
+    if not gpu_available():
+        problem = "cupy_ep.tune times the GPU kernels, and this rank sees no GPU"
+    elif args.experts % comm.Get_size():
+        problem = f"argument --experts: must be a multiple of the rank count {comm.Get_size()}, got {args.experts}"
+    fail_once(comm, build_parser(), problem)  # one error, printed once, before any buffer
+    import cupy
+
+    from . import Buffer, Config
+    from .interop import BF16
+    from .soak import progress
     rank, R = comm.Get_rank(), comm.Get_size()
     hidden_bytes = 2 * args.hidden
     max_slots = max(args.slots)
@@ -56,7 +92,7 @@ def main(argv=None):
         timer = GpuTimer(comm, args.iters, 3)
         candidates = [(s, c, q) for s in args.sms for q in args.slots
                       for c in sorted(set(args.dispatch_chunks + args.combine_chunks)) if c < q]
-        bar = tqdm(candidates, disable=rank != 0, desc="tuning", unit="config")
+        bar = progress(candidates, rank, "tuning", unit="config")
         for sms, chunk, slots in bar:
             cfg = Config(sms, chunk, slots)
             recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
@@ -69,7 +105,8 @@ def main(argv=None):
             if chunk in args.combine_chunks and slots - chunk >= batch:
                 t = timer.graph(lambda: buf.combine(recv_x, handle, config=cfg))
                 results["combine"].append(dict(dataclasses.asdict(cfg), time_us=t.median_us))
-            bar.set_postfix(sms=sms, chunk=chunk, slots=slots)
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(sms=sms, chunk=chunk, slots=slots)
     buf.destroy()
     if rank != 0:
         return

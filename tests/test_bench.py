@@ -279,10 +279,13 @@ def test_options():
         bench.parse_args(["--ll-max-tokens", "0"])
 
 
-def test_low_latency_mode_refuses_more_tokens_than_max_tokens(capsys):
-    """--tokens above --ll-max-tokens stops before any buffer or GPU is touched, naming both options."""
-    with pytest.raises(SystemExit, match="--tokens 300 is above --ll-max-tokens 256"):
+def test_low_latency_mode_refuses_more_tokens_than_max_tokens(capsys, monkeypatch):
+    """--tokens above --ll-max-tokens is an argparse error (exit status 2) before MPI starts, naming both options."""
+    monkeypatch.setattr(bench.cupy_ep, "start_mpi", lambda: pytest.fail("MPI started before the arguments"))
+    with pytest.raises(SystemExit) as e:
         bench.main(["--mode", "low-latency", "--tokens", "300", "--ll-max-tokens", "256"])
+    assert e.value.code == 2
+    assert "error: argument --tokens: --tokens 300 is above --ll-max-tokens 256" in capsys.readouterr().err
 
 
 def _run_host_bench(out_dir) -> dict | None:
@@ -320,8 +323,27 @@ def test_host_run_writes_the_schema(comm, tmp_path):
     doc = _run_host_bench(out)
     if comm.Get_rank() == 0:
         _check_host_doc(doc)
+        assert doc["backend"] == "host"
         md = (out / f"bench_host_ep{comm.Get_size()}.md").read_text()
         assert "steady us" in md
+        assert md.startswith("# cupy_ep benchmark: host-backend results (numpy + MPI on the CPU, no GPU)")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_host_run_writes_outside_the_committed_results_by_default(comm, tmp_path, monkeypatch):
+    """Without --out a host run writes to out/bench_host (ignored by git), not to benchmarks/results."""
+    cwd = comm.bcast(tmp_path if comm.Get_rank() == 0 else None)
+    monkeypatch.chdir(cwd)
+    bench.main(["--backend", "host", "--tokens", "16", "--hidden", "128", "--experts", "8", "--topk", "2",
+                "--iters", "1", "--warmup", "0", "--sms", "4"])
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        stem = f"bench_host_ep{comm.Get_size()}"
+        assert sorted(p.name for p in (cwd / "out" / "bench_host").iterdir()) == [f"{stem}.json", f"{stem}.md"]
+        assert not (cwd / "benchmarks").exists()
+        doc = json.loads((cwd / "out" / "bench_host" / f"{stem}.json").read_text())
+        assert doc["args"]["out"] == "out/bench_host" and doc["backend"] == "host"
+    comm.Barrier()
 
 
 # ------------------------------------------------------------------------------------------------------
