@@ -11,7 +11,9 @@ ceiling and NCCL are timed the same ways, and each comparison uses the same timi
 Every result is checked against ``cupy_ep.reference`` before timing; a mismatch aborts the run.
 Writes JSON, a markdown table and a PNG plot into --out (default ``benchmarks/results``). Without a GPU (or with
 ``--backend host``) it runs the host backend (verification and a small table; no ceiling, no NCCL), written to
-``out/bench_host`` (ignored by git) unless --out says otherwise.
+``out/bench_host`` (ignored by git) unless --out says otherwise. Where ranks share a GPU (CUDA MPS clients) NCCL
+refuses to run: the benchmark runs every op without the NCCL baseline, says so in its log and files (``nccl``,
+``shared_gpu_ranks``) and names them ``..._shared_gpu``.
 
 The command line (``--help``) is parsed before MPI starts, by every rank alike; rank 0 alone prints help and errors.
 """
@@ -525,21 +527,63 @@ def shared_gpu_ranks(gpus) -> list[list[int]]:
     return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
 
 
+def shared_gpus(comm) -> list[list[int]]:
+    """Collective (GPU): the groups of ranks of ``comm`` that share a GPU (CUDA MPS clients, say), by the current
+    device's host and PCI bus id; empty with one GPU per rank."""
+    import cupy
+
+    from .bootstrap import gpu_of_each_rank
+    return shared_gpu_ranks(gpu_of_each_rank(comm, cupy.cuda.runtime))
+
+
+SHARED_GPU_SUFFIX = "_shared_gpu"  # results of ranks sharing a GPU never take the one-GPU-per-rank files' names
+
+
+def results_stem(stem: str, shared: list | None) -> str:
+    """A report's file stem: ``stem``, with ``SHARED_GPU_SUFFIX`` when ranks share a GPU."""
+    return stem + (SHARED_GPU_SUFFIX if shared else "")
+
+
+def shared_text(shared: list) -> str:
+    """``[[0, 1], [2, 3]]`` -> "ranks 0, 1 share a GPU; ranks 2, 3 share a GPU"."""
+    return "; ".join(f"ranks {', '.join(map(str, g))} share a GPU" for g in shared)
+
+
+def nccl_baseline(comm, shared: list) -> tuple[NcclAllToAll | None, str]:
+    """Collective (GPU): the NCCL baseline and what the results say of it (their ``nccl`` field):
+    ``(NcclAllToAll, "measured")``, or, where ranks share a GPU (``shared``: :func:`shared_gpus`), ``(None,
+    "skipped: ranks 0, 1 share a GPU (NCCL refuses two ranks on one GPU)")``: NCCL fails such a communicator with
+    NCCL_ERROR_INVALID_USAGE in its first call, so the benchmark runs without it and says so."""
+    if shared:
+        return None, f"skipped: {shared_text(shared)} (NCCL refuses two ranks on one GPU)"
+    return NcclAllToAll(comm), "measured"
+
+
+def shared_gpu_warning(prog: str, shared: list, nccl: str | None) -> str:
+    """The log line of a run whose ranks share a GPU (printed once, by rank 0)."""
+    return (f"{prog}: RANKS SHARE A GPU ({shared_text(shared)}): the timings are HBM copies through the shared GPU, "
+            "not NVLink figures" + (f"; NCCL baseline {nccl}" if nccl and nccl.startswith("skipped") else "")
+            + f"; the results' file names end in {SHARED_GPU_SUFFIX}")
+
+
+def shared_gpu_markdown(shared: list, nccl: str | None, extra: str = "") -> list[str]:
+    """The markdown paragraph of a report whose ranks share a GPU (none without ``shared``): what its timings
+    are and that NCCL was skipped (``nccl``: the ``nccl`` field), then ``extra``."""
+    if not shared:
+        return []
+    text = (f"**Ranks share a GPU** ({shared_text(shared)}; e.g. as CUDA MPS clients): the timings are HBM copies "
+            "through the shared GPU, not NVLink figures, and the copy ceiling is that of the shared GPU.")
+    if nccl and nccl.startswith("skipped"):
+        text += f" NCCL baseline {nccl}: no NCCL times, no ratios to NCCL (\"-\")."
+    return [text + (" " + extra if extra else ""), ""]
+
+
 class NcclAllToAll:
-    """Grouped send/recv (cupy.cuda.nccl) of given per-peer byte counts (self-send included)."""
+    """Grouped send/recv (cupy.cuda.nccl) of given per-peer byte counts (self-send included). Needs one GPU per
+    rank (:func:`nccl_baseline` checks)."""
 
     def __init__(self, comm):
-        import cupy
         from cupy.cuda import nccl
-
-        from .bootstrap import gpu_of_each_rank
-        # NCCL refuses two ranks on one GPU (NCCL_ERROR_INVALID_USAGE deep in the first call): say so first, on
-        # every rank (collective, so no rank is left waiting)
-        shared = shared_gpu_ranks(gpu_of_each_rank(comm, cupy.cuda.runtime))
-        if shared:
-            raise SystemExit("cupy_ep.bench: the NCCL baseline needs one GPU per rank, but ranks "
-                             + "; ".join(", ".join(map(str, g)) for g in shared) + " share a GPU "
-                             "(run at most as many ranks per node as it has GPUs)")
         self.nccl = nccl
         uid = comm.bcast(nccl.get_unique_id() if comm.Get_rank() == 0 else None)
         self.nc = nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())
@@ -601,6 +645,8 @@ class Bench:
         self.gpu = self.buf.backend == "cuda"
         self.records: list[dict] = []
         self.ceiling: dict = {}
+        # the NCCL baseline (GPU: run() opens it) and what the results say of it; the groups of ranks sharing a GPU
+        self.nccl, self.nccl_status, self.shared = None, "not measured: the host backend has no NCCL", None
         self.startup = self.first_dispatch()
 
     def first_dispatch(self) -> dict:
@@ -698,7 +744,7 @@ class Bench:
         num_recv = int(recv_rows.sum())
 
         nccl = self.nccl_baselines(timer, sent_rows, recv_rows, row_bf16, row_fp8) \
-            if self.gpu and with_baselines else {}
+            if self.nccl is not None and with_baselines else {}
         ceiling = {"graph": self.ceiling.get("gbps"), "steady": self.ceiling.get("gbps_steady")}
 
         def add(op, dtype, sms, fn, row_bytes, logical_rows, nvl_rows, graph: bool, zero_copy: bool = False):
@@ -824,7 +870,10 @@ class Bench:
                  + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in self.startup.items() if isinstance(v, float)))
         with self.device_ctx():
             if self.gpu:
-                self.nccl = NcclAllToAll(self.comm)
+                self.shared = shared_gpus(self.comm)
+                self.nccl, self.nccl_status = nccl_baseline(self.comm, self.shared)
+                if self.shared:
+                    self.log(shared_gpu_warning("cupy_ep.bench", self.shared, self.nccl_status))
                 self.measure_ceiling(GpuTimer(self.comm, a.iters, a.warmup))
             self.run_workload(a.tokens, a.sms, verify=True, with_baselines=True)
             for tokens in a.token_sweep:
@@ -853,6 +902,7 @@ class Bench:
                 "ceiling_gbps": self.ceiling.get("gbps"), "ceiling_by_sms": self.ceiling.get("by_sms"),
                 "ceiling_gbps_steady": self.ceiling.get("gbps_steady"),
                 "ceiling_by_sms_steady": self.ceiling.get("by_sms_steady"),
+                "nccl": self.nccl_status, "shared_gpu_ranks": self.shared,
                 "startup": self.startup, "args": vars(self.args)}
         if self.gpu:
             import cupy
@@ -871,7 +921,7 @@ class Bench:
     def write(self):
         out = Path(self.args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"bench_{'gpu' if self.gpu else 'host'}_ep{self.R}"
+        stem = results_stem(f"bench_{'gpu' if self.gpu else 'host'}_ep{self.R}", self.shared)
         doc = dict(self.meta(), results=self.records)
         (out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str))
         md = markdown_table(doc)
@@ -946,14 +996,17 @@ def markdown_table(doc: dict) -> str:
     def each(r, key, fmt, hows=("", "_graph", "_steady")):
         return " / ".join(f(r.get(key + h), fmt) for h in hows)
     host = doc["backend"] == "host"
+    shared = doc.get("shared_gpu_ranks")
     if host:
         title = f"# cupy_ep benchmark: host-backend results (numpy + MPI on the CPU, no GPU), {doc['num_ranks']} ranks"
     else:
-        title = f"# cupy_ep benchmark ({doc['backend']}, {doc['num_ranks']} ranks, {doc.get('gpu')})"
+        title = (f"# cupy_ep benchmark ({doc['backend']}, {doc['num_ranks']} ranks, {doc.get('gpu')}"
+                 + (", ranks sharing a GPU)" if shared else ")"))
     lines = [title, ""]
     if host:
         lines += ["Host backend (backend=host): the CPU reference path, run to check the pipeline; its times are "
                   "not GPU numbers and say nothing about NVLink.", ""]
+    lines += shared_gpu_markdown(shared, doc.get("nccl"))
     lines += [f"commit `{doc['commit']}`, driver {doc.get('driver')}, ceiling (P2P copy, every GPU writing to all its "
              f"peers) {f(doc['ceiling_gbps'], '.1f')} GB/s per GPU as graph replays (`ceiling_gbps`), "
              f"{f(doc.get('ceiling_gbps_steady'), '.1f')} GB/s steady (`ceiling_gbps_steady`); "
@@ -1005,6 +1058,9 @@ def plot(doc: dict, path: Path):
     res = doc["results"]
     args = doc["args"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    if doc.get("shared_gpu_ranks"):
+        fig.suptitle(f"{shared_text(doc['shared_gpu_ranks'])}: HBM copies through the shared GPU, not NVLink figures"
+                     + ("; no NCCL baseline" if str(doc.get("nccl", "")).startswith("skipped") else ""), fontsize=10)
     steady = bool(doc.get("ceiling_by_sms_steady"))
     ceiling_by_sms = doc.get("ceiling_by_sms_steady") or doc["ceiling_by_sms"]
     ceiling = doc.get("ceiling_gbps_steady") or doc["ceiling_gbps"]

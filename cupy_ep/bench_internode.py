@@ -11,7 +11,8 @@ Per op (FP8 and BF16 dispatch, cached BF16 dispatch, BF16 combine) it reports, a
   * ``rdma_ceiling_gbps``: the transport's put bandwidth (``internode_put_bandwidth``: every GPU puts to every other
     PE of its RDMA domain at once) measured in the same run, and ``rdma_vs_ceiling``.
 Results are verified against :mod:`cupy_ep.reference` / :mod:`cupy_ep.internode_reference` before timing (a mismatch
-aborts). Writes ``<out>/bench_internode_<transport>_ep<R>.json`` and ``.md``.
+aborts). Writes ``<out>/bench_internode_<transport>_ep<R>.json`` and ``.md`` (``..._shared_gpu`` where ranks share
+a GPU: their timings are copies through that GPU, and the report says so).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import numpy as np
 import cupy_ep
 from cupy_ep import Buffer, internode_reference, reference
 from cupy_ep import config as cfgmod
-from cupy_ep.bench import GpuTimer, make_routing, write_report
+from cupy_ep.bench import GpuTimer, make_routing, results_stem, shared_gpu_markdown, shared_gpu_warning, shared_gpus, \
+    write_report
 
 
 def ranks_per_node(comm) -> int:
@@ -66,6 +68,7 @@ class InternodeBench:
                           check_values=False, backend="cuda")
         self.transport = self.buf._internode.transport
         self.records: list[dict] = []
+        self.shared: list = []  # groups of ranks sharing a GPU (run() finds them)
 
     def log(self, *a):
         if self.rank == 0:
@@ -85,6 +88,9 @@ class InternodeBench:
         rdma_rows, _ = logical_bytes(idx_np, a.experts, R, self.G)
         timer = GpuTimer(self.comm, a.iters, a.warmup)
         with cupy.cuda.Device(buf.device_id):
+            self.shared = shared_gpus(self.comm)
+            if self.shared:
+                self.log(shared_gpu_warning("cupy_ep.bench --mode internode", self.shared, None))
             x = cupy.asarray(x_np.view(np.uint16)).view(cupy_ep.interop.BF16)
             x8 = (cupy.asarray(x8_np), cupy.asarray(s_np))
             idx, w = cupy.asarray(idx_np), cupy.asarray(w_np)
@@ -150,8 +156,11 @@ class InternodeBench:
 
     def write(self):
         def lines(common):
-            out = [f"# cupy_ep internode benchmark ({self.N} nodes x {self.G} GPUs, {self.transport}, {common['gpu']})",
-                   "", f"commit `{common['commit']}`; {self.args.tokens} tokens/rank, hidden {self.args.hidden}, top-"
+            out = [f"# cupy_ep internode benchmark ({self.N} nodes x {self.G} GPUs, {self.transport}, {common['gpu']}"
+                   + (", ranks sharing a GPU)" if self.shared else ")"), ""]
+            out += shared_gpu_markdown(self.shared, None, "RDMA GB/s and the RDMA ceiling are copies through the "
+                                       "shared GPU too, not network figures.")
+            out += [f"commit `{common['commit']}`; {self.args.tokens} tokens/rank, hidden {self.args.hidden}, top-"
                    f"{self.args.topk} of {self.args.experts}; {self.sms} SMs; {self.args.iters} iterations. RDMA GB/s ="
                    " (token, node) pairs incl. the own node x row bytes / time (DeepEP's logical figure); NVL GB/s = "
                    "received rows x row bytes / time.", "",
@@ -161,9 +170,10 @@ class InternodeBench:
                 out.append(f"| {r['op']} | {r['dtype']} | {r['time_us_median']:.1f} | {r['rdma_gbps']:.1f} | "
                            f"{r['nvl_gbps']:.1f} | {r['rdma_ceiling_gbps']:.1f} | {r['rdma_vs_ceiling']:.2f} |")
             return out
-        write_report(self.args.out, f"bench_internode_{self.transport}_ep{self.R}", self.records,
-                     dict(num_ranks=self.R, num_nodes=self.N, gpus_per_node=self.G, transport=self.transport,
-                          args=dict(vars(self.args))), lines, "internode")
+        write_report(self.args.out, results_stem(f"bench_internode_{self.transport}_ep{self.R}", self.shared),
+                     self.records, dict(num_ranks=self.R, num_nodes=self.N, gpus_per_node=self.G,
+                                        transport=self.transport, shared_gpu_ranks=self.shared or None,
+                                        args=dict(vars(self.args))), lines, "internode")
 
 
 def main(args, comm) -> None:

@@ -18,6 +18,10 @@ rank at the same max M, ``--ll-max-tokens`` (default ``--tokens``); T = 0 is the
 200 plain calls back to back, with ``check_values`` False and True), and with ``--ll-stamps`` where a call's time goes (timing ``stamps``: the
 kernels' %globaltimer phase stamps, ``phases_us``). Results are verified against :mod:`cupy_ep.reference` before any timing (a
 mismatch aborts). Records are written to ``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``.
+
+Where ranks share a GPU (CUDA MPS clients) NCCL refuses to run: the benchmark then runs without the NCCL baseline
+and without the aligned timing (which lines the ranks up by an NCCL all-reduce), says so in its log and report
+(``nccl``, ``aligned``, ``shared_gpu_ranks``), and names the files ``..._shared_gpu``.
 """
 from __future__ import annotations
 
@@ -28,9 +32,13 @@ import numpy as np
 import cupy_ep
 from cupy_ep import Buffer, reference
 from cupy_ep import config as cfgmod
-from cupy_ep.bench import GpuTimer, NcclAllToAll, op_label, write_report
+from cupy_ep.bench import (GpuTimer, nccl_baseline, op_label, results_stem, shared_gpu_markdown, shared_gpu_warning,
+                           shared_gpus, write_report)
 
 HOST_CALLS = 200  # plain calls per host-overhead measurement
+# why a run without NCCL has no aligned timing (its log and report say so)
+ALIGNED_WHY = ("it lines the ranks up by a one-int NCCL all-reduce, and the NCCL baseline is skipped (Buffer.barrier "
+               "is no substitute: it waits on the host, so the ranks' device starts would not line up)")
 
 
 class LatencyTimer(GpuTimer):
@@ -86,6 +94,7 @@ class LowLatencyBench:
                           low_latency_transport=getattr(a, "ll_transport", None))
         self.transport = self.buf._ll.transport
         self.records: list[dict] = []
+        self.nccl, self.nccl_status, self.shared = None, None, []  # run() opens the baseline
 
     def log(self, *a):
         if self.rank == 0:
@@ -131,22 +140,28 @@ class LowLatencyBench:
     def ops(self, x, idx, w, y, handle, idx_np) -> dict:
         """``{label: (fn, nccl_fn, dtype)}``: the FP8 dispatch of ``x`` and the combine of ``y`` with the fixed
         ``handle`` (24-bit partials; ``ll_combine_bf16p``: ``bf16_partials=True``; ``ll_combine_logfmt``:
-        ``use_logfmt=True``), each with NCCL grouped
-        send/recv of its per-peer bytes (collective: every rank calls it). Records name the op and the partials
+        ``use_logfmt=True``), each with NCCL grouped send/recv of its per-peer bytes (collective: every rank calls
+        it; ``nccl_fn`` None without the NCCL baseline, ``self.nccl`` None). Records name the op and the partials
         (:func:`_op_fields`)."""
         a, R, buf = self.args, self.R, self.buf
-        per_rank = _selections_per_rank(idx_np, a.experts, R)
-        recv_per_rank = np.array(self.comm.alltoall([int(v) for v in per_rank]))
-        msg_fp8 = a.hidden + a.hidden // 128 * 4 + 16
+        dispatch_bytes = combine_bytes = (None, None)
+        if self.nccl is not None:
+            per_rank = _selections_per_rank(idx_np, a.experts, R)
+            recv_per_rank = np.array(self.comm.alltoall([int(v) for v in per_rank]))
+            msg_fp8 = a.hidden + a.hidden // 128 * 4 + 16
+            dispatch_bytes = (per_rank * msg_fp8, recv_per_rank * msg_fp8)
+            combine_bytes = (recv_per_rank * 2 * a.hidden, per_rank * 2 * a.hidden)
+
+        def nccl(sizes):
+            return self.nccl.make(*sizes) if self.nccl is not None else None
         return {
             "ll_dispatch": (lambda: buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True),
-                            self.nccl.make(per_rank * msg_fp8, recv_per_rank * msg_fp8), "fp8"),
-            "ll_combine": (lambda: buf.low_latency_combine(y, idx, w, handle),
-                           self.nccl.make(recv_per_rank * 2 * a.hidden, per_rank * 2 * a.hidden), "bf16"),
+                            nccl(dispatch_bytes), "fp8"),
+            "ll_combine": (lambda: buf.low_latency_combine(y, idx, w, handle), nccl(combine_bytes), "bf16"),
             "ll_combine_bf16p": (lambda: buf.low_latency_combine(y, idx, w, handle, bf16_partials=True),
-                                 self.nccl.make(recv_per_rank * 2 * a.hidden, per_rank * 2 * a.hidden), "bf16"),
+                                 nccl(combine_bytes), "bf16"),
             "ll_combine_logfmt": (lambda: buf.low_latency_combine(y, idx, w, handle, use_logfmt=True),
-                                  self.nccl.make(recv_per_rank * 2 * a.hidden, per_rank * 2 * a.hidden), "bf16"),
+                                  nccl(combine_bytes), "bf16"),
         }
 
     def timed(self, timer, fn, how: str):
@@ -176,7 +191,7 @@ class LowLatencyBench:
             nccl = {}
             for how in hows:
                 base = "graph" if how == "call" else how
-                if with_nccl and base not in nccl:
+                if with_nccl and nccl_fn is not None and base not in nccl:
                     nccl[base] = self.time_nccl(timer, nccl_fn, base)
                 t, p99 = self.timed(timer, fn, how)
                 nt, np99 = nccl.get(base, (None, None))
@@ -331,9 +346,14 @@ class LowLatencyBench:
             handle = out[2]
 
             timer = LatencyTimer(self.comm, a.iters, a.warmup)
-            self.nccl = NcclAllToAll(self.comm)
+            self.shared = shared_gpus(self.comm)
+            self.nccl, self.nccl_status = nccl_baseline(self.comm, self.shared)
+            if self.shared:
+                self.log(shared_gpu_warning("cupy_ep.bench --mode low-latency", self.shared, self.nccl_status))
+            if self.nccl is None:
+                self.log(f"  (no aligned timing: {ALIGNED_WHY})")
             runs = self.ops(x, idx, w, y, handle, idx_np)
-            self.time_ops(timer, runs, a.tokens, ("call", "graph", "aligned") + (("steady",) if self.steady_n else ()))
+            self.time_ops(timer, runs, a.tokens, self.main_timings())
             self.host_overhead(runs, a.tokens)
             if getattr(a, "ll_stamps", False):
                 self.phases(runs, a.tokens)
@@ -346,12 +366,20 @@ class LowLatencyBench:
         if self.rank == 0:
             self.write()
 
+    def main_timings(self) -> tuple:
+        """How the main run (--tokens) times each op: call, graph, aligned (only with the NCCL baseline, whose
+        all-reduce lines the ranks up), steady (unless --steady-n 0)."""
+        return (("call", "graph") + (("aligned",) if self.nccl is not None else ())
+                + (("steady",) if self.steady_n else ()))
+
     def write(self):
-        stem = f"bench_ll_gpu_ep{self.R}" + ("" if self.transport == "nvshmem" else f"_{self.transport}")
+        stem = results_stem(f"bench_ll_gpu_ep{self.R}" + ("" if self.transport == "nvshmem" else f"_{self.transport}"),
+                            self.shared)
+        about = dict(transport=self.transport, nccl=self.nccl_status, shared_gpu_ranks=self.shared or None,
+                     aligned="measured" if self.nccl is not None else f"skipped: {ALIGNED_WHY}")
         write_report(self.args.out, stem, self.records,
-                     dict(num_ranks=self.R, transport=self.transport, args={k: v for k, v in vars(self.args).items()}),
-                     lambda common: markdown_lines(self.records, self.args, self.R, dict(common,
-                                                                                       transport=self.transport)),
+                     dict(num_ranks=self.R, **about, args={k: v for k, v in vars(self.args).items()}),
+                     lambda common: markdown_lines(self.records, self.args, self.R, dict(common, **about)),
                      "low-latency")
 
 
@@ -374,8 +402,13 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
     the host time per call; the header says how each is timed."""
     steady = [r for r in records if r.get("timing") == "steady"]
     n = steady[0]["steady_n"] if steady else None
-    out = [f"# cupy_ep low-latency benchmark (EP{num_ranks}, {common['gpu']})", "",
-           f"commit `{common['commit']}`; transport {common.get('transport', 'nvshmem')}; {args.tokens} tokens/rank (max tokens M = {max_tokens(args)}), hidden "
+    shared = common.get("shared_gpu_ranks")
+    out = [f"# cupy_ep low-latency benchmark (EP{num_ranks}, {common['gpu']}"
+           + (", ranks sharing a GPU)" if shared else ")"), ""]
+    out += shared_gpu_markdown(shared, common.get("nccl"),
+                               "" if str(common.get("aligned", "measured")) == "measured" else
+                               f"The *aligned* rows are left out: {ALIGNED_WHY}.")
+    out += [f"commit `{common['commit']}`; transport {common.get('transport', 'nvshmem')}; {args.tokens} tokens/rank (max tokens M = {max_tokens(args)}), hidden "
            f"{args.hidden}, top-{args.topk} of {args.experts}; {args.iters} iterations, median and p99 of the "
            "slowest rank per iteration.", "",
            "Timings: *call* = CUDA events around the Python call (host overhead included); *graph* = two ops per "

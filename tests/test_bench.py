@@ -323,7 +323,8 @@ def test_host_run_writes_the_schema(comm, tmp_path):
     doc = _run_host_bench(out)
     if comm.Get_rank() == 0:
         _check_host_doc(doc)
-        assert doc["backend"] == "host"
+        assert doc["backend"] == "host" and doc["nccl"].startswith("not measured")
+        assert doc["shared_gpu_ranks"] is None
         md = (out / f"bench_host_ep{comm.Get_size()}.md").read_text()
         assert "steady us" in md
         assert md.startswith("# cupy_ep benchmark: host-backend results (numpy + MPI on the CPU, no GPU)")
@@ -344,6 +345,91 @@ def test_host_run_writes_outside_the_committed_results_by_default(comm, tmp_path
         doc = json.loads((cwd / "out" / "bench_host" / f"{stem}.json").read_text())
         assert doc["args"]["out"] == "out/bench_host" and doc["backend"] == "host"
     comm.Barrier()
+
+
+# ------------------------------------------------------------------------------------------------------
+# ranks sharing a GPU: no NCCL baseline, said loudly, files of their own (stand-ins for the GPU parts)
+# ------------------------------------------------------------------------------------------------------
+SKIPPED = "skipped: ranks 0, 1 share a GPU (NCCL refuses two ranks on one GPU)"
+
+
+def _fake_cupy(monkeypatch, bus_ids=None):
+    """A stand-in for CuPy's runtime: the device name, the driver, this rank's PCI bus id."""
+    rt = types.SimpleNamespace(getDeviceProperties=lambda d: {"name": b"NVIDIA H200"}, driverGetVersion=lambda: 13000,
+                               getDevice=lambda: 0, deviceGetPCIBusId=lambda d: (bus_ids or {}).get(d, "0000:18:00.0"))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt)))
+
+
+def test_nccl_baseline_is_skipped_where_ranks_share_a_gpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # NCCL must not even be imported
+    assert bench.nccl_baseline(object(), [[0, 1]]) == (None, SKIPPED)
+    nc, status = bench.nccl_baseline(object(), [[0, 1], [2, 3]])
+    assert nc is None and status == ("skipped: ranks 0, 1 share a GPU; ranks 2, 3 share a GPU (NCCL refuses two "
+                                     "ranks on one GPU)")
+    assert bench.results_stem("bench_gpu_ep2", [[0, 1]]) == "bench_gpu_ep2_shared_gpu"
+    assert bench.results_stem("bench_gpu_ep2", []) == "bench_gpu_ep2"
+    line = bench.shared_gpu_warning("cupy_ep.bench", [[0, 1]], SKIPPED)
+    assert "RANKS SHARE A GPU (ranks 0, 1 share a GPU)" in line and "not NVLink figures" in line and SKIPPED in line
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shared_gpus_finds_the_ranks_on_one_gpu(comm, monkeypatch):
+    """Every rank reports the same host and bus id (a stand-in runtime): they all share one GPU; with a bus id
+    of its own per rank, none does."""
+    _fake_cupy(monkeypatch)
+    assert bench.shared_gpus(comm) == [list(range(comm.Get_size()))]
+    _fake_cupy(monkeypatch, {0: f"0000:{comm.Get_rank():02x}:00.0"})
+    assert bench.shared_gpus(comm) == []
+
+
+def _shared_bench(out_dir):
+    """A Bench as run() leaves it on two ranks sharing a GPU: NCCL skipped, records without NCCL times."""
+    b = bench.Bench.__new__(bench.Bench)
+    b.args = argparse.Namespace(tokens=4096, default_sms=24, hidden=7168, topk=8, experts=256, steady_n=10,
+                                out=str(out_dir))
+    b.R, b.rank, b.gpu = 2, 0, True
+    b.buf = types.SimpleNamespace(backend="cuda")
+    b.shared, b.nccl, b.nccl_status = [[0, 1]], None, SKIPPED
+    b.ceiling = {"by_sms": {24: 300.0}, "gbps": 300.0, "by_sms_steady": {24: 310.0}, "gbps_steady": 310.0}
+    b.startup = {}
+    b.records = [bench.make_record(dict(BASE, op=op), _timings(), 14336, 2000, 1000,
+                                   {"graph": 300.0, "steady": 310.0}, {}) for op in ("cached_dispatch", "combine")]
+    return b
+
+
+def test_shared_gpu_results_say_so_and_take_their_own_names(tmp_path, monkeypatch):
+    _fake_cupy(monkeypatch)
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no nvidia-smi")))
+    monkeypatch.setenv("CUPY_EP_COMMIT", "abc1234")
+    b = _shared_bench(tmp_path)
+    b.write()
+    assert not (tmp_path / "bench_gpu_ep2.json").exists()  # the committed one-GPU-per-rank results' name
+    doc = json.loads((tmp_path / "bench_gpu_ep2_shared_gpu.json").read_text())
+    assert doc["nccl"] == SKIPPED and doc["shared_gpu_ranks"] == [[0, 1]]
+    for rec in doc["results"]:
+        for key in ("nccl_time_us", "ratio_to_nccl", "ratio_to_nccl_graph", "ratio_to_nccl_steady"):
+            assert rec[key] is None, key
+        assert rec["time_us_steady"] == 200.0  # every op still timed
+    md = (tmp_path / "bench_gpu_ep2_shared_gpu.md").read_text()
+    assert md.startswith("# cupy_ep benchmark (cuda, 2 ranks, NVIDIA H200, ranks sharing a GPU)")
+    assert ("**Ranks share a GPU** (ranks 0, 1 share a GPU; e.g. as CUDA MPS clients): the timings are HBM copies "
+            "through the shared GPU, not NVLink figures, and the copy ceiling is that of the shared GPU.") in md
+    assert f"NCCL baseline {SKIPPED}" in md
+    row = next(line for line in md.splitlines() if line.startswith("| cached_dispatch |"))
+    assert row.endswith("| - / - / - | - / - / - |")  # NCCL us and ours/NCCL
+    if (tmp_path / "bench_gpu_ep2_shared_gpu.png").exists():  # matplotlib installed
+        assert (tmp_path / "bench_gpu_ep2_shared_gpu.png").stat().st_size > 0
+
+
+def test_one_gpu_per_rank_results_keep_their_names(tmp_path, monkeypatch):
+    _fake_cupy(monkeypatch)
+    monkeypatch.setattr(bench, "plot", lambda doc, path: None)
+    b = _shared_bench(tmp_path)
+    b.shared, b.nccl_status = [], "measured"
+    b.write()
+    doc = json.loads((tmp_path / "bench_gpu_ep2.json").read_text())
+    assert doc["nccl"] == "measured" and doc["shared_gpu_ranks"] == []
+    assert "share a GPU" not in (tmp_path / "bench_gpu_ep2.md").read_text()
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -442,6 +528,65 @@ def test_ll_sweep_records_without_nccl():
     assert [(r["timing"], r["tokens"], r["max_tokens"], r["nccl_time_us"]) for r in b.records] == \
         [("steady", 0, 128, None)] * 4
     assert all(how == "steady" and fn.__name__ == "op" for how, fn in timer.calls)
+
+
+def test_ll_without_nccl_runs_every_op_without_aligned_timing():
+    """Ranks sharing a GPU: no NCCL functions (no NCCL bytes exchanged), no aligned rows, every op still timed."""
+    b, timer = _ll_bench(), _FakeLLTimer()
+    b.nccl = None
+    assert b.main_timings() == ("call", "graph", "steady")
+    b.nccl = argparse.Namespace(align=object())
+    assert b.main_timings() == ("call", "graph", "aligned", "steady")
+    b.nccl = None
+    b.buf = types.SimpleNamespace(low_latency_dispatch=None, low_latency_combine=None)
+    # (COMM_SELF with R = 2: an NCCL byte exchange would fail here)
+    runs = b.ops(None, None, None, None, None, np.zeros((4, 8), dtype=np.int64))
+    assert set(runs) == {"ll_dispatch", "ll_combine", "ll_combine_bf16p", "ll_combine_logfmt"}
+    assert all(nccl_fn is None for _, nccl_fn, _ in runs.values())
+    b.time_ops(timer, {op: (lambda how: 12.0, None, dtype) for op, (_, _, dtype) in runs.items()}, 128,
+               b.main_timings())
+    assert sorted({r["timing"] for r in b.records}) == ["call", "graph", "steady"]
+    assert len(b.records) == 12
+    assert all(r["nccl_time_us"] is None and r["ratio_to_nccl"] is None and r["nccl_timing"] is None
+               for r in b.records)
+
+
+def test_ll_shared_gpu_report(tmp_path, monkeypatch):
+    _fake_cupy(monkeypatch)
+    monkeypatch.setenv("CUPY_EP_COMMIT", "abc1234")
+    for transport, stem in (("nvshmem", "bench_ll_gpu_ep2_shared_gpu"), ("ipc", "bench_ll_gpu_ep2_ipc_shared_gpu")):
+        b, timer = _ll_bench(), _FakeLLTimer()
+        b.args.out, b.args.iters = str(tmp_path), 200
+        b.transport, b.shared, b.nccl, b.nccl_status = transport, [[0, 1]], None, SKIPPED
+        b.time_ops(timer, {"ll_dispatch": (lambda how: 12.0, None, "fp8")}, 128, b.main_timings())
+        b.write()
+        doc = json.loads((tmp_path / f"{stem}.json").read_text())
+        assert doc["nccl"] == SKIPPED and doc["shared_gpu_ranks"] == [[0, 1]]
+        assert doc["aligned"].startswith("skipped: it lines the ranks up by a one-int NCCL all-reduce")
+        md = (tmp_path / f"{stem}.md").read_text()
+        assert md.startswith("# cupy_ep low-latency benchmark (EP2, NVIDIA H200, ranks sharing a GPU)")
+        assert "**Ranks share a GPU** (ranks 0, 1 share a GPU" in md and f"NCCL baseline {SKIPPED}" in md
+        assert "The *aligned* rows are left out" in md
+        assert "| ll_dispatch | fp8 | steady | 12.0 | 13.0 | - | - | - |" in md
+        assert "| aligned |" not in md
+    assert not (tmp_path / "bench_ll_gpu_ep2.json").exists()
+
+
+def test_internode_shared_gpu_report(tmp_path, monkeypatch):
+    from cupy_ep import bench_internode
+    _fake_cupy(monkeypatch)
+    monkeypatch.setenv("CUPY_EP_COMMIT", "abc1234")
+    b = bench_internode.InternodeBench.__new__(bench_internode.InternodeBench)
+    b.args = argparse.Namespace(tokens=4096, hidden=7168, topk=8, experts=256, iters=20, out=str(tmp_path))
+    b.R, b.N, b.G, b.sms, b.transport, b.shared = 2, 2, 1, 24, "ipc", [[0, 1]]
+    b.records = [{"op": "internode_dispatch", "dtype": "bf16", "time_us_median": 100.0, "rdma_gbps": 50.0,
+                  "nvl_gbps": 60.0, "rdma_ceiling_gbps": 100.0, "rdma_vs_ceiling": 0.5}]
+    b.write()
+    doc = json.loads((tmp_path / "bench_internode_ipc_ep2_shared_gpu.json").read_text())
+    assert doc["shared_gpu_ranks"] == [[0, 1]]
+    md = (tmp_path / "bench_internode_ipc_ep2_shared_gpu.md").read_text()
+    assert "ranks sharing a GPU)" in md.splitlines()[0]
+    assert "**Ranks share a GPU**" in md and "not network figures" in md
 
 
 def test_ll_nccl_capture_failure_is_not_fatal():
