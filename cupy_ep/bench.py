@@ -1151,8 +1151,8 @@ STARTUP_PARTS = ("process_age_at_mpi_start_s", "mpi_init_s", "gpu_probe_s", "buf
 def process_age_s() -> float | None:
     """Seconds since this process started (Linux /proc), to time start-up including the imports."""
     try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
         return uptime - ticks / os.sysconf("SC_CLK_TCK")
     except Exception:
         return None
