@@ -280,7 +280,7 @@ __device__ void token_slots(const TopkT* topk_idx, int t, int num_topk, int num_
     const TopkT* row = topk_idx + (long long)t * num_topk;
     const long long e = (long long)row[k];
     int slot = -1;
-    if (e >= 0 && e < num_experts && !has_rank(masked, FastDiv(num_local).div((int)e))) {
+    if (e >= 0 && e < num_experts && (masked == 0 || !has_rank(masked, FastDiv(num_local).div((int)e)))) {
         int before = 0;
         for (int j = 0; j < k; ++j) before += (long long)row[j] == e;
         slot = hist[e] + before;

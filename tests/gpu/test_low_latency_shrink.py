@@ -23,7 +23,7 @@ import pytest
 
 import cupy_ep
 from cupy_ep import config as cfgmod, reference
-from tests.helpers import all_ok, gather_all, make_inputs, random_bf16, same_bytes, to_numpy
+from tests.helpers import all_ok, gather_all, make_inputs, random_bf16, same_bytes
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
