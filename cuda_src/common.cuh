@@ -48,6 +48,7 @@ struct DeviceCtx {
     int* abort_flag;        // device memory: set by the first timeout; every later wait gives up at once
     int rank;
     int num_ranks;
+    int* shrink_mask;       // [shrink] device memory, [num_ranks] int32, 1 = masked; null unless shrink mode
 };
 
 struct WaitSite {
@@ -172,8 +173,11 @@ __device__ __forceinline__ bool buffer_aborted(const DeviceCtx* ctx) { return ld
 // of this buffer already timed out (abort flag), after writing the diagnostic record once. Callers must
 // then leave their loops together (share the result through shared memory / a barrier).
 // observe(head, tail, expected) fills the record's numbers; it is only called on failure.
+// [shrink] kMaskPeer (the low-latency waits for site.peer): with ctx->shrink_mask set, the wait gives up
+// once the peer is masked, and on timeout masks it instead of failing (no record, no abort); the caller
+// then goes on as if the peer had sent nothing. Without shrink_mask it behaves as kMaskPeer = false.
 // ---------------------------------------------------------------------------------------------------
-template <typename Done, typename Observe>
+template <bool kMaskPeer = false, typename Done, typename Observe>
 __device__ __forceinline__ bool wait_until(const DeviceCtx* ctx, WaitSite site, Done done, Observe observe) {
     if (done()) return true;
     const unsigned long long start = globaltimer_ns();
@@ -182,6 +186,15 @@ __device__ __forceinline__ bool wait_until(const DeviceCtx* ctx, WaitSite site, 
         if ((iter & 63) == 0) {
             const unsigned long long elapsed = globaltimer_ns() - start;
             const bool aborted = ld_volatile(ctx->abort_flag) != 0;
+            if (kMaskPeer && !aborted && ctx->shrink_mask != nullptr) {  // [shrink]
+                int* masked = ctx->shrink_mask + site.peer;
+                if (ld_volatile(masked) != 0) return false;
+                if (elapsed > ctx->timeout_ns) {
+                    atomicExch(masked, 1);
+                    return false;
+                }
+                continue;
+            }
             if (aborted || elapsed > ctx->timeout_ns) {
                 if (!aborted) {
                     long long head = -1, tail = -1, expected = -1;

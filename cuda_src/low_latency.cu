@@ -63,6 +63,21 @@
 // and a peer gets there only after this rank signalled it in the next call, i.e. after this call's receive
 // phase finished (the kernels are stream-ordered; a hook must run before the next low-latency call, which
 // event.RecvHooks enforces).
+//
+// Shrink mode (Buffer(enable_shrink=True)): shrink_mask [R] int32 (device memory, 1 = masked; null otherwise; the
+// same array as DeviceCtx::shrink_mask) is this rank's view of the failed ranks. Each launch reads it at its start
+// (stage_masked); a peer masked then is neither sent to (the dispatch treats the top-k entries of its experts as not
+// selected: no message, count or index entry, slot -1; the combine sends it no meta and no partials) nor waited for
+// (its counts read as 0, its partials as absent, its meta as never coming). A wait for a peer that runs past the
+// timeout masks it (wait_until<true>) and the launch goes on as if the peer had sent nothing from then on: no
+// record, no abort. The combine's expert side serves the owners whose meta is in first (next_ready_owner), so a
+// dead owner delays no live one (whose partials another rank waits for with the same timeout).
+// A masked peer may still be alive and write into this rank's buffer: only into the areas of its own rank (its
+// messages, counts, index entries, meta, partials and flags), which nothing reads while it is masked. Those, and
+// the readers' counts of its meta flag, are in an undefined state once it has been masked, so a rank that takes
+// part again must be cleaned first: unmask it everywhere, then clean_low_latency_buffer on every rank that takes
+// part (it zeroes both buffers and the workspace after every such rank drained its device). A peer that fails
+// after its counts arrived leaves that call's rows from it undefined (recv_count includes them).
 #include "common.cuh"
 #include "buffer.cuh"
 #include "ll_transport.cuh"
@@ -186,6 +201,27 @@ struct FastDiv {
     __device__ __forceinline__ int mod(int x) const { return shift >= 0 ? x & (d - 1) : x % d; }
 };
 
+// Shrink mode: warp 0 stages the ranks masked when the launch starts into `masked` (bit r = rank r; 0 without
+// shrink mode), read by the block after a barrier.
+__device__ __forceinline__ void stage_masked(const int* shrink_mask, int num_ranks, unsigned long long& masked) {
+    if (warp_id() != 0) return;
+    const int lane = lane_id();
+    if (shrink_mask == nullptr) {
+        if (lane == 0) masked = 0;
+        return;
+    }
+    const unsigned lo = __ballot_sync(0xffffffffu, lane < num_ranks && ld_volatile(shrink_mask + lane) != 0);
+    const unsigned hi = __ballot_sync(0xffffffffu, lane + 32 < num_ranks && ld_volatile(shrink_mask + lane + 32) != 0);
+    if (lane == 0) masked = (unsigned long long)hi << 32 | lo;
+}
+// Bit r of a set of ranks (`masked`, a combine's owners to serve, ...).
+__device__ __forceinline__ bool has_rank(unsigned long long ranks, int r) { return (ranks >> r) & 1ull; }
+// A failed wait_until<true> for `peer`: true when shrink mode masked the peer (go on without it), false for a failure
+// that stops the buffer.
+__device__ __forceinline__ bool peer_dropped(const int* shrink_mask, int peer) {
+    return shrink_mask != nullptr && ld_volatile(shrink_mask + peer) != 0;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Deterministic slots: hist[e] = top-k entries selecting e in the rows before the current token.
 // ---------------------------------------------------------------------------------------------------
@@ -232,17 +268,19 @@ __device__ void advance_histogram(const TopkT* topk_idx, int from_token, int to_
     }
 }
 
-// Threads k < K: the expert and slot of (t, k) (slot -1: no expert, or past the M slots of the expert), also
-// into the handle's topk_slots [T][K] (the combine finds the rows by them instead of counting again).
+// Threads k < K: the expert and slot of (t, k) (slot -1: no expert, an expert of a masked rank, or past the M slots
+// of the expert), also into the handle's topk_slots [T][K] (the combine finds the rows by them instead of counting
+// again).
 template <typename TopkT>
-__device__ void token_slots(const TopkT* topk_idx, int t, int num_topk, int num_experts, int max_tokens,
-                            const int* hist, int* s_expert, int* s_slot, int* topk_slots) {
+__device__ void token_slots(const TopkT* topk_idx, int t, int num_topk, int num_experts, int num_local,
+                            unsigned long long masked, int max_tokens, const int* hist, int* s_expert, int* s_slot,
+                            int* topk_slots) {
     const int k = threadIdx.x;
     if (k >= num_topk) return;
     const TopkT* row = topk_idx + (long long)t * num_topk;
     const long long e = (long long)row[k];
     int slot = -1;
-    if (e >= 0 && e < num_experts) {
+    if (e >= 0 && e < num_experts && (masked == 0 || !has_rank(masked, FastDiv(num_local).div((int)e)))) {
         int before = 0;
         for (int j = 0; j < k; ++j) before += (long long)row[j] == e;
         slot = hist[e] + before;
@@ -263,13 +301,15 @@ struct DispatchShared {
                                    // symmetric source)
     int num_target, num_store, num_put;
     unsigned long long peer[kLLMaxRanks];  // peer_bases, staged by warp 0 at the start (no global load per use)
+    unsigned long long masked;             // stage_masked, likewise (the receive phase reads it too)
     int epoch;                             // the call's epoch, staged likewise
 };
 
 // Dispatch, warp 0: the token's distinct destination ranks (owners of its valid experts, in the order of their
-// first k) sorted into store targets and put destinations. They do not depend on the slots, so the message can
-// go out before the histograms are built: a (t, k) past its expert's M slots is dropped by getting no index
-// entry (its message may then travel for nothing; as T <= M only a row naming one expert twice can do that).
+// first k; masked ranks left out) sorted into store targets and put destinations. They do not depend on the slots,
+// so the message can go out before the histograms are built: a (t, k) past its expert's M slots is dropped by
+// getting no index entry (its message may then travel for nothing; as T <= M only a row naming one expert twice
+// can do that).
 // `e`: lane k's expert (TokenLoads::expert); `recv_msg`: the message's offset in a recv region; `send_msg`: this
 // rank's send slot of the token.
 __device__ __forceinline__ void token_targets(long long e, int num_experts, int num_local, long long recv_msg,
@@ -279,8 +319,8 @@ __device__ __forceinline__ void token_targets(long long e, int num_experts, int 
     const bool valid = e >= 0 && e < num_experts;
     const int dst = valid ? FastDiv(num_local).div((int)e) : -1 - lane;  // lanes without an expert: a key of their own
     const unsigned same = __match_any_sync(0xffffffffu, dst);
-    const bool first = valid && __ffs(same) - 1 == lane;
-    __syncwarp();  // sh.peer, staged by this warp (stage_send_shared)
+    __syncwarp();  // sh.peer and sh.masked, staged by this warp (stage_send_shared)
+    const bool first = valid && __ffs(same) - 1 == lane && !has_rank(sh.masked, dst);
     char* direct = first ? reinterpret_cast<char*>(sh.peer[dst]) : nullptr;
     const unsigned stores = __ballot_sync(0xffffffffu, first && direct != nullptr);
     const unsigned puts = __ballot_sync(0xffffffffu, first && direct == nullptr);
@@ -409,6 +449,7 @@ __device__ __forceinline__ void send_counts(const int* hist_all, char* base, con
     const FastDiv by_local(L.num_local);
     for (int e = blockIdx.x + gridDim.x * (warp_id() - 1); e < L.num_experts; e += gridDim.x * (kLLWarps - 1)) {
         const int count = min(hist_all[e], L.num_max_tokens), pe = by_local.div(e);
+        if (has_rank(sh.masked, pe)) continue;
         const long long offset = L.signal_offset(buffer_idx) + 8LL * L.dispatch_count(by_local.mod(e), rank);
         const long long value = ((long long)sh.epoch << 32) | (unsigned)count;
         char* direct = reinterpret_cast<char*>(sh.peer[pe]);
@@ -466,10 +507,12 @@ __device__ __noinline__ void put_message(char* base, const char* send_msg, long 
 // Dispatch send, warp 0 first: peer_bases and the call's epoch into shared memory (token_targets reads them after
 // a __syncwarp, everyone else after a block barrier): one global load each per block instead of one per use.
 __device__ __forceinline__ void stage_send_shared(const unsigned long long* peer_bases, int num_ranks,
-                                                  const int* workspace, int buffer_idx, DispatchShared& sh) {
+                                                  const int* workspace, int buffer_idx, const int* shrink_mask,
+                                                  DispatchShared& sh) {
     if (warp_id() != 0) return;
     for (int r = lane_id(); r < num_ranks; r += kWarpSize) sh.peer[r] = peer_bases[r];
     if (lane_id() == 0) sh.epoch = dispatch_epoch(workspace, buffer_idx);
+    stage_masked(shrink_mask, num_ranks, sh.masked);
 }
 
 // Dispatch send. The block's first token goes out before the histograms (its destinations do not depend on the
@@ -478,8 +521,8 @@ template <bool kUseFP8, typename TopkT>
 __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_slots, int num_tokens, int num_topk,
                               bool round_scale,
                               char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L, int rank,
-                              int buffer_idx, int* workspace, const DeviceCtx* ctx, int* hist,
-                              int* hist_all, TopkT* topk_stage, DispatchShared& sh, long long* stamps) {
+                              int buffer_idx, int* workspace, const int* shrink_mask, const DeviceCtx* ctx,
+                              int* hist, int* hist_all, TopkT* topk_stage, DispatchShared& sh, long long* stamps) {
     const int E = L.num_experts, hidden_int4 = L.hidden / 8;
     stamp(stamps, kStampSendStart);
     // the first token's loads go out before warp 0's staging waits on its own loads (which would hold back warp
@@ -487,7 +530,7 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_sl
     const TokenLoads first = load_token(x, topk_idx, blockIdx.x, num_tokens, num_topk, hidden_int4);
     zero_histograms(E, hist, hist_all);
     const TopkT* idx = stage_topk(topk_idx, num_tokens * num_topk, topk_stage);
-    stage_send_shared(peer_bases, L.num_ranks, workspace, buffer_idx, sh);
+    stage_send_shared(peer_bases, L.num_ranks, workspace, buffer_idx, shrink_mask, sh);
     const long long recv = L.recv_offset(buffer_idx);  // (the send slot is recomputed where used: registers)
     cp_async_wait_all();  // this thread's part of the stage; the next block barrier publishes it and the zeroes
     if ((int)blockIdx.x < num_tokens)
@@ -506,7 +549,8 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_sl
             send_message<kUseFP8>(x, load_token(x, idx, t, num_tokens, num_topk, hidden_int4), t, round_scale,
                                   base + L.send_offset(buffer_idx), recv, L, rank, sh, stamps);
         if (warp_id() == 0)  // the slots of t's entries (hist: the rows before t)
-            token_slots(idx, t, num_topk, E, L.num_max_tokens, hist, sh.expert, sh.slot, topk_slots);
+            token_slots(idx, t, num_topk, E, L.num_local, sh.masked, L.num_max_tokens, hist, sh.expert, sh.slot,
+                        topk_slots);
         __syncthreads();  // every store of the message is issued (bar.sync orders them before the entries'
                           // releases); the slots are visible
         stamp(stamps, kStampSendEncoded);
@@ -608,23 +652,30 @@ __device__ __forceinline__ int warp_pair_of_row(const int* prefix, int n, int ro
 // counters (warps 1..) do this: in a launch with both phases warp 0 is still releasing the send phase's last index
 // entries (~1.6 us of system-scope fences), and the prefix should not wait for them. They sync on rs.scan and
 // then arrive on rs.prefix_ready; warp 0 waits there (wait_for_prefix) before it reads the prefix or rs.failed.
+// Shrink mode: a masked source's counts are 0, unread.
 __device__ __forceinline__ void read_counts(const long long* counts, int n, int epoch, int* prefix,
-                                            DispatchRecvShared& rs, const LowLatencyLayout& L, const DeviceCtx* ctx,
+                                            DispatchRecvShared& rs, const LowLatencyLayout& L,
+                                            unsigned long long masked, const int* shrink_mask, const DeviceCtx* ctx,
                                             long long* wait_stats) {
     if (warp_id() == 0) return;
     for (int i = (int)threadIdx.x - kWarpSize; i < n; i += (int)blockDim.x - kWarpSize) {
+        if (has_rank(masked, i % L.num_ranks)) {
+            prefix[i] = 0;
+            continue;
+        }
         long long v = 0;
         const long long waiting_since = wait_clock(wait_stats);
-        const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, i / L.num_ranks, i % L.num_ranks},
-                                   [&] { return (int)((v = ld_volatile(counts + i)) >> 32) == epoch; },
-                                   [&](long long& head, long long& tail, long long& expected) {
-                                       head = v >> 32;
-                                       tail = (int)(v & 0xffffffff);
-                                       expected = epoch;
-                                   });
+        const bool ok = wait_until<true>(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, i / L.num_ranks,
+                                                       i % L.num_ranks},
+                                         [&] { return (int)((v = ld_volatile(counts + i)) >> 32) == epoch; },
+                                         [&](long long& head, long long& tail, long long& expected) {
+                                             head = v >> 32;
+                                             tail = (int)(v & 0xffffffff);
+                                             expected = epoch;
+                                         });
         add_wait_cost(wait_stats, i % L.num_ranks, waited_since(wait_stats, waiting_since));
         prefix[i] = ok ? (int)(v & 0xffffffff) : 0;
-        if (!ok) rs.failed = 1;
+        if (!ok && !peer_dropped(shrink_mask, i % L.num_ranks)) rs.failed = 1;
     }
     int phase = 0;
     const auto sync = [&] { group_mbarrier_sync(&rs.scan, phase); };
@@ -642,19 +693,19 @@ __device__ __forceinline__ void wait_for_prefix(DispatchRecvShared& rs) {
 // One row of the global (local expert, source, slot) order, by lane 0 of a warp: wait until its index entry carries
 // the call's epoch (older dispatches' entries carry older epochs; the combine's area does not overlap them),
 // acquired at system scope: the sender released its message before writing the entry. Returns the source token,
-// or -1 on a timeout.
+// or -1 on a timeout (shrink mode: also once the source is masked).
 __device__ __forceinline__ int wait_row(int row, int pair, int s, const int* prefix, const char* recv, int epoch,
                                         const LowLatencyLayout& L, const DeviceCtx* ctx) {
     const int e = pair / L.num_ranks;
     const long long* entry = reinterpret_cast<const long long*>(recv + L.dispatch_recv_index(e, s, row - prefix[pair]));
     long long v = 0;
-    const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
-                               [&] { return (int)((v = ld_acquire_sys(entry)) >> 32) == epoch; },
-                               [&](long long& head, long long& tail, long long& expected) {
-                                   head = v >> 32;
-                                   tail = row - prefix[pair];
-                                   expected = epoch;
-                               });
+    const bool ok = wait_until<true>(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
+                                     [&] { return (int)((v = ld_acquire_sys(entry)) >> 32) == epoch; },
+                                     [&](long long& head, long long& tail, long long& expected) {
+                                         head = v >> 32;
+                                         tail = row - prefix[pair];
+                                         expected = epoch;
+                                     });
     return ok ? (int)(v & 0xffffffff) : -1;
 }
 
@@ -663,13 +714,13 @@ __device__ __forceinline__ int wait_row(int row, int pair, int s, const int* pre
 // use all its warps); per unit lane 0 waits for the row (wait_row; the warp's other lanes are ordered after its
 // acquire by __syncwarp), then the warp copies its part with kInFlight loads per lane in flight, part 0 also the
 // row's scales and source index. No block barrier: a late row holds up only the warps that copy it. Returns false
-// on a timeout.
+// on a timeout (shrink mode: a row whose source got masked is skipped, left as it is).
 template <bool kUseFP8>
 __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* prefix, int n, const char* recv,
                                                    int epoch, void* packed_recv_x, void* packed_recv_scales,
                                                    int* packed_recv_src_info, bool use_ue8m0,
-                                                   const LowLatencyLayout& L, const DeviceCtx* ctx,
-                                                   long long* stamps) {
+                                                   const LowLatencyLayout& L, const int* shrink_mask,
+                                                   const DeviceCtx* ctx, long long* stamps) {
     constexpr int kInFlight = 8, kMaxParts = 8;  // 8 loads per lane: a unit (half a row at 512 threads) in one pass
     const int rows = hi - lo, R = L.num_ranks, rows_per_expert = R * L.num_max_tokens, lane = lane_id();
     if (rows <= 0) return true;
@@ -694,7 +745,10 @@ __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* pr
         if (u == 0) stamp_by(stamps, kStampRecvRowSeen, lane == 0);
         token = __shfl_sync(0xffffffffu, token, 0);
         __syncwarp();  // the message's bytes are read after lane 0's acquire of its entry
-        if (token < 0) return false;  // uniform over the warp
+        if (token < 0) {  // uniform over the warp
+            if (peer_dropped(shrink_mask, s)) continue;
+            return false;
+        }
         if (u == 0) stamp_by(stamps, kStampRecvFirstData, lane == 0);  // the block's first row is in
         const int out_row = e * rows_per_expert + (row - prefix[e * R]);
         const char* msg = recv + L.dispatch_recv_msg(s, token);
@@ -739,8 +793,8 @@ template <bool kUseFP8>
 __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count,
                               int* packed_recv_src_info, long long* packed_recv_layout_range, int* cumulative_stats,
                               long long* wait_stats, bool use_ue8m0, char* base, const LowLatencyLayout& L,
-                              int buffer_idx, int* workspace, const DeviceCtx* ctx, int* prefix,
-                              DispatchRecvShared& rs, long long* stamps) {
+                              int buffer_idx, int* workspace, unsigned long long masked, const int* shrink_mask,
+                              const DeviceCtx* ctx, int* prefix, DispatchRecvShared& rs, long long* stamps) {
     // No barrier first: prefix reuses hist, which the send phase last touched before its last barrier (warp 0 is
     // past it, releasing the last token's index entries: ~1.6 us of system-scope fences, which the counters'
     // reading and prefixing of the counts overlaps, and the copies of the rows that are in already).
@@ -748,7 +802,8 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
     const int R = L.num_ranks, n = L.num_local * R, epoch = dispatch_epoch(workspace, buffer_idx);
     const char* recv = base + L.recv_offset(buffer_idx);
     const long long* counts = reinterpret_cast<const long long*>(base + L.signal_offset(buffer_idx));
-    read_counts(counts, n, epoch, prefix, rs, L, ctx, blockIdx.x == 0 ? wait_stats : nullptr);  // each pair once
+    read_counts(counts, n, epoch, prefix, rs, L, masked, shrink_mask, ctx,
+                blockIdx.x == 0 ? wait_stats : nullptr);  // each pair once
     wait_for_prefix(rs);
     // Every thread of the block has read the epoch by now (the counters before arriving on prefix_ready, which
     // warp 0 waited for). Thread 0 takes the block's ticket now, and only looks at it at the end: the last block
@@ -773,7 +828,7 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
         const long long total = prefix[n];
         const int lo = (int)(total * blockIdx.x / gridDim.x), hi = (int)(total * (blockIdx.x + 1) / gridDim.x);
         if (!copy_rows_as_ready<kUseFP8>(lo, hi, prefix, n, recv, epoch, packed_recv_x, packed_recv_scales,
-                                         packed_recv_src_info, use_ue8m0, L, ctx, stamps))
+                                         packed_recv_src_info, use_ue8m0, L, shrink_mask, ctx, stamps))
             rs.failed = 1;
     }
     stamp_after_barrier(stamps, kStampRecvEnd);
@@ -794,14 +849,15 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
 // topk_slots [T][K] int32 (out, written by the send phase): each entry's slot, -1 = not sent. rank, num_ranks
 // (combine's too): the DeviceCtx's, passed by value: loading them from ctx sat on the prologue's critical path
 // (~0.25 us); ctx is read only by the waits and failure reports,
-// off that path.
+// off that path. shrink_mask: ctx's, likewise (null without shrink mode).
 template <bool kUseFP8, typename TopkT>
 __global__ void __launch_bounds__(kLLThreads, 1)
 dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, int* packed_recv_src_info,
          long long* packed_recv_layout_range, int* cumulative_stats, long long* wait_stats, const int4* x,
          const TopkT* topk_idx, int* topk_slots, int num_tokens, int num_topk, int round_scale, int use_ue8m0,
          void* base, const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
-         int rank, int num_ranks, int* workspace, int phases, long long* stamps, const DeviceCtx* ctx) {
+         int rank, int num_ranks, int* workspace, const int* shrink_mask, int phases, long long* stamps,
+         const DeviceCtx* ctx) {
     __shared__ int hists[2 * kLLMaxExperts];  // send: the two histograms; receive: the counts' prefix
     __shared__ alignas(16) unsigned char topk_stage[kTopkStageBytes];  // send: topk_idx (stage_topk)
     __shared__ DispatchShared sh;
@@ -809,15 +865,16 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
     const LowLatencyLayout L(max_tokens, hidden, num_ranks, num_experts);
     char* b = static_cast<char*>(base);
     if (threadIdx.x == 0) init_recv_shared(rs);
+    if (!(phases & kPhaseSend)) stage_masked(shrink_mask, num_ranks, sh.masked);  // (else stage_send_shared)
     __syncthreads();
     if (phases & kPhaseSend)
         dispatch_send<kUseFP8>(x, topk_idx, topk_slots, num_tokens, num_topk, round_scale != 0, b, peer_bases, L,
-                               rank, buffer_idx, workspace, ctx, hists, hists + kLLMaxExperts,
+                               rank, buffer_idx, workspace, shrink_mask, ctx, hists, hists + kLLMaxExperts,
                                reinterpret_cast<TopkT*>(topk_stage), sh, stamps);
     if (phases & kPhaseRecv)
         dispatch_recv<kUseFP8>(packed_recv_x, packed_recv_scales, packed_recv_count, packed_recv_src_info,
                                packed_recv_layout_range, cumulative_stats, wait_stats, use_ue8m0 != 0, b, L,
-                               buffer_idx, workspace, ctx, hists, rs, stamps);
+                               buffer_idx, workspace, sh.masked, shrink_mask, ctx, hists, rs, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -879,7 +936,10 @@ struct CombineShared {
     float weight[kCombineBatch][kLLMaxTopk];   //   and their weights, num_kept[j] of them
     int num_kept[kCombineBatch];
     unsigned long long has[kCombineBatch];     // bit r: rank r holds a kept entry of the token
+    unsigned long long dropped[kCombineBatch]; // (C) shrink mode: bit r: rank r got masked waiting for its partial
+    unsigned long long masked;                 // stage_masked: the ranks masked when the launch started
     int value;                                 // (B): the owner's meta flag
+    int owner;                                 // (B) shrink mode: the owner served next (next_ready_owner)
     int failed;
     int flag_token[2];                         // (B) compute -> flagger, by handoff parity: the token, -1 = the end
     unsigned long long full, empty, compute;   // (B) combine_reduce_owner's mbarriers
@@ -905,7 +965,8 @@ __device__ __forceinline__ void stage_range_begins(const long long* layout_range
 // top-k weights. The codes carry the dispatch's slots, so a batch costs one round of loads and no counting.
 // Writes, per j: sh.has[j]; the kept entries whose expert lives on this rank, compacted in k order: sh.row[j][i]
 // (the row in the expert input [local expert][R*M]: begin[local] + slot, begin from stage_range_begins),
-// sh.weight[j][i]; sh.num_kept[j]. The caller syncs before reading them.
+// sh.weight[j][i]; sh.num_kept[j]; sh.dropped[j] = 0. The caller syncs before reading them. Entries of a rank
+// masked when the launch started (sh.masked) are not kept.
 template <typename Entries, typename WeightT>
 __device__ __forceinline__ void prepare_batch(Entries entries, const WeightT* weights, int K, int t0, int stride,
                                               int n, int rank, const LowLatencyLayout& L, const int* begin,
@@ -914,9 +975,9 @@ __device__ __forceinline__ void prepare_batch(Entries entries, const WeightT* we
     if (j >= n) return;  // uniform per warp
     const long long f = (long long)(t0 + j * stride) * K + k;
     const int code = k < K ? entries(f) : -1;
-    const bool kept = code >= 0;
     const int ek = code & ((1 << kEntrySlotShift) - 1), slot = code >> kEntrySlotShift;
-    const int at = kept ? ek / L.num_local : 0;
+    const int at = code >= 0 ? ek / L.num_local : 0;
+    const bool kept = code >= 0 && !has_rank(sh.masked, at);
     const unsigned lo = __reduce_or_sync(0xffffffffu, kept && at < 32 ? 1u << at : 0u);
     const unsigned hi = __reduce_or_sync(0xffffffffu, kept && at >= 32 ? 1u << (at - 32) : 0u);
     const bool here = kept && at == rank;
@@ -929,6 +990,7 @@ __device__ __forceinline__ void prepare_batch(Entries entries, const WeightT* we
     if (k == 0) {
         sh.num_kept[j] = __popc(mask);
         sh.has[j] = (unsigned long long)hi << 32 | lo;
+        sh.dropped[j] = 0;
     }
 }
 
@@ -1189,13 +1251,14 @@ struct Blocks {
     int index, count;
 };
 
-// (A) blocks b < R: the meta for rank b (not for this rank itself).
+// (A) blocks b < R: the meta for rank b (not for this rank itself, nor a masked rank).
 template <typename TopkT>
 __device__ void combine_send_meta(OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
                                   int wire, char* base, const unsigned long long* peer_bases,
-                                  const LowLatencyLayout& L, int rank, int buffer_idx, Blocks blocks) {
+                                  const LowLatencyLayout& L, int rank, int buffer_idx, unsigned long long masked,
+                                  Blocks blocks) {
     for (int r = blocks.index; r < L.num_ranks; r += blocks.count) {
-        if (r == rank) continue;  // (B) reads this rank's own top-k from the arguments
+        if (r == rank || has_rank(masked, r)) continue;  // (B) reads this rank's own top-k from the arguments
         const long long dst = L.recv_offset(buffer_idx) + L.combine_meta_in(rank);
         char* direct = reinterpret_cast<char*>(peer_bases[r]);
         char* meta = direct != nullptr ? direct + dst : base + L.recv_offset(buffer_idx) + L.combine_meta_out(r);
@@ -1308,19 +1371,74 @@ __device__ __forceinline__ void reduce_owner_as(bool logfmt, Args&&... args) {
     else combine_reduce_owner<false>(static_cast<Args&&>(args)...);
 }
 
+// (B), thread 0: owner s's meta flag, acquired with value v, into sh.value; consumed once every block of this role
+// has read it (the readers' acquires precede their adds).
+__device__ __forceinline__ void take_meta(int* flag, int v, int s, int* meta_readers, Blocks blocks,
+                                          CombineShared& sh) {
+    sh.value = v;
+    if (atomicAdd(meta_readers + s, 1) == blocks.count - 1) {
+        meta_readers[s] = 0;
+        *flag = 0;
+    }
+}
+
+// (B) shrink mode, thread 0: the next owner to serve among `todo` (bit r: owner r, not served yet), the first from
+// rank + 1 on whose meta flag is in (its value into v), so that an owner that never sends delays none that does
+// (their partials are waited for with the same timeout). One wait covers them all: its timeout masks the first of
+// them (wait_until), which is dropped with any other masked meanwhile, and the rest are waited for again. Returns
+// -1 once none is left, -2 on a failure that stops the buffer.
+__device__ __forceinline__ int next_ready_owner(const int* signals, const LowLatencyLayout& L, int rank,
+                                                unsigned long long& todo, const int* shrink_mask,
+                                                const DeviceCtx* ctx, int& v) {
+    const int R = L.num_ranks;
+    for (;;) {
+        int first = -1;
+        for (int i = 1; i < R; ++i) {
+            const int r = (rank + i) % R;
+            if (has_rank(todo, r) && ld_volatile(shrink_mask + r) != 0) todo &= ~(1ull << r);
+            if (has_rank(todo, r) && first < 0) first = r;
+        }
+        if (first < 0) return -1;
+        int s = -1;
+        const bool ok = wait_until<true>(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, -1, first},
+                                         [&] {
+                                             for (int i = 1; i < R; ++i) {
+                                                 const int r = (rank + i) % R;
+                                                 if (!has_rank(todo, r)) continue;
+                                                 if ((v = ld_acquire_sys(signals + L.combine_meta_flag(r))) != 0) {
+                                                     s = r;
+                                                     return true;
+                                                 }
+                                             }
+                                             return false;
+                                         },
+                                         [&](long long& head, long long& tail, long long& expected) {
+                                             head = ld_volatile(signals + L.combine_meta_flag(first));
+                                             tail = 0;
+                                             expected = 1;
+                                         });
+        if (ok) {
+            todo &= ~(1ull << s);
+            return s;
+        }
+        if (!peer_dropped(shrink_mask, first)) return -2;
+    }
+}
+
 // (B) the partial sums of every owner's tokens: this rank's own first (its top-k are the kernel's arguments: no
 // wait), meanwhile the remote owners' meta arrives. own_in_recv (both phases in one launch): the own tokens'
 // partials are left to (C), which computes them before waiting for the peers' (no flag, and the remote owners'
 // rows go first); a hook's receive phase runs later, when the caller may already reuse x, so there they are sent
-// here like the others. begin: shared memory for stage_range_begins.
+// here like the others. begin: shared memory for stage_range_begins. The remote owners in the order
+// (rank + 1, rank + 2, ...), or in shrink mode as their meta comes in (next_ready_owner), the masked ones skipped.
 template <typename TopkT>
 __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range,
                                                OwnEntries<TopkT> own, const float* topk_weights, int num_tokens,
                                                int num_topk, int wire, char* base,
                                                const unsigned long long* peer_bases,
                                                const LowLatencyLayout& L, int rank, int buffer_idx, int* meta_readers,
-                                               const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh,
-                                               bool own_in_recv, Blocks blocks, long long* stamps) {
+                                               const int* shrink_mask, const DeviceCtx* ctx, int* begin, int4* stage,
+                                               CombineShared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
     const int R = L.num_ranks;
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
@@ -1337,31 +1455,43 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
         reduce_owner_as(wire == kWireLogFmt, rank, own, topk_weights, num_tokens, num_topk, wire, rows, begin,
                         stage, base, peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
+    unsigned long long todo = 0;  // shrink mode, thread 0: the remote owners not served yet (next_ready_owner)
+    for (int r = 0; shrink_mask != nullptr && r < R; ++r)
+        if (r != rank && !has_rank(sh.masked, r)) todo |= 1ull << r;
     for (int i = 1; i < R; ++i) {
-        const int s = (rank + i) % R;
-        // while the meta travels (the previous owner ended with a block barrier, so begin is free)
-        stage_range_begins(layout_range, s, L, begin);
-        if (threadIdx.x == 0) {
-            int* flag = signals + L.combine_meta_flag(s);
-            int v = 0;
-            const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, -1, s},
-                                       [&] { return (v = ld_acquire_sys(flag)) != 0; },
-                                       [&](long long& head, long long& tail, long long& expected) {
-                                           head = ld_volatile(flag);
-                                           tail = 0;
-                                           expected = 1;
-                                       });
-            sh.value = ok ? v : 0;
-            if (!ok) sh.failed = 1;
-            // consumed once every block of this role has read it (the readers' acquires precede their adds)
-            else if (atomicAdd(meta_readers + s, 1) == blocks.count - 1) {
-                meta_readers[s] = 0;
-                *flag = 0;
+        int s = (rank + i) % R;
+        if (shrink_mask == nullptr) {
+            // while the meta travels (the previous owner ended with a block barrier, so begin is free)
+            stage_range_begins(layout_range, s, L, begin);
+            if (threadIdx.x == 0) {
+                int* flag = signals + L.combine_meta_flag(s);
+                int v = 0;
+                const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, -1, s},
+                                           [&] { return (v = ld_acquire_sys(flag)) != 0; },
+                                           [&](long long& head, long long& tail, long long& expected) {
+                                               head = ld_volatile(flag);
+                                               tail = 0;
+                                               expected = 1;
+                                           });
+                if (ok) take_meta(flag, v, s, meta_readers, blocks, sh);
+                else sh.failed = 1;
             }
+            __syncthreads();
+        } else {  // (uniform)
+            if (threadIdx.x == 0) {
+                int v = 0;
+                const int next = next_ready_owner(signals, L, rank, todo, shrink_mask, ctx, v);
+                if (next >= 0) take_meta(signals + L.combine_meta_flag(next), v, next, meta_readers, blocks, sh);
+                if (next == -2) sh.failed = 1;
+                sh.owner = next;
+            }
+            __syncthreads();
+            s = sh.owner;
+            if (s >= 0) stage_range_begins(layout_range, s, L, begin);  // read after the barrier below
         }
-        __syncthreads();
         if (i == 1) stamp(stamps, kStampSendRouted);  // the first remote owner's meta is in
         if (sh.failed) return;  // uniform
+        if (s < 0) break;       // (shrink mode) no owner left
         const int K = (sh.value >> 24) & 0xf, T = (sh.value & 0xffffff) - 1;
         const int owner_wire = (sh.value >> 28) & 3;  // the wire format owner s reads
         __syncthreads();  // sh.value is read by every thread before thread 0 waits for the next owner
@@ -1376,12 +1506,14 @@ template <typename TopkT>
 __device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, OwnEntries<TopkT> own,
                              const float* topk_weights, int num_tokens, int num_topk, int wire, char* base,
                              const unsigned long long* peer_bases, const LowLatencyLayout& L, int rank,
-                             int buffer_idx, int* workspace, const DeviceCtx* ctx, int* begin, int4* stage,
-                             CombineShared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
+                             int buffer_idx, int* workspace, const int* shrink_mask, const DeviceCtx* ctx, int* begin,
+                             int4* stage, CombineShared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
     stamp(stamps, kStampSendStart);
-    combine_send_meta(own, topk_weights, num_tokens, num_topk, wire, base, peer_bases, L, rank, buffer_idx, blocks);
+    combine_send_meta(own, topk_weights, num_tokens, num_topk, wire, base, peer_bases, L, rank, buffer_idx, sh.masked,
+                      blocks);
     combine_reduce(x, zero_copy, layout_range, own, topk_weights, num_tokens, num_topk, wire, base, peer_bases,
-                   L, rank, buffer_idx, workspace + kWsMetaReaders, ctx, begin, stage, sh, own_in_recv, blocks, stamps);
+                   L, rank, buffer_idx, workspace + kWsMetaReaders, shrink_mask, ctx, begin, stage, sh, own_in_recv,
+                   blocks, stamps);
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
@@ -1389,13 +1521,14 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
 // kept entry of each). own_in_recv: first this rank's own partials of the batch's tokens are computed here from x
 // (while the peers' partials are on their way) into this rank's own partial_in slots in the wire format (what a
 // peer's would carry); each thread reads back only the chunks it wrote. Then per token: wait for the peers'
-// flags, sum. wire: the format of this rank's partials (its own and the peers'), as its meta flag asked.
+// flags, sum. wire: the format of this rank's partials (its own and the peers'), as its meta flag asked. Shrink
+// mode: a rank masked while this rank waits for its partial of a token (sh.dropped) is left out of the token's sum.
 template <bool kLogFmt, typename TopkT>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
                              OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
                              int wire, char* base, const LowLatencyLayout& L, int rank, int buffer_idx,
-                             const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh, bool own_in_recv,
-                             Blocks blocks, long long* wait_stats, long long* stamps) {
+                             const int* shrink_mask, const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh,
+                             bool own_in_recv, Blocks blocks, long long* wait_stats, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
     long long waited = 0;  // thread r < R: the cycles spent waiting for rank r's flags (wait_stats)
     const int R = L.num_ranks, row_int4 = L.hidden / 8;
@@ -1434,19 +1567,21 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                 if ((has >> r & 1ull) && !(own_in_recv && r == rank)) {
                     int* flag = signals + L.combine_token_flag(r, t);
                     const long long waiting_since = wait_clock(wait_stats);
-                    const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, t, r},
-                                               [&] { return ld_acquire_sys(flag) != 0; },
-                                               [&](long long& head, long long& tail, long long& expected) {
-                                                   head = ld_volatile(flag);
-                                                   tail = t;
-                                                   expected = 1;
-                                               });
+                    const bool ok = wait_until<true>(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, t, r},
+                                                     [&] { return ld_acquire_sys(flag) != 0; },
+                                                     [&](long long& head, long long& tail, long long& expected) {
+                                                         head = ld_volatile(flag);
+                                                         tail = t;
+                                                         expected = 1;
+                                                     });
                     waited += waited_since(wait_stats, waiting_since);
                     if (ok) *flag = 0;  // consumed
+                    else if (peer_dropped(shrink_mask, r)) atomicOr(&sh.dropped[j], 1ull << r);
                     else sh.failed = 1;
                 }
             }
             __syncthreads();
+            const unsigned long long got = has & ~sh.dropped[j];  // the ranks whose partials are summed
             if (t == blocks.index) stamp(stamps, kStampRecvFirstData);  // the first token's partials are in
             if (sh.failed) {  // uniform: every thread read it after the barrier
                 if ((int)threadIdx.x < R) add_wait_cost(wait_stats, threadIdx.x, waited);
@@ -1461,14 +1596,14 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                     for (int q = 0; q < kCombineChunks; ++q)
 #pragma unroll
                         for (int u = 0; u < kSumInFlight; ++u)
-                            if (r0 + u < R && (has >> (r0 + u) & 1ull) && c + q * threads < row_int4)
+                            if (r0 + u < R && (got >> (r0 + u) & 1ull) && c + q * threads < row_int4)
                                 w[q][u] = load_partial<kLogFmt>(recv + L.combine_partial_in(r0 + u, t), L.hidden,
                                                        c + q * threads, wire);
 #pragma unroll
                     for (int q = 0; q < kCombineChunks; ++q)
 #pragma unroll
                         for (int u = 0; u < kSumInFlight; ++u)
-                            if (r0 + u < R && (has >> (r0 + u) & 1ull)) add_partial<kLogFmt>(acc[q], w[q][u]);
+                            if (r0 + u < R && (got >> (r0 + u) & 1ull)) add_partial<kLogFmt>(acc[q], w[q][u]);
                 }
 #pragma unroll
                 for (int q = 0; q < kCombineChunks; ++q)
@@ -1500,8 +1635,8 @@ __global__ void __launch_bounds__(kLLCombineThreads, 1)
 combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx, const int* topk_slots,
         const float* topk_weights, long long* wait_stats, int num_tokens, int num_topk, int zero_copy,
         int wire, void* base, const unsigned long long* peer_bases, int buffer_idx, int max_tokens,
-        int hidden, int num_experts, int rank, int num_ranks, int* workspace, int phases, long long* stamps,
-        const DeviceCtx* ctx) {
+        int hidden, int num_experts, int rank, int num_ranks, int* workspace, const int* shrink_mask, int phases,
+        long long* stamps, const DeviceCtx* ctx) {
     __shared__ int begin[kLLMaxExperts];  // stage_range_begins: the rows of one owner in each local expert
     extern __shared__ __align__(16) int4 ll_stage[];  // partial_sums' slots (combine_stage_bytes)
     __shared__ CombineShared sh;
@@ -1509,6 +1644,7 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     char* b = static_cast<char*>(base);
     const OwnEntries<TopkT> own{topk_idx, topk_slots, num_experts};
     if (threadIdx.x == 0) sh.failed = 0;
+    stage_masked(shrink_mask, num_ranks, sh.masked);
     // Here, not in combine_send: with one rank the split below leaves no expert-side block, and a combine that
     // did not record its buffer made the next dispatch report a reuse (the LL tests at one rank).
     if (phases & kPhaseSend) check_buffer_alternates(workspace, buffer_idx, ctx, kKernelLowLatencyCombine);
@@ -1522,25 +1658,26 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
         const int owner_blocks = max(1, (int)gridDim.x / num_ranks), expert_blocks = gridDim.x - owner_blocks;
         if ((int)blockIdx.x < expert_blocks) {
             combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, wire, b,
-                         peer_bases, L, rank, buffer_idx, workspace, ctx, begin, ll_stage, sh, true,
+                         peer_bases, L, rank, buffer_idx, workspace, shrink_mask, ctx, begin, ll_stage, sh, true,
                          Blocks{(int)blockIdx.x, expert_blocks}, stamps);
         } else {
             stamp(stamps, kStampSendStart);  // (the block's start: phase_breakdown's origin is the earliest)
             combine_recv_as(wire == kWireLogFmt, combined_x, x, zero_copy != 0, layout_range, own, topk_weights,
-                            num_tokens, num_topk, wire, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, true,
-                         Blocks{(int)blockIdx.x - expert_blocks, owner_blocks}, wait_stats, stamps);
+                            num_tokens, num_topk, wire, b, L, rank, buffer_idx, shrink_mask, ctx, begin, ll_stage, sh,
+                            true, Blocks{(int)blockIdx.x - expert_blocks, owner_blocks}, wait_stats, stamps);
         }
         return;
     }
     const Blocks all{(int)blockIdx.x, (int)gridDim.x};
     if (phases & kPhaseSend)
         combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, wire, b,
-                     peer_bases, L, rank, buffer_idx, workspace, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
+                     peer_bases, L, rank, buffer_idx, workspace, shrink_mask, ctx, begin, ll_stage, sh, own_in_recv,
+                     all, stamps);
     __syncthreads();
     if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
         combine_recv_as(wire == kWireLogFmt, combined_x, x, zero_copy != 0, layout_range, own, topk_weights,
-                        num_tokens, num_topk, wire, b, L, rank, buffer_idx, ctx, begin, ll_stage, sh, own_in_recv, all,
-                        wait_stats, stamps);
+                        num_tokens, num_topk, wire, b, L, rank, buffer_idx, shrink_mask, ctx, begin, ll_stage, sh,
+                        own_in_recv, all, wait_stats, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -37,9 +37,9 @@ _CALL_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "zero-copy di
 _RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), ("role", "<i4"),
                           ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
                           ("expected", "<i8"), ("elapsed_ns", "<i8")])
-# Mirror of DeviceCtx (u64 timeout_ns, TimeoutRecord*, int* abort_flag, int rank, int num_ranks).
+# Mirror of DeviceCtx (u64 timeout_ns, TimeoutRecord*, int* abort_flag, int rank, int num_ranks, int* shrink_mask).
 _CTX_DTYPE = np.dtype([("timeout_ns", "<u8"), ("record", "<u8"), ("abort_flag", "<u8"),
-                       ("rank", "<i4"), ("num_ranks", "<i4")])
+                       ("rank", "<i4"), ("num_ranks", "<i4"), ("shrink_mask", "<u8")])
 _LAYOUT_THREADS = 256  # mirrors kLayoutThreads in layout.cu
 _NOTIFY_THREADS = 128
 _COMBINE_TOKENS_PER_WARP = 2  # mirrors kCombineTokensPerWarp in intranode.cu
@@ -83,7 +83,11 @@ def _on_device(method):
 
 
 class CudaBuffer(Buffer):
-    """GPU backend of :class:`cupy_ep.Buffer`; see its docstring for the arguments."""
+    """GPU backend of :class:`cupy_ep.Buffer`; see its docstring for the arguments. ``enable_shrink=True`` (with
+    ``low_latency_mode``) turns on DeepEP's shrink mode: a low-latency wait that times out masks its peer instead
+    of stopping the buffer, and masked ranks are left out of every later low-latency call
+    (:meth:`low_latency_update_mask_buffer`, :meth:`low_latency_query_mask_buffer`,
+    :meth:`low_latency_clean_mask_buffer`)."""
 
     backend = "cuda"
 
@@ -118,6 +122,7 @@ class CudaBuffer(Buffer):
         if low_latency_mode:  # the arguments first, then what this machine allows (the message names each)
             cuda_low_latency.check_num_rdma_bytes(num_rdma_bytes)
             cuda_low_latency.resolve_force_put(ll_transport)
+        self.enable_shrink = validate.check_flag(enable_shrink, "enable_shrink")
         # Collective (every rank, before any check that raises): what each rank's kernels may hold at once.
         self.sm_share = bootstrap.gpu_sm_share(self.comm, self.device_id, self.topology.local_size)
         self.num_device_sms = self.sm_share.device_sms
@@ -137,6 +142,10 @@ class CudaBuffer(Buffer):
             self._nvl = None if internode else bootstrap.IpcBuffer(self.comm, num_nvl_bytes + _config.SIGNAL_BYTES)
             self._workspace = cupy.zeros(_config.WORKSPACE_BYTES // 4, dtype=cupy.int32)
             self._abort = cupy.zeros(4, dtype=cupy.int32)
+            # shrink mode (low-latency only): this rank's view of the failed ranks, [R] int32, 1 = masked, read and
+            # written by the low-latency kernels (cuda_low_latency.LowLatencyState.update_mask and clean_mask)
+            self._shrink_mask = (cupy.zeros(self.num_ranks, dtype=cupy.int32) if low_latency_mode and self.enable_shrink
+                                 else None)
             # host-mapped: [0] receive counter, [4..] per-expert counters, then the timeout record
             counters_bytes = 4 * (1 + _config.MAX_LOCAL_EXPERTS)
             self._host = bootstrap.HostMapped(counters_bytes + 64 + _RECORD_DTYPE.itemsize)
@@ -149,6 +158,7 @@ class CudaBuffer(Buffer):
             ctx["record"] = self._host.ptr + self._record_offset
             ctx["abort_flag"] = self._abort.data.ptr
             ctx["rank"], ctx["num_ranks"] = self.rank, self.num_ranks
+            ctx["shrink_mask"] = self._shrink_mask.data.ptr if self._shrink_mask is not None else 0
             self._ctx = cupy.array(ctx.view(np.uint8))
             try:
                 _, high = rt.deviceGetStreamPriorityRange()
@@ -192,7 +202,7 @@ class CudaBuffer(Buffer):
                         self._nvl.close()   # ends with an MPI barrier that every rank reaches
                     self._host.free()
         finally:
-            self._workspace = self._ctx = self._abort = None
+            self._workspace = self._ctx = self._abort = self._shrink_mask = None
             super().destroy()               # never run the collectives twice
 
     def __del__(self):
@@ -698,7 +708,9 @@ class CudaBuffer(Buffer):
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Collective: zero both low-latency signal areas between two NVSHMEM barriers (needed after the
-        shapes change; synchronous)."""
+        shapes change; synchronous). With ``enable_shrink``: collective over the ranks unmasked here only (a rank
+        that does not come within the timeout is masked), and it restarts the buffers' alternation and epochs, so
+        that a rank unmasked again takes part in the next call."""
         self._low_latency().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.check_health()
 
@@ -750,6 +762,52 @@ class CudaBuffer(Buffer):
         ll = self._low_latency()
         return ll.next_combine_buffer(handle, interop.kind_of(handle[0]) if isinstance(handle, (tuple, list))
                                       and handle else interop.Kind("cupy", True))
+
+    # ---- shrink mode (low-latency fault tolerance, as DeepEP's; cuda_low_latency.LowLatencyState) --------
+    def _shrink(self):
+        self._check_usable()
+        if self._ll is None or not self.enable_shrink:
+            raise ValueError("enable_shrink: the mask buffer exists only in a Buffer created with "
+                             "low_latency_mode=True and enable_shrink=True")
+        return self._ll
+
+    @_on_device
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask a rank in this rank's view, from the next low-latency call on (on the
+        current stream, after the previous low-latency call; a CUDA-graph replay on another stream must be ordered
+        after it by the caller; not collective). A masked rank is neither sent to nor waited for: its
+        experts' top-k entries count as not selected, it contributes no tokens, its combine partials are absent.
+        A low-latency wait that times out masks its peer by itself. Unmasking a rank that missed calls or was
+        masked while alive needs :meth:`clean_low_latency_buffer` on every rank taking part before the next call.
+
+        Args:
+            rank_to_mask: int in ``[0, num_ranks)``.
+            mask: bool; True masks, False unmasks.
+        """
+        ll = self._shrink()
+        if not isinstance(rank_to_mask, (int, np.integer)) or isinstance(rank_to_mask, (bool, np.bool_)):
+            raise TypeError(f"rank_to_mask: must be an int, got {type(rank_to_mask).__name__}")
+        if not 0 <= rank_to_mask < self.num_ranks:
+            raise ValueError(f"rank_to_mask: must be in [0, {self.num_ranks}), got {rank_to_mask}")
+        ll.update_mask(int(rank_to_mask), validate.check_flag(mask, "mask"))
+
+    @_on_device
+    def low_latency_query_mask_buffer(self, mask_status) -> None:
+        """Fill ``mask_status`` with this rank's mask (1 = masked, 0 = not), on the caller's current stream after
+        the previous low-latency calls (not collective).
+
+        Args:
+            mask_status: ``[num_ranks]`` int32, contiguous, a CuPy array or CUDA torch tensor on this buffer's GPU.
+        """
+        ll = self._shrink()
+        validate.check_vector(mask_status, "mask_status", "int32", self.num_ranks, self.device_id)
+        ll.query_mask(mask_status)
+
+    @_on_device
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank in this rank's view (as :meth:`low_latency_update_mask_buffer` with ``mask=False``
+        for each; not collective)."""
+        self._shrink().clean_mask()
 
     # ---- tests / tools ------------------------------------------------------------------------------
     @_on_device

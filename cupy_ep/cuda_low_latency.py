@@ -47,7 +47,16 @@ Decisions (DeepEP V1's low-latency path is the model):
   the SM clock cycles the receive phase waited for that rank's data (as DeepEP: the dispatch once per (local
   expert, source) count, the combine per token's partials; a rank's own partials in a one-launch combine need no
   wait and add nothing); a token naming one expert more than M times
-  in total (only possible with duplicate top-k entries) loses the rows past M.
+  in total (only possible with duplicate top-k entries) loses the rows past M;
+* shrink mode (``Buffer(enable_shrink=True)``, as DeepEP's): ``shrink_mask`` ``[R]`` int32 on the GPU is this
+  rank's view of the failed ranks (1 = masked). The kernels read it at every launch (a CUDA-graph replay too) and
+  neither send to nor wait for a masked rank; a low-latency wait that times out masks its peer instead of stopping
+  the buffer (cuda_src/low_latency.cu says how, and what a masked peer may still write). A call's result is then the
+  reference's on inputs where every top-k entry of a masked rank's experts is -1 and a masked rank has no tokens.
+  :meth:`LowLatencyState.clean` meets only the unmasked ranks (a timed point-to-point barrier that masks a rank
+  that does not come) and also restarts the buffers' alternation and epochs, so that ranks unmasked again after
+  missing calls agree with the others: a rank takes part again after it is unmasked everywhere and every rank
+  taking part cleaned.
 """
 from __future__ import annotations
 
@@ -207,6 +216,9 @@ def set_nvshmem_env(single_node: bool) -> None:
     os.environ.setdefault("NVSHMEM_DISABLE_NCCL", "1")
 
 
+_SHRINK_TAG = 1  # the shrink barrier's tokens (its communicator carries nothing else)
+
+
 class LowLatencyState:
     """The low-latency transport and buffer of one ``CudaBuffer``: an NVSHMEM world and its symmetric buffer, or
     a CUDA-IPC buffer opened by every rank of the node.
@@ -223,6 +235,9 @@ class LowLatencyState:
     _force_put = False
     nv = None      # the NVSHMEM world (transport "nvshmem")
     ipc = None     # the bootstrap.IpcBuffer (transport "ipc")
+    shrink_mask = None   # shrink mode: CudaBuffer's [R] int32 mask (the kernels' shrink_mask); None: off
+    _shrink_comm = None  # shrink mode: clean's barrier communicator (a duplicate of the buffer's)
+    _shrink_sends = ()   # shrink mode: that barrier's sends not known complete yet
 
     def __init__(self, buf, num_rdma_bytes: int, single_node: bool, transport: str = "nvshmem"):
         import cupy
@@ -236,6 +251,9 @@ class LowLatencyState:
         # CUDA MPS this rank's share of it (the ranks sharing the GPU then run at the same time).
         self.num_blocks = resolve_num_blocks(buf.sm_share.per_rank)  # before anything collective
         self.buf = buf
+        self.shrink_mask = buf._shrink_mask
+        if self.shrink_mask is not None:
+            self._shrink_comm = buf.comm.Dup()  # collective: every rank is here
         self.num_bytes = num_rdma_bytes
         if transport == "nvshmem":
             self.base, peers = self._open_nvshmem(single_node)
@@ -373,8 +391,8 @@ class LowLatencyState:
 
     def common_args(self, index: int, max_tokens: int, hidden: int, num_experts: int):
         """The kernel arguments every low-latency kernel takes (buffer, peers, buffer index, M, H, E, rank,
-        num_ranks, workspace); the numpy scalars of the last (M, H, E) are kept. rank and num_ranks are arguments,
-        not read from the DeviceCtx: that load sat on the kernels' prologue (~0.25 us)."""
+        num_ranks, workspace, shrink_mask or None); the numpy scalars of the last (M, H, E) are kept. rank, num_ranks
+        and shrink_mask are arguments, not read from the DeviceCtx: that load sat on the kernels' prologue (~0.25 us)."""
         key = (max_tokens, hidden, num_experts)
         last = self._last_shape_args
         if last is None or last[0] != key:
@@ -382,7 +400,8 @@ class LowLatencyState:
                                                   np.int32(num_experts), np.int32(self.buf.rank),
                                                   np.int32(self.buf.num_ranks)))
         base, m, h, e, rank, num_ranks = last[1]
-        return (base, self.peer_bases, _INT32_ARGS[index], m, h, e, rank, num_ranks, self.workspace)
+        return (base, self.peer_bases, _INT32_ARGS[index], m, h, e, rank, num_ranks, self.workspace,
+                self.shrink_mask)
 
     def run(self, kind, name: str, args_for_phases, phases: int, async_finish: bool, keep, shared_mem: int = 0):
         """Launch; returns the EventOverlap.
@@ -666,7 +685,10 @@ class LowLatencyState:
         Host-side, with a timeout: each rank drains its device (its low-latency kernels, their NVSHMEM puts
         included, are done), a timed MPI barrier (no rank still writes signals), zero the own regions, a
         second timed barrier (no rank signals before every rank has zeroed). A rank that never comes makes
-        the others raise CommTimeoutError instead of hanging (NVSHMEM's device barrier has no timeout)."""
+        the others raise CommTimeoutError instead of hanging (NVSHMEM's device barrier has no timeout).
+        Shrink mode: the barriers meet the unmasked ranks only and mask a rank that does not come in time
+        (:meth:`shrink_barrier`); the workspace (epochs, the previous send's buffer, the meta readers' counts) is
+        zeroed too and the next call uses buffer 0, on every rank that takes part."""
         validate.check_positive_int(max_tokens, "num_max_dispatch_tokens_per_rank")
         validate.check_positive_int(hidden, "hidden")
         self.hooks.check_next_call("clean_low_latency_buffer")
@@ -682,15 +704,21 @@ class LowLatencyState:
         self.memory.memset_async(0, 2 * lay["signal_bytes"], self.buf.comm_stream)
         # and both recv regions: under a new layout their bytes could read as this call's index entries or flags
         (self.memory + lay["recv_offset_0"]).memset_async(0, 2 * lay["recv_bytes"], self.buf.comm_stream)
+        if self.shrink_mask is not None:  # ranks unmasked after missing calls start where the others do
+            self.workspace.data.memset_async(0, self.workspace.nbytes, self.buf.comm_stream)
+            self.index = 0
         self.buf.comm_stream.synchronize()
         self.last_stream = self.buf.comm_stream  # the zeroing (done: the next kernel's wait costs nothing)
         self.timed_barrier("after zeroing")
         self.signal_shape = (max_tokens, hidden, num_experts)
 
     def timed_barrier(self, what: str) -> None:
-        """MPI barrier over the buffer's communicator that gives up after the buffer's timeout."""
+        """MPI barrier over the buffer's communicator that gives up after the buffer's timeout (shrink mode:
+        :meth:`shrink_barrier`)."""
         import time
         from .errors import CommTimeoutError
+        if self.shrink_mask is not None:
+            return self.shrink_barrier()
         request = self.buf.comm.Ibarrier()
         deadline = time.monotonic() + self.buf.timeout_s
         while not request.Test():
@@ -700,6 +728,79 @@ class LowLatencyState:
                 raise CommTimeoutError(f"rank {self.buf.rank}: peers did not reach the low-latency buffer clean "
                                        f"({what}) within {self.buf.timeout_s} s", record)
             time.sleep(20e-6)
+
+    # ---- shrink mode (CudaBuffer.low_latency_*_mask_buffer; clean's barrier) -------------------------
+    def mask_stream(self):
+        """CuPy's current stream, after the previous low-latency kernel; the next one follows it (follow_last):
+        the mask's readers and writers are ordered with the kernels, also inside a CUDA-graph capture."""
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        self.follow_last(stream)
+        self.last_stream = stream
+        return stream
+
+    def update_mask(self, rank: int, masked: bool) -> None:
+        with self.mask_stream():
+            self.shrink_mask[rank:rank + 1].fill(1 if masked else 0)
+
+    def clean_mask(self) -> None:
+        with self.mask_stream():
+            self.shrink_mask.fill(0)
+
+    def query_mask(self, mask_status) -> None:
+        kind = interop.kind_of(mask_status)
+        stream = interop.current_stream(kind, self.buf.device_id)
+        self.follow_last(stream)
+        self.last_stream = stream
+        with allocating_on(stream, kind):
+            interop.unwrap(mask_status)[...] = self.shrink_mask
+
+    def shrink_barrier(self) -> None:
+        """Shrink mode's barrier of :meth:`clean` (the device is drained): a token to and from every rank unmasked
+        here, over a private duplicate of the buffer's communicator; a rank whose token does not come within the
+        buffer's timeout is masked (as a device wait's timeout masks its peer) and the barrier ends without it.
+        A late token of a rank masked so may complete a later barrier with that rank early, once it is unmasked."""
+        import time
+        masked = self.shrink_mask.get()
+        me, comm = self.buf.rank, self._shrink_comm
+        peers = [r for r in range(self.buf.num_ranks) if r != me and not masked[r]]
+        token = np.zeros(1, dtype=np.int32)
+        sends = [comm.Isend(token, dest=r, tag=_SHRINK_TAG) for r in peers]
+        inbox = np.zeros(max(len(peers), 1), dtype=np.int32)
+        waiting = {r: comm.Irecv(inbox[i:i + 1], source=r, tag=_SHRINK_TAG) for i, r in enumerate(peers)}
+        deadline = time.monotonic() + self.buf.timeout_s
+        while waiting:
+            for r in [r for r, request in waiting.items() if request.Test()]:
+                del waiting[r]
+            if waiting and time.monotonic() > deadline:
+                for r, request in waiting.items():
+                    request.Cancel()
+                    request.Wait()
+                    with self.buf.comm_stream:
+                        self.shrink_mask[r:r + 1].fill(1)
+                self.buf.comm_stream.synchronize()
+                break
+            time.sleep(20e-6)
+        # (sends to a rank that never receives stay pending: kept, with their buffer, until they complete)
+        self._shrink_sends = [request for request in (*self._shrink_sends, *sends) if not request.Test()]
+
+    def free_shrink_comm(self) -> None:
+        """Collective (destroy): free the shrink barrier's communicator, after every rank received the tokens sent
+        to it that no barrier took (a rank that did not come, or had masked the sender): a later communicator may
+        reuse its context, and must not find them."""
+        if self._shrink_comm is None:
+            return
+        from mpi4py import MPI
+        comm, self._shrink_comm = self._shrink_comm, None
+        comm.Barrier()  # every rank's sends were posted before it came here
+        sink = np.zeros(1, dtype=np.int32)
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_SHRINK_TAG):
+            comm.Recv(sink, source=MPI.ANY_SOURCE, tag=_SHRINK_TAG)
+        for request in self._shrink_sends:  # (eager: complete already; else MPI completes them in the background)
+            if not request.Test():
+                request.Free()
+        self._shrink_sends = ()
+        comm.Free()
 
     def destroy(self) -> None:
         """Collective: free the buffer (IPC: close the peers' mappings, then free; NVSHMEM: as follows).
@@ -716,6 +817,7 @@ class LowLatencyState:
         cannot be told apart from a slow one, so the MPI exchange waits for it: giving up on a timer would
         let the late rank see "all healthy" and enter the NVSHMEM barrier alone.)"""
         import cupy
+        self.free_shrink_comm()
         if self.ipc is not None:
             ipc, self.ipc = self.ipc, None
             self.memory = self.nvlink_peers = self.no_peers = self.workspace = None

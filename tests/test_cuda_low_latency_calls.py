@@ -121,14 +121,15 @@ def assert_int32(value, want):
 
 def assert_common(state, args, index):
     """The arguments every low-latency kernel takes after its own: base, peers, buffer index, M, H, E, rank,
-    num_ranks, workspace."""
-    base, peers, idx, m, h, e, rank, num_ranks, workspace = args
+    num_ranks, workspace, shrink_mask (None without shrink mode)."""
+    base, peers, idx, m, h, e, rank, num_ranks, workspace, shrink_mask = args
     assert type(base) is np.uint64 and base == BASE
     assert peers is (state.no_peers if state.force_put else state.nvlink_peers)
     assert_int32(idx, index)
     assert_int32(m, M), assert_int32(h, H), assert_int32(e, E)
     assert_int32(rank, RANK), assert_int32(num_ranks, R)
     assert workspace is state.workspace
+    assert shrink_mask is state.shrink_mask
 
 
 def dispatch(state, use_fp8=True, round_scale=False, use_ue8m0=False, return_recv_hook=False, stats=None,
@@ -157,7 +158,7 @@ def test_dispatch_kernel_arguments(ll, use_fp8, round_scale, use_ue8m0, idx_dtyp
         assert launch["grid"] == (132,) and launch["block"] == (cll._THREADS,) and launch["shared_mem"] == 0
         assert launch["stream"] is state.buf.compute
         args = launch["args"]
-        assert len(args) == 26
+        assert len(args) == 27
         recv_x, scales, count_raw, src_info, layout_range, raw_stats, raw_wait, raw_x, raw_idx, slots = args[:10]
         assert recv_x.shape == (L, ROWS, H) and recv_x.dtype == (np.uint8 if use_fp8 else np.uint16)
         if use_fp8:
@@ -173,9 +174,9 @@ def test_dispatch_kernel_arguments(ll, use_fp8, round_scale, use_ue8m0, idx_dtyp
         assert raw_x.data.ptr == x.data.ptr and raw_x.dtype == np.uint16 and raw_x.shape == (T, H)
         for value, want in zip(args[10:14], (T, K, round_scale, use_ue8m0)):
             assert_int32(value, want)
-        assert_common(state, args[14:23], call % 2)
-        assert_int32(args[23], cll._SEND | cll._RECV)
-        assert args[24] is None and args[25] is state.buf._ctx
+        assert_common(state, args[14:24], call % 2)
+        assert_int32(args[24], cll._SEND | cll._RECV)
+        assert args[25] is None and args[26] is state.buf._ctx
 
         outputs = [a for a in (recv_x, scales, count_raw, src_info, layout_range, slots) if a is not None]
         assert all(a.flags.c_contiguous and a.data.ptr % 256 == 0 for a in outputs)
@@ -228,9 +229,9 @@ def test_dispatch_hook_launches_the_receive_phase_with_the_same_arguments(ll):
     hook()
     send, recv = launches
     assert send["stream"] is recv["stream"] is state.buf.comm_stream
-    assert_int32(send["args"][23], cll._SEND), assert_int32(recv["args"][23], cll._RECV)
+    assert_int32(send["args"][24], cll._SEND), assert_int32(recv["args"][24], cll._RECV)
     for i, (a, b) in enumerate(zip(send["args"], recv["args"])):
-        if i != 23:
+        if i != 24:
             assert a is b or (isinstance(a, np.generic) and type(a) is type(b) and a == b), i
 
 
@@ -263,7 +264,7 @@ def test_combine_kernel_arguments(ll, with_out, zero_copy, wire):
         assert launch["grid"] == (132,) and launch["block"] == (cll._COMBINE_THREADS,)
         assert launch["shared_mem"] == cll.combine_stage_bytes(K) and launch["stream"] is state.buf.compute
         args = launch["args"]
-        assert len(args) == 23
+        assert len(args) == 24
         raw_out, raw_x, layout_range, raw_idx, slots, raw_w, raw_wait = args[:7]
         if with_out:
             assert combined is out and raw_out.data.ptr == out.data.ptr
@@ -278,9 +279,9 @@ def test_combine_kernel_arguments(ll, with_out, zero_copy, wire):
         assert raw_idx is topk_idx and raw_w is weights and raw_wait is wait_stats
         for value, want in zip(args[7:11], (T, K, zero_copy, wire)):
             assert_int32(value, want)
-        assert_common(state, args[11:20], (call + 1) % 2)  # the dispatch used buffer 0
-        assert_int32(args[20], cll._SEND | cll._RECV)
-        assert args[21] is None and args[22] is state.buf._ctx
+        assert_common(state, args[11:21], (call + 1) % 2)  # the dispatch used buffer 0
+        assert_int32(args[21], cll._SEND | cll._RECV)
+        assert args[22] is None and args[23] is state.buf._ctx
         assert event.event is None and hook is None
     assert all(stream is state.buf.compute for _, _, stream in allocations)
     assert len(allocations) == 2 + (0 if with_out else 3)  # the dispatch's two, a combined_x per combine
