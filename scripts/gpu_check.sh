@@ -105,7 +105,8 @@ if want llipc; then
     export CUPY_EP_LL_TRANSPORT=ipc
     for n in 4 8; do
         ep_pytest_step "llipc$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
-            --timeout-method=thread tests/gpu/test_low_latency.py tests/gpu/test_zz_low_latency_timeout.py -rs
+            --timeout-method=thread tests/gpu/test_low_latency.py tests/gpu/test_low_latency_shrink.py \
+            tests/gpu/test_zz_low_latency_timeout.py -rs
     done
     unset CUPY_EP_LL_TRANSPORT
 fi
@@ -132,7 +133,8 @@ if want mps; then
         [[ -n "$pct" ]] && export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="$pct"
         echo "mps: $n ranks, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${pct:-unset}"
         trap mps_stop EXIT  # a killed step must not leave the daemon running
-        ll=(tests/gpu/test_low_latency.py tests/gpu/test_nvshmem.py tests/gpu/test_zz_low_latency_timeout.py)
+        ll=(tests/gpu/test_low_latency.py tests/gpu/test_low_latency_shrink.py tests/gpu/test_nvshmem.py
+            tests/gpu/test_zz_low_latency_timeout.py)
         [[ " ${MPS_PARTS:-ll rest} " == *" ll "* ]] && ep_pytest_step "mps_ll$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
             --timeout-method=thread "${ll[@]}" -rs
         [[ " ${MPS_PARTS:-ll rest} " == *" rest "* ]] && ep_pytest_step "mps_rest$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
