@@ -5,7 +5,8 @@
 #
 # 1. creates or reuses a venv (${CUPY_EP_VENV:-.venv}) and installs the package with its test extras from
 #    wheels (CUPY_EP_SKIP_INSTALL=1 skips this and uses python/mpiexec from PATH);
-# 2. runs the single-process tests, then the MPI tests at 2 and 4 ranks (tests/gpu excluded);
+# 2. runs the single-process tests, then the MPI tests at 2 and 4 ranks (tests/gpu excluded), then the README's
+#    quick start (examples/quickstart.py) at 2 ranks on the host backend;
 # 3. when a GPU is visible, runs tests/gpu with one rank per GPU, then the low-latency files at 2 ranks over the
 #    CUDA-IPC transport (ranks share the GPU on a one-GPU machine).
 # Fails when a step fails or a step ran no test; ends with the line "N passed, N failed, N skipped".
@@ -23,6 +24,12 @@ ep_pytest_step unit 0 "${common[@]}" tests --ignore=tests/gpu
 for n in 2 4; do
     ep_pytest_step "mpi$n" "$n" --only-mpi "${common[@]}" --color=no tests --ignore=tests/gpu
 done
+# The README's quick start exactly as a user runs it, on the host backend (it exits non-zero on a mismatch).
+if ep_mpirun_argv 2 "$EP_PYTHON" examples/quickstart.py; then
+    ep_plain_step quickstart timeout -k 10 300 env CUPY_EP_BACKEND=host "${EP_ARGV[@]}"
+else
+    ep_record quickstart - - - - FAILED "no MPI launcher"
+fi
 
 gpu_rc=0
 "$EP_PYTHON" -c '
