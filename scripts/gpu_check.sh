@@ -9,7 +9,8 @@
 #   nvidia_smi  GPUs, links and software versions
 #   unit        the single-process tests (tests/, without tests/gpu)
 #   gpuN        tests/gpu under the MPI launcher with N ranks (4 and 8: several ranks per GPU), without internode
-#   llipc       the low-latency files over the CUDA-IPC transport (CUPY_EP_LL_TRANSPORT=ipc) at 4 and 8 ranks,
+#   llipc       the low-latency files over the CUDA-IPC transport (CUPY_EP_LL_TRANSPORT=ipc) at LLIPC_RANKS
+#               (default "4 8") ranks,
 #               several per GPU (NVSHMEM refuses that, so gpu4 / gpu8 skip them)
 #   mps         ranks sharing each GPU as CUDA MPS clients of a private MPS control daemon (started and stopped
 #               here, its pipe and log folders in a temporary folder): the low-latency files on NVSHMEM (which
@@ -103,7 +104,7 @@ for n in 2 4 8; do
 done
 if want llipc; then
     export CUPY_EP_LL_TRANSPORT=ipc
-    for n in 4 8; do
+    for n in ${LLIPC_RANKS:-4 8}; do
         ep_pytest_step "llipc$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
             --timeout-method=thread tests/gpu/test_low_latency.py tests/gpu/test_low_latency_shrink.py \
             tests/gpu/test_zz_low_latency_timeout.py -rs
