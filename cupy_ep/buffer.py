@@ -95,6 +95,8 @@ class Buffer:
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
+        from .validate import check_comm
+        check_comm(comm)
         self.comm = comm
         self.rank = comm.Get_rank()
         self.num_ranks = comm.Get_size()

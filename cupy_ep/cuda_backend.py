@@ -726,7 +726,7 @@ class CudaBuffer(Buffer):
             ``(recv_x | (recv_x, recv_x_scales), recv_count, handle, EventOverlap, hook)``: ``recv_x``
             ``[L, R*M, H]`` bf16 or float8_e4m3fn (CuPy: uint8); scales ``[L, R*M, H/128]`` float32 or
             ``[L, R*M, H/512]`` int32 (UE8M0), column-major in the last two dims; ``recv_count [L] int32``;
-            ``handle``: a :class:`~cupy_ep.ll_handle.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32,
+            ``handle``: a :class:`~cupy_ep.handles.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32,
             layout_range [L, R] int64, M, H, E)`` with ``.topk_slots [T, K] int32`` (each top-k entry's slot, which
             the combine finds its rows by; -1: not sent); ``hook`` launches the
             receive phase when ``return_recv_hook`` (outputs are final only after it). Rows of a local expert:

@@ -69,7 +69,7 @@ import numpy as np
 from . import config as _config
 from . import bootstrap, interop, jit, validate
 from .event import EventOverlap, RecvHooks
-from .ll_handle import LowLatencyHandle
+from .handles import LowLatencyHandle
 from .reference import LOW_LATENCY_MAX_TOPK
 
 _FILE = "low_latency.cu"
