@@ -29,6 +29,9 @@ def check_array(x, name: str, dtypes: tuple, ndim: int | None = None, device: in
     offset would otherwise fail inside a kernel with a misaligned address, which poisons the CUDA context)."""
     if x is None:
         _fail(name, "must not be None", TypeError)
+    if isinstance(x, (list, tuple)):
+        _fail(name, f"must be an array (numpy, CuPy or torch), got a Python {type(x).__name__} of {len(x)} "
+                    f"{_item_kind(x)}; convert it first (e.g. numpy.asarray)", TypeError)
     try:
         kind = interop.kind_of(x)
     except TypeError as e:
