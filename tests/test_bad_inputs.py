@@ -11,8 +11,8 @@ import pytest
 
 from cupy_ep import Buffer, BufferUnusableError, Config, CupyEpError, gpu_available
 from cupy_ep.host_backend import HostBuffer
-from tests.helpers import (BF16, HOST_NVL_BYTES, all_ok, bad_input_problem, make_inputs, reference_combine, reference_dispatch,
-                           same_bytes)
+from tests.helpers import (BF16, HOST_NVL_BYTES, all_ok, bad_input_problem, make_inputs, reference_combine,
+                           reference_dispatch, same_bytes)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
