@@ -50,7 +50,9 @@ def ctx(comm):
     rdma = config.low_latency_rdma_size_hint(M, HL, num_ranks, num_experts)
     buf = HostBuffer(comm, nvl, rdma, low_latency_mode=True, enable_shrink=True, timeout_s=30, backend="host")
     other = HostBuffer(comm, nvl, rdma, low_latency_mode=True, timeout_s=30, backend="host")
-    c = types.SimpleNamespace(comm=comm, rank=rank, R=num_ranks, E=num_experts, H=hidden, M=M, buf=buf, other=other)
+    zero = HostBuffer(comm, 0, rdma, low_latency_mode=True, timeout_s=30, backend="host")
+    c = types.SimpleNamespace(comm=comm, rank=rank, R=num_ranks, E=num_experts, H=hidden, M=M, buf=buf, other=other,
+                              zero=zero)
     rng = np.random.default_rng([77, rank])
     inp = make_inputs(rng, 20 + rank, hidden, 3, num_experts, num_ranks)
     c.x, c.topk_idx, c.w, c.T = inp.x, inp.topk_idx, inp.topk_weights, inp.x.shape[0]
@@ -69,6 +71,7 @@ def ctx(comm):
     c.other_ll_handle = other.low_latency_dispatch(c.llx, c.ll_idx, M, num_experts, use_fp8=False)[2]
     other.low_latency_combine(c.y, c.ll_idx, c.llw, c.other_ll_handle)
     yield c
+    zero.destroy()
     other.destroy()
     buf.destroy()
 
