@@ -153,8 +153,8 @@ class HostBuffer(Buffer):
 
     Arguments as for :class:`cupy_ep.Buffer`; ``num_nvl_bytes``/``num_rdma_bytes`` bound the calls as on the GPU
     (nothing of that size is allocated), ``timeout_s`` bounds every wait for another rank, ``device`` is checked
-    and stored but not used, ``enable_shrink`` turns on shrink mode (the module docstring). Inputs are numpy arrays (bf16 as
-    ``ml_dtypes.bfloat16``, fp8 as ``ml_dtypes.float8_e4m3fn`` or ``uint8``) or CPU torch tensors.
+    and stored but not used, ``enable_shrink`` turns on shrink mode (the module docstring). Inputs are numpy
+    arrays (bf16 as ``ml_dtypes.bfloat16``, fp8 as ``ml_dtypes.float8_e4m3fn`` or ``uint8``) or CPU torch tensors.
     """
 
     backend = "host"
