@@ -807,9 +807,5 @@ def direct_launch_enabled() -> bool:
 _LEGACY_STREAMS = (0, 1)  # the legacy default stream's handles (0, cudaStreamLegacy)
 
 
-def check_ll_experts(num_experts: int) -> None:
-    validate.check_low_latency_experts(num_experts, 1)
-
-
 __all__ = ["LowLatencyState", "STAMP_NAMES", "phase_breakdown", "check_num_rdma_bytes", "TRANSPORTS",
-           "resolve_transport", "resolve_force_put", "set_nvshmem_env", "check_ll_experts", "LOW_LATENCY_MAX_TOPK", "EventOverlap"]
+           "resolve_transport", "resolve_force_put", "set_nvshmem_env", "LOW_LATENCY_MAX_TOPK", "EventOverlap"]

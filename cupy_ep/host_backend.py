@@ -799,15 +799,15 @@ class HostBuffer(Buffer):
         """Start collective call ``op``: run this rank's argument checks ``check() -> (result, same, payload)`` and
         exchange their outcome with the ranks taking part (:class:`~cupy_ep.host_exchange.HostExchange`). If a rank
         is in another call, every rank that sees it raises CallMismatchError; if any rank's checks raised
-        ValueError/TypeError, or the ``same`` dicts (argument name -> what must match on every rank) differ, every
-        rank raises. ``low_latency``: in shrink mode only the ranks unmasked here take part, and a rank that does not
-        come in time is masked. Returns ``(result, [payload of each rank, None for a rank left out])``."""
+        ValueError/TypeError/RuntimeError, or the ``same`` dicts (argument name -> what must match on every rank)
+        differ, every rank raises. ``low_latency``: in shrink mode only the ranks unmasked here take part, and a rank
+        that does not come in time is masked. Returns ``(result, [payload of each rank, None for a rank left out])``."""
         exchange = self._exchange
         exchange.begin(op)
         try:
             result, same, payload = check()
             error = None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RuntimeError) as e:  # (RuntimeError: a recv hook not called yet)
             result, same, payload, error = None, None, None, e
         shrink = low_latency and self._shrink_mask is not None
         peers = self._taking_part(low_latency)
