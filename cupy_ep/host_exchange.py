@@ -78,16 +78,18 @@ class HostExchange:
                     got[r] = their_payload
             if waiting:
                 if time.monotonic() > deadline:
-                    raise PeersTimedOut(waiting, got)
+                    break
                 time.sleep(_POLL_S)
-        if mismatched:
+        if mismatched:  # (before a timeout: a peer in another call is the cause to report)
             r, (their_seq, their_op) = mismatched[0]
-            in_step = all(s == self.seq for _, (s, _) in mismatched)
+            in_step = not waiting and all(s == self.seq for _, (s, _) in mismatched)
             record = {"rank": self.rank, "peer": r, "word": "call", "mine": f"{self.op} #{self.seq}",
                       "theirs": f"{their_op} #{their_seq}", "in_step": in_step}
             raise CallMismatchError(
                 f"rank {self.rank}: rank {r} is in {their_op} (its call #{their_seq} on this Buffer) while this rank "
                 f"is in {self.op} (call #{self.seq}); every rank must make the same calls in the same order", record)
+        if waiting:
+            raise PeersTimedOut(waiting, got)
         return got
 
     def alltoallv(self, send: np.ndarray, send_counts, recv_counts, peers) -> np.ndarray:
