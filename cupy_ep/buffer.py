@@ -57,11 +57,15 @@ class Buffer:
             a CUDA graph fixes the buffer at capture, so a graph must hold an even number of low-latency
             calls (dispatch + combine pairs, as in DeepEP): an odd number is refused on the device at the
             second replay with a ``CommError``.
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy,
-            enable_shrink: accepted for DeepEP compatibility.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy: accepted for
+            DeepEP compatibility.
+        enable_shrink: with ``low_latency_mode``, DeepEP's shrink mode: a rank that times out in a low-latency call
+            is masked and left out of the later ones (``low_latency_update_mask_buffer`` / ``_query_`` /
+            ``_clean_mask_buffer``).
         backend: ``"cuda"``, ``"host"`` or None (auto: cuda when a GPU is visible).
         device: GPU ordinal; default the rank on this machine modulo the visible GPUs.
-        timeout_s: device-wait timeout in seconds (default ``CUPY_EP_TIMEOUT_S`` or 100).
+        timeout_s: timeout in seconds of every wait for another rank (device waits; host waits on the host
+            backend), default ``CUPY_EP_TIMEOUT_S`` or 100.
         num_ranks_per_node: GPUs per NVLink domain (default: the MPI shared-memory split). When the ranks span
             more than one such domain, the internode path runs (cupy_ep/cuda_internode.py).
         internode_transport: ``"nvshmem"`` (default; env ``CUPY_EP_INTERNODE_TRANSPORT``) or ``"ipc"`` (the RDMA
@@ -95,6 +99,8 @@ class Buffer:
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
+        from .validate import check_comm
+        check_comm(comm)
         self.comm = comm
         self.rank = comm.Get_rank()
         self.num_ranks = comm.Get_size()

@@ -12,11 +12,12 @@ import time
 
 import numpy as np
 
-from . import bootstrap, cuda_internode, cuda_low_latency, interop, jit, validate
+from . import bootstrap, cuda_internode, cuda_low_latency, handles, interop, jit, validate
 from . import config as _config
 from .buffer import Buffer
 from .errors import CallMismatchError, CommError, CommTimeoutError
 from .event import EventOverlap
+from .validate import intranode_warps as _warps
 
 _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
                  5: "cached_notify_combine", 6: "combine", 7: "barrier", 8: "low_latency_dispatch",
@@ -42,24 +43,7 @@ _CTX_DTYPE = np.dtype([("timeout_ns", "<u8"), ("record", "<u8"), ("abort_flag", 
                        ("rank", "<i4"), ("num_ranks", "<i4"), ("shrink_mask", "<u8")])
 _LAYOUT_THREADS = 256  # mirrors kLayoutThreads in layout.cu
 _NOTIFY_THREADS = 128
-_COMBINE_TOKENS_PER_WARP = 2  # mirrors kCombineTokensPerWarp in intranode.cu
 _TMA_BYTES_PER_WARP = 8192  # mirrors kTmaChunkBytes in common.cuh (dispatch/combine receivers' bulk-copy buffers)
-
-
-def _warps(num_ranks: int) -> int:
-    """Warps of a dispatch/combine block (mirrors Groups<kNumRanks> in intranode.cu)."""
-    return (24 // num_ranks) * num_ranks
-
-
-def _remote_warps(num_ranks: int) -> int:
-    """Sender warps per remote peer (mirrors RemoteGroups<kNumRanks>::kWarpsPerPeer in intranode.cu)."""
-    per_rank, remote = 24 // num_ranks, max(num_ranks - 1, 1)
-    return max(_warps(num_ranks) // remote, per_rank)
-
-
-def _dispatch_batch(num_ranks: int) -> int:
-    """Ring slots a dispatch sender claims at once (mirrors RemoteGroups<kNumRanks>::kBatchTokens)."""
-    return -(-_remote_warps(num_ranks) * 4 // 32) * 32
 
 
 def _capturing() -> bool:
@@ -110,8 +94,7 @@ class CudaBuffer(Buffer):
                 raise NotImplementedError("low_latency_mode: not implemented together with the internode path "
                                           "(one NVSHMEM world would have to serve both); use one Buffer per mode")
         else:
-            if not 1 <= self.num_ranks <= _config.MAX_NVL_RANKS:
-                raise ValueError(f"comm: intranode supports 1..{_config.MAX_NVL_RANKS} ranks, got {self.num_ranks}")
+            validate.check_intranode_ranks(self.num_ranks)
             if num_rdma_bytes and not low_latency_mode:
                 raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain (unless low_latency_mode)")
         self.device_id = bootstrap.choose_device(self.topology.machine_rank, device)
@@ -125,6 +108,8 @@ class CudaBuffer(Buffer):
         self.enable_shrink = validate.check_flag(enable_shrink, "enable_shrink")
         # Collective (every rank, before any check that raises): what each rank's kernels may hold at once.
         self.sm_share = bootstrap.gpu_sm_share(self.comm, self.device_id, self.topology.local_size)
+        self.buffer_id = handles.new_buffer_id(self.comm)  # collective; handles carry it (handles.check_origin)
+        self._dispatch_epoch = 0  # normal-mode dispatches made so far (next_dispatch_epoch)
         self.num_device_sms = self.sm_share.device_sms
         ranks_per_gpu = self.sm_share.ranks_per_gpu
         if low_latency_mode and ranks_per_gpu > 1 and ll_transport == "nvshmem" and not self.sm_share.mps:
@@ -375,6 +360,7 @@ class CudaBuffer(Buffer):
         combine has its own)."""
         if not isinstance(handle, (tuple, list)) or len(handle) != 6:
             raise ValueError("handle: must be the 6-tuple returned by an intranode dispatch")
+        handles.check_origin(handle, getattr(self, "buffer_id", None))
         names = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
                  "is_token_in_rank", "send_head")
         dtypes = ("int32", "int32", "int32", "int32", "bool", "int32")
@@ -418,10 +404,11 @@ class CudaBuffer(Buffer):
         mem = cupy.cuda.UnownedMemory(self._nvl.ptr + offset, nbytes, self, self.device_id)
         return cupy.ndarray((rows, hidden), dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
-    def _check_nvl_bytes(self, needed: int, what: str) -> None:
-        if needed > self.num_nvl_bytes:
-            raise ValueError(f"num_nvl_bytes: this {what} needs at least {needed} bytes of NVLink buffer, the "
-                             f"buffer has {self.num_nvl_bytes} (use Buffer.get_nvl_buffer_size_hint)")
+    def next_dispatch_epoch(self) -> int:
+        """Count one more normal-mode dispatch (intranode or internode) and return its number: the ``epoch`` of the
+        handle it returns (:mod:`cupy_ep.handles`)."""
+        self._dispatch_epoch = getattr(self, "_dispatch_epoch", 0) + 1
+        return self._dispatch_epoch
 
     @_on_device
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -487,23 +474,10 @@ class CudaBuffer(Buffer):
                 num_worst_tokens, R, T, self.device_id, self.check_values and not _capturing())
         S = info.num_scales
         hidden_int4 = info.hidden_bytes // 16
-        capacity = 0  # rows of a zero-copy output; 0: the ring dispatch
-        if zero_copy:
-            capacity = _config.direct_dispatch_capacity(self.num_nvl_bytes, C, info.hidden_bytes, max(num_topk, 1), S)
-            if capacity < max(1, num_worst_tokens):
-                raise ValueError(f"num_nvl_bytes: a zero-copy dispatch of {info.hidden_bytes}-byte rows fits {capacity} "
-                                 f"rows in this buffer ({self.num_nvl_bytes} bytes), it needs "
-                                 f"{max(1, num_worst_tokens)} (Buffer.get_zero_copy_nvl_size_hint sizes it)")
-            if cached and int(handle_raw[3].shape[0]) > capacity:
-                raise ValueError(f"handle: its dispatch received {handle_raw[3].shape[0]} rows, more than the "
-                                 f"{capacity} a zero-copy dispatch fits in num_nvl_bytes={self.num_nvl_bytes}")
-        else:
-            if cfg.num_max_nvl_chunked_recv_tokens < _dispatch_batch(R):
-                raise ValueError(f"config: dispatch at {R} ranks needs num_max_nvl_chunked_recv_tokens >= "
-                                 f"{_dispatch_batch(R)} (the slots a sender claims at once), got "
-                                 f"{cfg.num_max_nvl_chunked_recv_tokens}")
-            self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.dispatch_channel_bytes(
-                C, R, cfg.num_max_nvl_chunked_recv_tokens, info.hidden_bytes, max(num_topk, 1), S), "dispatch")
+        # rows of a zero-copy output; 0: the ring dispatch
+        capacity = validate.check_intranode_dispatch_fits(
+            cfg, R, self.num_nvl_bytes, info.hidden_bytes, num_topk, S, zero_copy, num_worst_tokens,
+            int(handle_raw[3].shape[0]) if cached else None)
 
         kind = interop.kind_of(info.x)
         with self._device:
@@ -585,9 +559,10 @@ class CudaBuffer(Buffer):
         out_x = interop.wrap_recv_x(recv_x, recv_scales, kind, info)
         if cached:
             return out_x, None, None, None, None, event
-        out_handle = (interop.wrap(rpm, kind, "int32"), interop.wrap(cpm, kind, "int32"),
-                      interop.wrap(rcpm, kind, "int32"), interop.wrap(src_idx, kind, "int32"),
-                      is_token_in_rank, interop.wrap(send_head, kind, "int32"))
+        out_handle = handles.DispatchHandle((
+            interop.wrap(rpm, kind, "int32"), interop.wrap(cpm, kind, "int32"), interop.wrap(rcpm, kind, "int32"),
+            interop.wrap(src_idx, kind, "int32"), is_token_in_rank, interop.wrap(send_head, kind, "int32")),
+            self.buffer_id, self.next_dispatch_epoch())
         return (out_x, interop.wrap(recv_idx, kind, idx_name), interop.wrap(recv_w, kind, "float32"),
                 per_expert_list if per_expert_list is not None else [], out_handle, event)
 
@@ -643,21 +618,9 @@ class CudaBuffer(Buffer):
         num_topk = validate.check_combine_topk_weights(topk_weights, num_recv, self.device_id) or 1
         biases = validate.check_bias(bias, num_tokens, hidden, self.device_id)
         hidden_int4 = hidden * 2 // 16
-        capacity = 0  # rows per source rank of a zero-copy combine; 0: the ring combine
-        if zero_copy:
-            capacity = _config.direct_combine_capacity(self.num_nvl_bytes, R, hidden * 2, num_topk)
-            if capacity < max(1, num_tokens):
-                raise ValueError(f"num_nvl_bytes: a zero-copy combine of {hidden * 2}-byte rows fits {capacity} rows per "
-                                 f"rank in this buffer ({self.num_nvl_bytes} bytes), this rank's {num_tokens} tokens "
-                                 "need as many (Buffer.get_zero_copy_nvl_size_hint sizes it)")
-        else:
-            batch = _warps(R) * _COMBINE_TOKENS_PER_WARP
-            if cfg.num_max_nvl_chunked_recv_tokens - cfg.num_max_nvl_chunked_send_tokens < batch:
-                raise ValueError(f"config: combine needs num_max_nvl_chunked_recv_tokens - "
-                                 f"num_max_nvl_chunked_send_tokens >= {batch} (the receiver's batch), got "
-                                 f"{cfg.num_max_nvl_chunked_recv_tokens} - {cfg.num_max_nvl_chunked_send_tokens}")
-            self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.combine_channel_bytes(
-                C, R, cfg.num_max_nvl_chunked_recv_tokens, hidden * 2, num_topk), "combine")
+        # rows per source rank of a zero-copy combine; 0: the ring combine
+        capacity = validate.check_intranode_combine_fits(cfg, R, self.num_nvl_bytes, hidden, num_topk, num_tokens,
+                                                         zero_copy)
 
         kind = interop.kind_of(x)
         with self._device:
@@ -726,7 +689,7 @@ class CudaBuffer(Buffer):
             ``(recv_x | (recv_x, recv_x_scales), recv_count, handle, EventOverlap, hook)``: ``recv_x``
             ``[L, R*M, H]`` bf16 or float8_e4m3fn (CuPy: uint8); scales ``[L, R*M, H/128]`` float32 or
             ``[L, R*M, H/512]`` int32 (UE8M0), column-major in the last two dims; ``recv_count [L] int32``;
-            ``handle``: a :class:`~cupy_ep.ll_handle.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32,
+            ``handle``: a :class:`~cupy_ep.handles.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32,
             layout_range [L, R] int64, M, H, E)`` with ``.topk_slots [T, K] int32`` (each top-k entry's slot, which
             the combine finds its rows by; -1: not sent); ``hook`` launches the
             receive phase when ``return_recv_hook`` (outputs are final only after it). Rows of a local expert:
@@ -766,9 +729,7 @@ class CudaBuffer(Buffer):
     # ---- shrink mode (low-latency fault tolerance, as DeepEP's; cuda_low_latency.LowLatencyState) --------
     def _shrink(self):
         self._check_usable()
-        if self._ll is None or not self.enable_shrink:
-            raise ValueError("enable_shrink: the mask buffer exists only in a Buffer created with "
-                             "low_latency_mode=True and enable_shrink=True")
+        validate.check_shrink_enabled(self._ll is not None and self.enable_shrink)
         return self._ll
 
     @_on_device
@@ -785,11 +746,8 @@ class CudaBuffer(Buffer):
             mask: bool; True masks, False unmasks.
         """
         ll = self._shrink()
-        if not isinstance(rank_to_mask, (int, np.integer)) or isinstance(rank_to_mask, (bool, np.bool_)):
-            raise TypeError(f"rank_to_mask: must be an int, got {type(rank_to_mask).__name__}")
-        if not 0 <= rank_to_mask < self.num_ranks:
-            raise ValueError(f"rank_to_mask: must be in [0, {self.num_ranks}), got {rank_to_mask}")
-        ll.update_mask(int(rank_to_mask), validate.check_flag(mask, "mask"))
+        rank = validate.check_rank_to_mask(rank_to_mask, self.num_ranks)
+        ll.update_mask(rank, validate.check_flag(mask, "mask"))
 
     @_on_device
     def low_latency_query_mask_buffer(self, mask_status) -> None:
@@ -800,7 +758,7 @@ class CudaBuffer(Buffer):
             mask_status: ``[num_ranks]`` int32, contiguous, a CuPy array or CUDA torch tensor on this buffer's GPU.
         """
         ll = self._shrink()
-        validate.check_vector(mask_status, "mask_status", "int32", self.num_ranks, self.device_id)
+        validate.check_mask_status(mask_status, self.num_ranks, self.device_id)
         ll.query_mask(mask_status)
 
     @_on_device

@@ -77,6 +77,9 @@ class _FakeBuf:
     def check_health(self):
         pass
 
+    def next_dispatch_epoch(self):
+        return 1
+
 
 def _state(rank, N, G, transport, counters=None):
     st = ci.InternodeState.__new__(ci.InternodeState)
