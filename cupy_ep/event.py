@@ -53,7 +53,8 @@ class EventOverlap:
             event: the event, or None (a synchronous call).
             extra_tensors: a tuple of arrays to keep alive, or None.
             current_stream: (keyword-only) a function returning the caller's current stream as a CuPy stream
-                object; default CuPy's current stream. The calls pass their caller's framework's.
+                object. The calls pass their arrays' framework's; default: that of
+                :func:`cupy_ep.interop.caller_kind`.
             on_wait: (keyword-only) run after each wait (the CUDA backend checks its health there).
         """
         self.event = event
@@ -66,8 +67,8 @@ class EventOverlap:
     def _caller_stream(self):
         if self._current_stream is not None:
             return self._current_stream()
-        import cupy
-        return cupy.cuda.get_current_stream()
+        from . import interop  # an event made by hand: no call told its framework
+        return interop.current_stream(interop.caller_kind())
 
     def current_stream_wait(self, release_handle: bool = False, *, stream=None) -> None:
         """Make the caller's current stream wait for the event (the stream of the framework the call's arrays
