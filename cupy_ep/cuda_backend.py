@@ -8,6 +8,7 @@ or an ``EventOverlap`` is returned (``async_finish=True``).
 from __future__ import annotations
 
 import functools
+import sys
 import time
 
 import numpy as np
@@ -63,10 +64,14 @@ def _dispatch_batch(num_ranks: int) -> int:
 
 
 def _capturing() -> bool:
-    """True while CuPy's current stream is being captured into a CUDA graph (no host syncs allowed)."""
+    """True while the caller's current stream is being captured into a CUDA graph (no host syncs allowed): CuPy's,
+    or torch's once torch has initialized CUDA (``torch.cuda.graph`` captures torch's current stream)."""
     import cupy
     try:
-        return bool(cupy.cuda.get_current_stream().is_capturing())
+        if cupy.cuda.get_current_stream().is_capturing():
+            return True
+        torch = sys.modules.get("torch")
+        return bool(torch is not None and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
     except Exception:
         return False
 

@@ -157,3 +157,20 @@ def test_the_static_helpers_need_no_buffer():
     from cupy_ep import config
     assert cupy_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == \
         config.low_latency_rdma_size_hint(128, 7168, 8, 256)
+
+
+@pytest.mark.parametrize("torch_capturing", [False, True])
+def test_a_torch_graph_capture_counts_as_capturing(monkeypatch, torch_capturing):
+    """The host-side value checks (a device sync) are skipped inside ``torch.cuda.graph`` too, whose capture is on
+    torch's current stream while CuPy's is idle."""
+    import cupy
+
+    from cupy_ep import cuda_backend
+    idle = types.SimpleNamespace(is_capturing=lambda: False)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: idle)
+    fake = _fake_torch(True)
+    fake.cuda.is_current_stream_capturing = lambda: torch_capturing
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert cuda_backend._capturing() is torch_capturing
+    monkeypatch.delitem(sys.modules, "torch")
+    assert cuda_backend._capturing() is False
