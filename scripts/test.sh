@@ -11,7 +11,8 @@
 #    quick start (examples/quickstart.py) at 2 ranks and the MoE example (examples/moe_layer.py) at 2 and 4 ranks,
 #    on the host backend;
 # 3. when a GPU is visible, runs tests/gpu with one rank per GPU, then the low-latency files at 2 ranks over the
-#    CUDA-IPC transport (ranks share the GPU on a one-GPU machine), then the MoE example with one rank per GPU.
+#    CUDA-IPC transport (ranks share the GPU on a one-GPU machine), then the MoE example (one rank per GPU, 2
+#    at least).
 # Fails when a step fails or a step ran no test; ends with the line "N passed, N failed, N skipped".
 set -euo pipefail
 
@@ -81,7 +82,7 @@ if [[ "$gpu_rc" == 0 ]]; then
         tests/gpu/test_low_latency.py tests/gpu/test_zz_low_latency_timeout.py
     unset CUPY_EP_LL_TRANSPORT
     if "$EP_PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1; then
-        moe_step moe-gpu "$ngpus" CUPY_EP_BACKEND=cuda
+        moe_step moe-gpu "$((ngpus >= 2 ? ngpus : 2))" CUPY_EP_BACKEND=cuda  # 2 ranks share a lone GPU
     else
         ep_record moe-gpu - 0 0 1 ok "torch has no CUDA here: skipped"
     fi

@@ -77,18 +77,19 @@ class Framework:
         return out
 
     def zeros_like(self, a):
-        """Zeros shaped and typed as ``a``, written on the current stream."""
+        """Zeros shaped and typed as ``a`` (bf16), written on the current stream."""
         if self.name == "torch":
             return self.torch.zeros_like(a)
         import cupy
-        return cupy.zeros_like(a)
+        return cupy.zeros(a.shape, dtype=cupy.uint16).view(a.dtype)
 
     def copy_into(self, dst, src) -> None:
-        """``dst[...] = src`` on the current stream."""
+        """``dst[...] = src`` (bf16) on the current stream."""
         if self.name == "torch":
             dst.copy_(src)
         else:
-            dst[...] = src
+            import cupy
+            dst.view(cupy.uint16)[...] = src.view(cupy.uint16)
 
     def read(self, a) -> np.ndarray:
         """``a``'s values on the host, copied on the *current* stream (ordered after what that stream waits for)."""
