@@ -16,23 +16,15 @@ SPIN_NS = 50_000_000  # how long the spin kernel holds its stream: far longer th
 HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 2048, 256, 4, 8
 TRIALS = 3            # fresh inputs each time: a read that ran too early sees the previous trial's rows
 
-_SPIN_SRC = r"""
-extern "C" __global__ void cupy_ep_test_spin(unsigned long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-}
-"""
-
 
 def _spin(stream_ptr: int, device_id: int) -> None:
     """Queue a kernel that keeps the stream ``stream_ptr`` busy for SPIN_NS."""
     import cupy
+
+    from cupy_ep import jit
     with cupy.cuda.Device(device_id):
-        kernel = cupy.RawKernel(_SPIN_SRC, "cupy_ep_test_spin")
-        kernel((1,), (1,), (np.uint64(SPIN_NS),), stream=cupy.cuda.ExternalStream(stream_ptr, device_id))
+        jit.get_kernel("timing.cu", "ep::spin_ns")((1,), (1,), (np.int64(SPIN_NS),),
+                                                    stream=cupy.cuda.ExternalStream(stream_ptr, device_id))
 
 
 class Framework:
