@@ -8,6 +8,7 @@ or an ``EventOverlap`` is returned (``async_finish=True``).
 from __future__ import annotations
 
 import functools
+import sys
 import time
 
 import numpy as np
@@ -16,7 +17,7 @@ from . import bootstrap, cuda_internode, cuda_low_latency, handles, interop, jit
 from . import config as _config
 from .buffer import Buffer
 from .errors import CallMismatchError, CommError, CommTimeoutError
-from .event import EventOverlap
+from .event import EventOverlap, HostEvent
 from .validate import intranode_warps as _warps
 
 _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
@@ -47,10 +48,14 @@ _TMA_BYTES_PER_WARP = 8192  # mirrors kTmaChunkBytes in common.cuh (dispatch/com
 
 
 def _capturing() -> bool:
-    """True while CuPy's current stream is being captured into a CUDA graph (no host syncs allowed)."""
+    """True while the caller's current stream is being captured into a CUDA graph (no host syncs allowed): CuPy's,
+    or torch's once torch has initialized CUDA (``torch.cuda.graph`` captures torch's current stream)."""
     import cupy
     try:
-        return bool(cupy.cuda.get_current_stream().is_capturing())
+        if cupy.cuda.get_current_stream().is_capturing():
+            return True
+        torch = sys.modules.get("torch")
+        return bool(torch is not None and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
     except Exception:
         return False
 
@@ -152,6 +157,7 @@ class CudaBuffer(Buffer):
             self.comm_stream = cupy.cuda.Stream(non_blocking=True, priority=high)
             self._fork_event = cupy.cuda.Event(disable_timing=True)
             self._join_event = cupy.cuda.Event(disable_timing=True)
+            self._torch_comm_stream = None  # get_comm_stream's torch view of comm_stream, made at first use
             self._kernels: dict = {}
             # low-latency mode: NVSHMEM world + symmetric buffer (cupy_ep/cuda_low_latency.py)
             self._ll = (cuda_low_latency.LowLatencyState(self, num_rdma_bytes, self.topology.num_nodes == 1,
@@ -242,6 +248,12 @@ class CudaBuffer(Buffer):
         self.check_health()
 
     def get_comm_stream(self):
+        if interop.caller_kind().lib == "torch":
+            import torch
+            if self._torch_comm_stream is None:
+                self._torch_comm_stream = torch.cuda.ExternalStream(
+                    self.comm_stream.ptr, device=torch.device("cuda", self.device_id))
+            return self._torch_comm_stream
         return self.comm_stream
 
     def _buffer_bytes(self, offset: int, nbytes: int, rdma: bool):
@@ -254,12 +266,6 @@ class CudaBuffer(Buffer):
         mem = cupy.cuda.UnownedMemory(base + offset, nbytes, self, self.device_id)
         return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
-    @_on_device
-    def capture(self) -> EventOverlap:
-        """An ``EventOverlap`` recorded on the current stream."""
-        import cupy
-        return EventOverlap(cupy.cuda.get_current_stream().record())
-
     # ---- the one launch helper ------------------------------------------------------------------------
     def _launch(self, filename: str, name: str, grid: int, block: int, args, shared_mem: int = 0) -> None:
         kernel = self._kernels.get(name)
@@ -270,19 +276,22 @@ class CudaBuffer(Buffer):
     def _begin(self, kind: interop.Kind, previous_event):
         """Make the communication stream wait for the caller; returns the caller's stream."""
         compute = interop.current_stream(kind, self.device_id)
-        if previous_event is not None:
-            if not isinstance(previous_event, EventOverlap):
-                raise TypeError(f"previous_event: must be an EventOverlap, got {type(previous_event).__name__}")
-            if previous_event.event is not None:
-                self.comm_stream.wait_event(previous_event.event)
-        else:
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event: must be an EventOverlap, got {type(previous_event).__name__}")
+        event = None if previous_event is None else previous_event.event
+        if event is not None and not isinstance(event, HostEvent):
+            self.comm_stream.wait_event(event)
+        else:  # no event to wait for (as DeepEP, which passes ``previous_event.event``): follow the caller's stream
             self._fork_event.record(compute)  # reused: the wait is enqueued before the next record
             self.comm_stream.wait_event(self._fork_event)
         return compute
 
-    def _finish(self, compute, async_finish: bool, keep_alive) -> EventOverlap:
+    def _finish(self, compute, async_finish: bool, keep_alive, kind: interop.Kind) -> EventOverlap:
+        """End a call on the comm stream: the caller's stream ``compute`` waits for it, or (``async_finish``) an
+        event whose ``current_stream_wait`` makes the current stream of ``kind``'s framework wait."""
         if async_finish:  # the caller holds this event: a fresh one
-            return EventOverlap(self.comm_stream.record(), keep_alive, on_wait=self.check_health)
+            return EventOverlap(self.comm_stream.record(), keep_alive, on_wait=self.check_health,
+                                current_stream=functools.partial(interop.current_stream, kind, self.device_id))
         self._join_event.record(self.comm_stream)
         compute.wait_event(self._join_event)
         return EventOverlap(None)
@@ -349,7 +358,8 @@ class CudaBuffer(Buffer):
                          (raw_idx, np.int32(num_tokens), np.int32(num_topk), np.int32(num_experts),
                           np.int32(self.num_ranks), np.int32(self.topology.num_ranks_per_node),
                           per_rank, per_rdma, per_expert, in_rank, self._workspace), shared_mem=4 * columns)
-            event = self._finish(compute, async_finish, (raw_idx, per_rank, per_rdma, per_expert, in_rank))
+            event = self._finish(compute, async_finish, (raw_idx, per_rank, per_rdma, per_expert, in_rank),
+                                 kind)
         return (interop.wrap(per_rank, kind, "int32"), interop.wrap(per_rdma, kind, "int32"),
                 interop.wrap(per_expert, kind, "int32"), interop.wrap(in_rank, kind, "bool"), event)
 
@@ -554,7 +564,7 @@ class CudaBuffer(Buffer):
                     shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
             keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, rpm, cpm, rcpm,
                     src_idx, send_head, in_rank)
-            event = self._finish(compute, async_finish, keep)
+            event = self._finish(compute, async_finish, keep, kind)
 
         out_x = interop.wrap_recv_x(recv_x, recv_scales, kind, info)
         if cached:
@@ -649,17 +659,11 @@ class CudaBuffer(Buffer):
                               np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_send_tokens),
                               np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx),
                              shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
-            event = self._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, src_idx, send_head))
+            event = self._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, src_idx, send_head),
+                                 kind)
         return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
 
     # ---- low-latency mode (the logic lives in cuda_low_latency.LowLatencyState) ----------------------
-    @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
-        """``num_rdma_bytes`` for low-latency mode (:func:`cupy_ep.config.low_latency_rdma_size_hint`)."""
-        return _config.low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                                  num_experts)
-
     def _low_latency(self):
         self._check_usable()
         if self._ll is None:

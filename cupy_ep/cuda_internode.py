@@ -380,7 +380,7 @@ class InternodeState:
                        buf._ctx))
         keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, in_rank, rdma_cpm, gbl_cpm,
                 rrps, rgps, src_meta, rrcpm, rgcpm, send_rdma_head, send_nvl_head)
-        event = buf._finish(compute, async_finish, keep)
+        event = buf._finish(compute, async_finish, keep, kind)
 
         out_x = interop.wrap_recv_x(recv_x, recv_scales, kind, info)
         if cached:
@@ -440,7 +440,7 @@ class InternodeState:
                     + (np.int32(cfg.num_max_rdma_chunked_send_tokens), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
                        np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
                        buf._ctx))
-        event = buf._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, *raw.values()))
+        event = buf._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, *raw.values()), kind)
         return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
 
     # ---- tests / tools ------------------------------------------------------------------------------

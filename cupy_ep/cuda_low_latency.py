@@ -412,7 +412,7 @@ class LowLatencyState:
         compute = self.buf._begin(kind, None)
         self.follow_last(self.buf.comm_stream, also_skip=compute)
         self.launch(name, args_for_phases(phases), self.buf.comm_stream, shared_mem)
-        return self.buf._finish(compute, async_finish, keep)
+        return self.buf._finish(compute, async_finish, keep, kind)
 
     def follow_last(self, stream, also_skip=None) -> None:
         """Make ``stream`` wait for the previous low-latency kernel when it was launched on another stream
@@ -673,10 +673,10 @@ class LowLatencyState:
 
     # ---- shrink mode (CudaBuffer.low_latency_*_mask_buffer; clean's barrier) -------------------------
     def mask_stream(self):
-        """CuPy's current stream, after the previous low-latency kernel; the next one follows it (follow_last):
-        the mask's readers and writers are ordered with the kernels, also inside a CUDA-graph capture."""
-        import cupy
-        stream = cupy.cuda.get_current_stream()
+        """The caller's current stream (no array names its framework: ``interop.caller_kind``), after the previous
+        low-latency kernel; the next one follows it (follow_last): the mask's readers and writers are ordered with
+        the kernels, also inside a CUDA-graph capture."""
+        stream = interop.current_stream(interop.caller_kind(), self.buf.device_id)
         self.follow_last(stream)
         self.last_stream = stream
         return stream

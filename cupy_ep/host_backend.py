@@ -28,8 +28,8 @@ Decisions where DeepEP is silent or GPU-specific:
   a later cached dispatch or combine with that handle also has ``num_worst_tokens`` rows (the real ones
   first, counted by ``rank_prefix_matrix``); a cached dispatch ignores ``num_worst_tokens`` (as DeepEP:
   the handle fixes the row count);
-* ``num_tokens_per_rdma_rank`` is ignored (intranode only); ``previous_event``, ``async_finish`` and
-  ``allocate_on_comm_stream`` are only checked;
+* ``num_tokens_per_rdma_rank`` is ignored (intranode only); ``previous_event`` and ``allocate_on_comm_stream``
+  are only checked; with ``async_finish`` the event is a complete ``HostEvent`` (so ``current_stream_wait`` works);
 * with ``check_values`` the layout arguments are checked against each other (and against ``topk_idx``).
 
 Low-latency mode (``low_latency_mode=True``): ``low_latency_dispatch`` /
@@ -74,7 +74,7 @@ from . import handles, interop, reference, validate
 from .buffer import Buffer
 from .config import Config
 from .errors import CallMismatchError
-from .event import EventOverlap, RecvHooks
+from .event import HOST_EVENT, EventOverlap, RecvHooks, host_event
 from .handles import DispatchHandle, LowLatencyHandle
 from .host_exchange import HostExchange, PeersTimedOut
 
@@ -200,6 +200,11 @@ class HostBuffer(Buffer):
         if backend is None:
             _buffer._warn_host_backend(self.rank)
 
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An ``EventOverlap`` holding a complete :class:`~cupy_ep.event.HostEvent` (every call is synchronous)."""
+        return EventOverlap(HOST_EVENT)
+
     # ---- layout -------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
@@ -221,7 +226,7 @@ class HostBuffer(Buffer):
         outs = reference.get_dispatch_layout(interop.unwrap(topk_idx), num_experts, self.num_ranks,
                                              self.num_ranks_per_node)
         names = ("int32", "int32", "int32", "bool")
-        return tuple(interop.wrap(a, kind, n) for a, n in zip(outs, names)) + (EventOverlap(),)
+        return tuple(interop.wrap(a, kind, n) for a, n in zip(outs, names)) + (host_event(async_finish),)
 
     # ---- dispatch -----------------------------------------------------------------------------------
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -291,7 +296,7 @@ class HostBuffer(Buffer):
         if args.scales is not None:
             recv_x = (recv_x, wrap(exchange(args.scales, 0), "float32"))
         if args.handle is not None:
-            return recv_x, None, None, None, None, EventOverlap()
+            return recv_x, None, None, None, None, host_event(async_finish)
 
         recv_topk_idx = recv_topk_weights = None
         if args.topk_idx is not None:
@@ -308,7 +313,7 @@ class HostBuffer(Buffer):
             args.user_is_token_in_rank,
             wrap(reference.local_send_head(itr), "int32"),
         ), self.buffer_id, self._exchange.seq)
-        return recv_x, recv_topk_idx, recv_topk_weights, counts_list, new_handle, EventOverlap()
+        return recv_x, recv_topk_idx, recv_topk_weights, counts_list, new_handle, host_event(async_finish)
 
     def _check_dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                         topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
@@ -417,7 +422,7 @@ class HostBuffer(Buffer):
         if w_raw is not None:
             combined_w = reduce(w_raw, np.float32, np.zeros((num_tokens, w_raw.shape[1]), dtype=np.float32))
         return (interop.wrap(combined, kind, "bfloat16"), interop.wrap(combined_w, kind, "float32"),
-                EventOverlap())
+                host_event(async_finish))
 
     def _check_combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
                        allocate_on_comm_stream, zero_copy):
@@ -447,14 +452,6 @@ class HostBuffer(Buffer):
         return (interop.kind_of(x), interop.unwrap(x), w_raw, biases, raw_handle), same, None
 
     # ---- low-latency mode ---------------------------------------------------------------------------
-    @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
-        """``num_rdma_bytes`` DeepEP's low-latency kernels need (:func:`cupy_ep.config.low_latency_rdma_size_hint`).
-        The host backend itself needs no RDMA buffer."""
-        return _config.low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                                  num_experts)
-
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Collective (DeepEP: a barrier, zero both signal areas, a barrier). The host keeps no signals, so
@@ -573,7 +570,7 @@ class HostBuffer(Buffer):
                                    args.hidden, args.num_experts), wrap(slots, "int32"), self.buffer_id,
                                   self._exchange.seq, routing)
         hook = self._ll_hooks.make(_ready, "low_latency_dispatch") if args.return_recv_hook else None
-        return out_x, wrap(recv_count, "int32"), handle, EventOverlap(), hook
+        return out_x, wrap(recv_count, "int32"), handle, host_event(async_finish), hook
 
     def _check_low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
@@ -702,8 +699,8 @@ class HostBuffer(Buffer):
         hook = self._ll_hooks.make(_ready, "low_latency_combine") if args.return_recv_hook else None
         if out is not None:
             interop.unwrap(out)[...] = combined
-            return out, EventOverlap(), hook
-        return interop.wrap(combined, args.kind, "bfloat16"), EventOverlap(), hook
+            return out, host_event(async_finish), hook
+        return interop.wrap(combined, args.kind, "bfloat16"), host_event(async_finish), hook
 
     def _check_low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                    return_recv_hook, out, combine_wait_recv_cost_stats, bf16_partials):

@@ -71,7 +71,7 @@ class _FakeBuf:
     def _begin(self, kind, previous_event):
         return contextlib.nullcontext()
 
-    def _finish(self, compute, async_finish, keep):
+    def _finish(self, compute, async_finish, keep, kind):
         return None
 
     def check_health(self):
