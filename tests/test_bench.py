@@ -14,8 +14,8 @@ import types
 import numpy as np
 import pytest
 
-from cupy_ep import bench, bench_ll
-from cupy_ep.bench import GpuTimer, Timing
+from cupy_ep.tools import bench, bench_ll, harness
+from cupy_ep.tools.harness import GpuTimer, Timing
 
 # The fields every normal-mode result and the document carry (the issue's schema; later fields only add).
 ISSUE_TOP = ("commit", "gpu", "driver", "num_ranks", "ceiling_gbps", "results")
@@ -81,16 +81,16 @@ def test_steady_clamps_at_a_positive_floor(monkeypatch):
     # noise: the ops graph no slower than the flush-only graph
     timer, _, _ = _fake_timer(monkeypatch, [49.0, 50.0, 51.0], [50.0, 52.0, 51.0])
     t = timer.steady(None, n=10)
-    assert t.min_us == bench.STEADY_FLOOR_US > 0
-    assert t.median_us == bench.STEADY_FLOOR_US
-    assert np.all(timer.last >= bench.STEADY_FLOOR_US)
+    assert t.min_us == harness.STEADY_FLOOR_US > 0
+    assert t.median_us == harness.STEADY_FLOOR_US
+    assert np.all(timer.last >= harness.STEADY_FLOOR_US)
 
 
 def test_steady_median_is_taken_before_the_clamp(monkeypatch):
     timer, _, _ = _fake_timer(monkeypatch, [0.0, 60.0, 70.0, 80.0], [50.0])
     t = timer.steady(None, n=1)
     assert t.median_us == pytest.approx(15.0)  # median of (-50, 10, 20, 30)
-    assert t.min_us == bench.STEADY_FLOOR_US
+    assert t.min_us == harness.STEADY_FLOOR_US
 
 
 def test_steady_needs_at_least_one_op(monkeypatch):
@@ -124,8 +124,8 @@ def _fake_replays(monkeypatch, times_us):
         launch()
         timer.last = np.asarray(times_us, dtype=float)
         return Timing(float(np.median(timer.last)), float(np.min(timer.last)))
-    monkeypatch.setattr(bench, "warm_stream", lambda comm, ops: (ops(), Stream("stream"))[1])
-    monkeypatch.setattr(bench, "capture_graph", lambda stream, ops: (ops(), _FakeGraph("replay", log))[1])
+    monkeypatch.setattr(harness, "warm_stream", lambda comm, ops: (ops(), Stream("stream"))[1])
+    monkeypatch.setattr(harness, "capture_graph", lambda stream, ops: (ops(), _FakeGraph("replay", log))[1])
     monkeypatch.setattr("cupy_ep.jit.get_kernel", lambda filename, name: Kernel())
     monkeypatch.setattr(timer, "_time", fake_time)
     return timer, log
@@ -236,10 +236,10 @@ def test_markdown_table_has_steady_columns_and_says_which_ceiling():
 
 
 def test_op_label_names_zero_copy_and_bf16_partials():
-    assert bench.op_label({"op": "cached_dispatch"}) == "cached_dispatch"
-    assert bench.op_label({"op": "combine", "zero_copy": True}) == "combine zero-copy"
-    assert bench.op_label({"op": "ll_combine", "partials": "24-bit"}) == "ll_combine"
-    assert bench.op_label({"op": "ll_combine", "partials": "bf16"}) == "ll_combine (bf16 partials)"
+    assert harness.op_label({"op": "cached_dispatch"}) == "cached_dispatch"
+    assert harness.op_label({"op": "combine", "zero_copy": True}) == "combine zero-copy"
+    assert harness.op_label({"op": "ll_combine", "partials": "24-bit"}) == "ll_combine"
+    assert harness.op_label({"op": "ll_combine", "partials": "bf16"}) == "ll_combine (bf16 partials)"
     doc = _gpu_doc()
     doc["results"].append(dict(doc["results"][-1], zero_copy=True))
     assert "| combine zero-copy | bf16 | 24 | 1024 |" in bench.markdown_table(doc)
@@ -340,7 +340,9 @@ def test_host_run_writes_outside_the_committed_results_by_default(comm, tmp_path
     comm.Barrier()
     if comm.Get_rank() == 0:
         stem = f"bench_host_ep{comm.Get_size()}"
-        assert sorted(p.name for p in (cwd / "out" / "bench_host").iterdir()) == [f"{stem}.json", f"{stem}.md"]
+        # the same files as a GPU run (the plot where matplotlib is installed)
+        names = sorted(p.name for p in (cwd / "out" / "bench_host").iterdir())
+        assert names in ([f"{stem}.json", f"{stem}.md"], [f"{stem}.json", f"{stem}.md", f"{stem}.png"])
         assert not (cwd / "benchmarks").exists()
         doc = json.loads((cwd / "out" / "bench_host" / f"{stem}.json").read_text())
         assert doc["args"]["out"] == "out/bench_host" and doc["backend"] == "host"
@@ -362,13 +364,13 @@ def _fake_cupy(monkeypatch, bus_ids=None):
 
 def test_nccl_baseline_is_skipped_where_ranks_share_a_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # NCCL must not even be imported
-    assert bench.nccl_baseline(object(), [[0, 1]]) == (None, SKIPPED)
-    nc, status = bench.nccl_baseline(object(), [[0, 1], [2, 3]])
+    assert harness.nccl_baseline(object(), [[0, 1]]) == (None, SKIPPED)
+    nc, status = harness.nccl_baseline(object(), [[0, 1], [2, 3]])
     assert nc is None and status == ("skipped: ranks 0, 1 share a GPU; ranks 2, 3 share a GPU (NCCL refuses two "
                                      "ranks on one GPU)")
-    assert bench.results_stem("bench_gpu_ep2", [[0, 1]]) == "bench_gpu_ep2_shared_gpu"
-    assert bench.results_stem("bench_gpu_ep2", []) == "bench_gpu_ep2"
-    line = bench.shared_gpu_warning("cupy_ep.bench", [[0, 1]], SKIPPED)
+    assert harness.results_stem("bench_gpu_ep2", [[0, 1]]) == "bench_gpu_ep2_shared_gpu"
+    assert harness.results_stem("bench_gpu_ep2", []) == "bench_gpu_ep2"
+    line = harness.shared_gpu_warning("cupy_ep.bench", [[0, 1]], SKIPPED)
     assert "RANKS SHARE A GPU (ranks 0, 1 share a GPU)" in line and "not NVLink figures" in line and SKIPPED in line
 
 
@@ -377,9 +379,9 @@ def test_shared_gpus_finds_the_ranks_on_one_gpu(comm, monkeypatch):
     """Every rank reports the same host and bus id (a stand-in runtime): they all share one GPU; with a bus id
     of its own per rank, none does."""
     _fake_cupy(monkeypatch)
-    assert bench.shared_gpus(comm) == [list(range(comm.Get_size()))]
+    assert harness.shared_gpus(comm) == [list(range(comm.Get_size()))]
     _fake_cupy(monkeypatch, {0: f"0000:{comm.Get_rank():02x}:00.0"})
-    assert bench.shared_gpus(comm) == []
+    assert harness.shared_gpus(comm) == []
 
 
 def _shared_bench(out_dir):
@@ -392,6 +394,8 @@ def _shared_bench(out_dir):
     b.shared, b.nccl, b.nccl_status = [[0, 1]], None, SKIPPED
     b.ceiling = {"by_sms": {24: 300.0}, "gbps": 300.0, "by_sms_steady": {24: 310.0}, "gbps_steady": 310.0}
     b.startup = {}
+    b.shapes, b.skipped, b.routing = [bench.models.MODELS["deepseek-v3"]], [], []
+    b.jit_startup = b.jit_run = {"compiled": 0, "compile_s": 0.0, "disk_cache_hits": 0, "memory_cache_hits": 0}
     b.records = [bench.make_record(dict(BASE, op=op), _timings(), 14336, 2000, 1000,
                                    {"graph": 300.0, "steady": 310.0}, {}) for op in ("cached_dispatch", "combine")]
     return b
@@ -399,7 +403,7 @@ def _shared_bench(out_dir):
 
 def test_shared_gpu_results_say_so_and_take_their_own_names(tmp_path, monkeypatch):
     _fake_cupy(monkeypatch)
-    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no nvidia-smi")))
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: (_ for _ in ()).throw(OSError("no nvidia-smi")))
     monkeypatch.setenv("CUPY_EP_COMMIT", "abc1234")
     b = _shared_bench(tmp_path)
     b.write()
@@ -541,12 +545,12 @@ def test_ll_without_nccl_runs_every_op_without_aligned_timing():
     b.buf = types.SimpleNamespace(low_latency_dispatch=None, low_latency_combine=None)
     # (COMM_SELF with R = 2: an NCCL byte exchange would fail here)
     runs = b.ops(None, None, None, None, None, np.zeros((4, 8), dtype=np.int64))
-    assert set(runs) == {"ll_dispatch", "ll_combine", "ll_combine_bf16p", "ll_combine_logfmt"}
+    assert set(runs) == {"ll_dispatch", "ll_combine", "ll_combine_bf16p", "ll_combine_logfmt", "ll_round_trip"}
     assert all(nccl_fn is None for _, nccl_fn, _ in runs.values())
     b.time_ops(timer, {op: (lambda how: 12.0, None, dtype) for op, (_, _, dtype) in runs.items()}, 128,
                b.main_timings())
     assert sorted({r["timing"] for r in b.records}) == ["call", "graph", "steady"]
-    assert len(b.records) == 12
+    assert len(b.records) == 15
     assert all(r["nccl_time_us"] is None and r["ratio_to_nccl"] is None and r["nccl_timing"] is None
                for r in b.records)
 
@@ -573,7 +577,7 @@ def test_ll_shared_gpu_report(tmp_path, monkeypatch):
 
 
 def test_internode_shared_gpu_report(tmp_path, monkeypatch):
-    from cupy_ep import bench_internode
+    from cupy_ep.tools import bench_internode
     _fake_cupy(monkeypatch)
     monkeypatch.setenv("CUPY_EP_COMMIT", "abc1234")
     b = bench_internode.InternodeBench.__new__(bench_internode.InternodeBench)
@@ -650,7 +654,7 @@ def test_git_commit_flags_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     """A copy of the checkout with a stale .git (as on the GPU machine) must not pass for HEAD's code."""
     import shutil
     import subprocess
-    from cupy_ep.bench import _git_commit
+    from cupy_ep.tools.harness import git_commit as _git_commit
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     monkeypatch.delenv("CUPY_EP_COMMIT", raising=False)
@@ -702,5 +706,5 @@ def test_ll_host_overhead_measures_with_and_without_value_checks(monkeypatch):
 
 def test_shared_gpu_ranks_groups_ranks_on_one_gpu():
     gpus = [("a", "0000:18"), ("a", "0000:18"), ("a", "0000:2a"), ("b", "0000:18"), ("a", "0000:2a")]
-    assert bench.shared_gpu_ranks(gpus) == [[0, 1], [2, 4]]  # host b's GPU 0000:18 is another GPU
-    assert bench.shared_gpu_ranks([("a", "0"), ("a", "1")]) == []
+    assert harness.shared_gpu_ranks(gpus) == [[0, 1], [2, 4]]  # host b's GPU 0000:18 is another GPU
+    assert harness.shared_gpu_ranks([("a", "0"), ("a", "1")]) == []
