@@ -708,3 +708,166 @@ def test_shared_gpu_ranks_groups_ranks_on_one_gpu():
     gpus = [("a", "0000:18"), ("a", "0000:18"), ("a", "0000:2a"), ("b", "0000:18"), ("a", "0000:2a")]
     assert harness.shared_gpu_ranks(gpus) == [[0, 1], [2, 4]]  # host b's GPU 0000:18 is another GPU
     assert harness.shared_gpu_ranks([("a", "0"), ("a", "1")]) == []
+
+
+# ------------------------------------------------------------------------------------------------------
+# model shapes, routings, bytes, the round trip, kernel counters (host backend)
+# ------------------------------------------------------------------------------------------------------
+def test_presets_and_their_limits():
+    from cupy_ep.config import MAX_TOPK
+    from cupy_ep.reference import LOW_LATENCY_MAX_TOPK
+    from cupy_ep.tools import cli, models
+    assert [(s.experts, s.topk, s.hidden) for s in models.MODELS.values()] == [
+        (256, 8, 7168), (256, 6, 4096), (384, 6, 7168), (896, 16, 3584), (512, 22, 1024), (128, 8, 4096)]
+    args = cli.parse_args(["--model", "kimi-k3"])
+    assert (args.experts, args.topk, args.hidden) == (896, 16, 3584) and args.shapes[0].name == "kimi-k3"
+    assert cli.parse_args([]).shapes == [models.MODELS["deepseek-v3"]]
+    assert [s.name for s in cli.parse_args(["--model", "all"]).shapes] == list(models.MODELS)
+    custom = cli.parse_args(["--hidden", "1024"]).shapes
+    assert custom == [models.Shape("custom", 256, 8, 1024)]
+    for name in models.MODELS:
+        shape = models.MODELS[name]
+        ll = models.skip_reason(shape, "low-latency", 8)
+        assert (ll is None) == (shape.topk <= LOW_LATENCY_MAX_TOPK), (name, ll)
+        if ll is not None:
+            assert f"top-{shape.topk} is above the low-latency kernels' limit of {LOW_LATENCY_MAX_TOPK}" in ll
+        assert (models.skip_reason(shape, "normal", 8) is None) == (shape.topk <= MAX_TOPK)
+    assert models.skip_reason(models.MODELS["deepseek-v4-pro"], "normal", 5) == \
+        "384 experts do not split evenly over 5 ranks"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "gpt-9"], "argument --model: unknown model 'gpt-9'"),
+    (["--routing", "zipf:0"], "argument --routing: zipf:S needs S > 0, got 0"),
+    (["--routing", "hot-expert:1.5"], "argument --routing: hot-expert:F needs F in [0, 1], got 1.5"),
+    (["--routing", "skewed"], "argument --routing: expected uniform, zipf:S or hot-expert:F, got 'skewed'")])
+def test_model_and_routing_refused(capsys, argv, message):
+    from cupy_ep.tools import cli
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv, rank=0)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_routings():
+    from cupy_ep import reference
+    T, K, E, R = 2000, 8, 64, 4
+    # uniform: the distinct top-K of one uniform score per expert
+    rng = np.random.default_rng(3)
+    want = np.argsort(-np.random.default_rng(3).random((T, E), dtype=np.float32), axis=1)[:, :K]
+    assert np.array_equal(harness.make_routing(rng, T, K, E, R, 0.0), want)
+    hot = harness.make_routing(np.random.default_rng(3), T, K, E, R, 0.0, "hot-expert:1")
+    assert np.all((hot == harness.HOT_EXPERT).any(axis=1))
+    half = harness.make_routing(np.random.default_rng(3), T, K, E, R, 0.0, "hot-expert:0.5")
+    assert 0.5 < (half == harness.HOT_EXPERT).any(axis=1).mean() < 0.6  # half the tokens, plus uniform picks
+    for routing in ("uniform", "zipf:1.5", "hot-expert:0.5"):
+        idx = harness.make_routing(np.random.default_rng(3), T, K, E, R, 0.0, routing, seed=11)
+        assert idx.shape == (T, K) and idx.dtype == np.int64
+        assert all(len(set(row)) == K for row in idx)  # distinct experts per token
+    loads = {r: harness.busiest_load(harness.rank_loads(
+        [harness.make_routing(np.random.default_rng(s), T, K, E, R, 0.0, r, seed=11) for s in range(R)], E, R))
+        for r in ("uniform", "zipf:1.5")}
+    assert loads["uniform"] < 1.05 < loads["zipf:1.5"]
+    # skew: a skewed token's experts all on rank 0
+    skewed = harness.make_routing(np.random.default_rng(3), T, 4, E, R, 1.0, "zipf:1.5")
+    assert np.all(skewed < E // R)
+    itr = reference.token_rank_matrix(half, E, R)
+    assert harness.rank_loads([half], E, R).tolist() == itr.sum(axis=0).tolist()
+    assert harness.busiest_load([0, 0]) is None and harness.busiest_load([1, 3]) == 1.5
+
+
+def test_low_latency_bytes_by_hand():
+    per_rank = np.array([3, 5])  # selections bound for rank 0 and rank 1, from rank 0
+    got = bench_ll.op_bytes(per_rank, 0, 256)
+    fp8, bf16 = 256 + 2 * 4 + 16, 512
+    assert got["ll_dispatch"] == (8 * fp8, 5 * fp8)
+    assert got["ll_combine"] == got["ll_combine_logfmt"] == (8 * bf16, 5 * bf16)
+    assert got["ll_round_trip"] == (16 * bf16, 10 * bf16)
+
+
+def test_low_latency_skips_shapes_beyond_its_limits(capsys):
+    """Every shape beyond the low-latency kernels' top-k: each is named as skipped with the reason, no buffer is
+    made, nothing raises."""
+    from mpi4py import MPI
+    from cupy_ep.reference import LOW_LATENCY_MAX_TOPK
+    from cupy_ep.tools import cli, models
+    args = cli.parse_args(["--mode", "low-latency", "--model", "kimi-k3,nemotron-super"], gpu=True)
+    assert all(s.topk > LOW_LATENCY_MAX_TOPK for s in args.shapes)
+    bench_ll.main(args, MPI.COMM_SELF)
+    out = capsys.readouterr().out
+    for name in ("kimi-k3", "nemotron-super"):
+        shape = models.MODELS[name]
+        assert (f"SKIPPED {name}: top-{shape.topk} is above the low-latency kernels' limit of "
+                f"{LOW_LATENCY_MAX_TOPK}") in out
+    assert "no model shape to run" in out
+
+
+def test_jit_counters_count_compiles_and_cache_hits(tmp_path, monkeypatch):
+    from cupy_ep import jit
+    compiled = []
+
+    def fake_compile(filename, names, arch, extra_options=()):
+        compiled.append(names)
+        return types.SimpleNamespace(cubin=b"cubin", mapping={names[0]: "lowered_" + names[0]})
+    monkeypatch.setattr(jit, "compile_cubin", fake_compile)
+    monkeypatch.setattr(jit, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(jit, "_cache_key", lambda filename, name, arch, extra: f"{filename}-{name}")
+    before = jit.counters()
+    assert jit._load_or_compile("a.cu", "k<1>", "sm_90", ()) == (b"cubin", "lowered_k<1>")   # cold
+    assert jit._load_or_compile("a.cu", "k<2>", "sm_90", ()) == (b"cubin", "lowered_k<2>")   # cold
+    assert jit._load_or_compile("a.cu", "k<1>", "sm_90", ()) == (b"cubin", "lowered_k<1>")   # warm
+    after = jit.counters()
+    assert after["compiled"] - before["compiled"] == 2 == len(compiled)
+    assert after["disk_cache_hits"] - before["disk_cache_hits"] == 1
+    assert after["compile_s"] >= before["compile_s"]
+    assert bench.jit_delta(before)["compiled"] == 2
+
+
+def _routing_reference(comm, args_tokens, shape, routing, seed, skew=0.0):
+    """Every rank's top-k of the benchmark's inputs, rebuilt in numpy."""
+    R = comm.Get_size()
+    return [harness.make_inputs(r, R, args_tokens, shape.hidden, shape.topk, shape.experts, skew, seed, routing)[2]
+            for r in range(R)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("routing", ["uniform", "zipf:1.2", "hot-expert:0.5"])
+def test_host_run_of_every_preset(comm, tmp_path, routing):
+    """Every preset on the host backend: each runs (normal mode fits them all), its busiest-rank load and its
+    bytes equal what numpy gives for the same seed, the round trip moves both halves' bytes, and the report
+    has a table per model shape."""
+    from cupy_ep import reference
+    from cupy_ep.tools import models
+    out = comm.bcast(tmp_path if comm.Get_rank() == 0 else None)
+    R = comm.Get_size()
+    bench.main(["--backend", "host", "--model", "all", "--routing", routing, "--seed", "5", "--tokens", "12",
+                "--iters", "1", "--warmup", "0", "--out", str(out)])
+    if comm.Get_rank():
+        return
+    doc = json.loads((out / f"bench_host_ep{R}.json").read_text())
+    assert [m["name"] for m in doc["models"]] == list(models.MODELS) and doc["skipped"] == []
+    assert doc["jit"]["run"]["compiled"] == 0  # the host backend compiles nothing
+    md = (out / f"bench_host_ep{R}.md").read_text()
+    assert md.startswith("# cupy_ep benchmark: host-backend results")
+    for shape in models.MODELS.values():
+        idx = _routing_reference(comm, 12, shape, routing, 5)
+        loads = harness.rank_loads(idx, shape.experts, R)
+        (entry,) = [r for r in doc["routing"] if r["model"] == shape.name]
+        assert entry["recv_tokens_per_rank"] == loads.tolist()
+        assert entry["busiest_rank_load"] == pytest.approx(loads.max() / loads.mean())
+        assert f"## {shape.name}: {shape.experts} experts, top-{shape.topk}, hidden {shape.hidden}" in md
+        recs = {(r["op"], r["dtype"], r["zero_copy"]): r for r in doc["results"] if r["model"] == shape.name}
+        itr = [reference.token_rank_matrix(i, shape.experts, R) for i in idx]
+        received = sum(int(m[:, 0].sum()) for m in itr)             # rank 0's rows, its own included
+        from_peers = received - int(itr[0][:, 0].sum())
+        sent_out = int(itr[0].sum()) - int(itr[0][:, 0].sum())       # rank 0's rows to the other ranks
+        row, row8 = 2 * shape.hidden, shape.hidden + 4 * (-(-shape.hidden // 128))
+        assert (recs["dispatch", "bf16", False]["logical_bytes"], recs["dispatch", "bf16", False]["nvlink_bytes"]) \
+            == (received * row, sent_out * row)
+        assert recs["cached_dispatch", "fp8", False]["logical_bytes"] == received * row8
+        assert (recs["combine", "bf16", False]["logical_bytes"], recs["combine", "bf16", False]["nvlink_bytes"]) \
+            == (received * row, from_peers * row)
+        trip = recs["round_trip", "bf16", False]
+        assert (trip["logical_bytes"], trip["nvlink_bytes"]) == (2 * received * row, (sent_out + from_peers) * row)
+        assert trip["busiest_rank_load"] == entry["busiest_rank_load"] and trip["routing"] == routing
+        assert trip["kernel_time_us"] is None and trip["time_us_median"] > 0  # host: the call only
+        assert trip["logical_gbps"] == pytest.approx(trip["logical_bytes"] / (trip["time_us_median"] * 1e3))
