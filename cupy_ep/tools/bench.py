@@ -404,6 +404,28 @@ def runnable_shapes(shapes, mode: str, num_ranks: int) -> tuple[list, list]:
     return run, skipped
 
 
+def run_each_shape(args, comm, mode: str, bench_class) -> None:
+    """``--mode`` low-latency / internode: one ``bench_class(args of the shape, comm)`` run per ``--model`` shape the
+    mode can run (the others logged as skipped, with the reason, and listed in the report), then one report of
+    them all (``bench.write(records, skipped)``, rank 0)."""
+    prog = f"cupy_ep.bench --mode {mode}"
+    shapes, skipped = runnable_shapes(args.shapes, mode, comm.Get_size())
+    rank0 = comm.Get_rank() == 0
+    for s in skipped:
+        if rank0:
+            print(f"{prog}: SKIPPED {s['model']}: {s['reason']}", flush=True)
+    records, bench = [], None
+    for shape in shapes:
+        bench = bench_class(shape_args(args, shape), comm)
+        bench.run()
+        records += bench.records
+    if bench is None:
+        if rank0:
+            print(f"{prog}: no model shape to run (all skipped, above)", flush=True)
+    elif rank0:
+        bench.write(records, skipped)
+
+
 def shape_args(args, shape: models.Shape) -> argparse.Namespace:
     """A copy of ``args`` for one model shape: its experts, top-k and hidden size, ``model_name`` its name."""
     return argparse.Namespace(**dict(vars(args), experts=shape.experts, topk=shape.topk, hidden=shape.hidden,

@@ -120,7 +120,8 @@ class InternodeBench(harness.Tool):
                        "time_us_min": t.min_us, "rdma_gbps": rdma_gbps, "nvl_gbps": nvl_gbps,
                        "rdma_ceiling_gbps": ceiling, "rdma_vs_ceiling": rdma_gbps / ceiling if ceiling else None,
                        "rdma_bytes": rdma_rows * row, "nvl_bytes": num_recv * row,
-                       "tokens": a.tokens, "model": getattr(a, "model_name", None), "hidden": a.hidden, "topk": a.topk, "experts": a.experts, "num_ranks": R,
+                       "tokens": a.tokens, "model": getattr(a, "model_name", None), "hidden": a.hidden,
+                       "topk": a.topk, "experts": a.experts, "num_ranks": R,
                        "num_nodes": self.N, "gpus_per_node": self.G, "num_sms": self.sms,
                        "config_dispatch": vars(self.dcfg), "config_combine": vars(self.ccfg)}
                 # gather: the slowest rank's time is already what GpuTimer reports; bandwidths are rank 0's bytes
@@ -184,22 +185,8 @@ def main(args, comm) -> None:
     """Entry from :func:`cupy_ep.tools.bench.main` (``--mode internode``; its ``check_world`` made sure of a GPU and
     at least 2 ranks): one :class:`InternodeBench` per ``--model`` shape it can run (the others logged as skipped,
     with the reason, and listed in the report), one report of them all."""
-    from .bench import runnable_shapes, shape_args
-    shapes, skipped = runnable_shapes(args.shapes, "internode", comm.Get_size())
-    for s in skipped:
-        if comm.Get_rank() == 0:
-            print(f"cupy_ep.bench --mode internode: SKIPPED {s['model']}: {s['reason']}", flush=True)
-    records, bench = [], None
-    for shape in shapes:
-        bench = InternodeBench(shape_args(args, shape), comm)
-        bench.run()
-        records += bench.records
-    if bench is None:
-        if comm.Get_rank() == 0:
-            print("cupy_ep.bench --mode internode: no model shape to run (all skipped, above)", flush=True)
-        return
-    if comm.Get_rank() == 0:
-        bench.write(records, skipped)
+    from .bench import run_each_shape
+    run_each_shape(args, comm, "internode", InternodeBench)
 
 
 __all__ = ["InternodeBench", "logical_bytes", "ranks_per_node", "main", "Buffer"]

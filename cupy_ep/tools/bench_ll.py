@@ -545,20 +545,6 @@ def main(args, comm) -> None:
     """Entry from :func:`cupy_ep.tools.bench.main` (``--mode low-latency``; its ``check_world`` made sure of a GPU):
     one :class:`LowLatencyBench` per ``--model`` shape the low-latency kernels can run (the others are logged as
     skipped, with the reason, and listed in the report), one report of them all."""
-    from .bench import runnable_shapes, shape_args
+    from .bench import run_each_shape
     args.iters = max(args.iters, 200)
-    shapes, skipped = runnable_shapes(args.shapes, "low-latency", comm.Get_size())
-    for s in skipped:
-        if comm.Get_rank() == 0:
-            print(f"cupy_ep.bench --mode low-latency: SKIPPED {s['model']}: {s['reason']}", flush=True)
-    records, bench = [], None
-    for shape in shapes:
-        bench = LowLatencyBench(shape_args(args, shape), comm)
-        bench.run()
-        records += bench.records
-    if bench is None:
-        if comm.Get_rank() == 0:
-            print("cupy_ep.bench --mode low-latency: no model shape to run (all skipped, above)", flush=True)
-        return
-    if comm.Get_rank() == 0:
-        bench.write(records, skipped)
+    run_each_shape(args, comm, "low-latency", LowLatencyBench)
