@@ -478,7 +478,7 @@ def _ll_bench(steady_n=10, tokens=128):
     b = bench_ll.LowLatencyBench.__new__(bench_ll.LowLatencyBench)
     b.args = argparse.Namespace(tokens=tokens, hidden=7168, topk=8, experts=256, iters=200, steady_n=steady_n,
                                 ll_token_sweep=[0, 128])
-    b.comm, b.rank, b.R, b.M = MPI.COMM_SELF, 0, 2, tokens
+    b.comm, b.rank, b.R, b.M, b.gpu = MPI.COMM_SELF, 0, 2, tokens, True
     b.steady_n = bench_ll.even_steady_n(steady_n)
     b.records = []
     return b
@@ -871,3 +871,41 @@ def test_host_run_of_every_preset(comm, tmp_path, routing):
         assert trip["busiest_rank_load"] == entry["busiest_rank_load"] and trip["routing"] == routing
         assert trip["kernel_time_us"] is None and trip["time_us_median"] > 0  # host: the call only
         assert trip["logical_gbps"] == pytest.approx(trip["logical_bytes"] / (trip["time_us_median"] * 1e3))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_host_run_of_low_latency_presets(comm, tmp_path):
+    """--mode low-latency on the host backend: a preset within the kernels' top-k runs (verified, call-timed, its
+    bytes and busiest-rank load what numpy gives), one beyond it is reported as skipped with the reason."""
+    from cupy_ep.reference import LOW_LATENCY_MAX_TOPK
+    from cupy_ep.tools import models
+    out = comm.bcast(tmp_path if comm.Get_rank() == 0 else None)
+    R = comm.Get_size()
+    bench.main(["--mode", "low-latency", "--backend", "host", "--model", "deepseek-v4-flash,kimi-k3", "--routing",
+                "zipf:1.1", "--seed", "9", "--tokens", "6", "--iters", "1", "--warmup", "0", "--out", str(out)])
+    if comm.Get_rank():
+        return
+    shape = models.MODELS["deepseek-v4-flash"]
+    doc = json.loads((out / f"bench_ll_host_ep{R}.json").read_text())
+    assert doc["backend"] == "host" and doc["gpu"] is None
+    assert [(s["model"], s["reason"]) for s in doc["skipped"]] == [
+        ("kimi-k3", f"top-16 is above the low-latency kernels' limit of {LOW_LATENCY_MAX_TOPK} experts per token")]
+    recs = {r["op"] + (f"/{r['partials']}" if r.get("partials") else ""): r for r in doc["results"]}
+    assert set(recs) == {"ll_dispatch", "ll_combine/24-bit", "ll_combine/bf16", "ll_combine/logfmt", "ll_round_trip"}
+    idx = []
+    for r in range(R):  # the benchmark's inputs: x first, then the routing, from seed + rank
+        rng = np.random.default_rng(9 + r)
+        rng.standard_normal((6, shape.hidden), dtype=np.float32)
+        idx.append(harness.make_routing(rng, 6, shape.topk, shape.experts, R, 0.0, "zipf:1.1", 9))
+    loads = harness.rank_loads(idx, shape.experts, R)
+    per_rank = np.bincount(idx[0].ravel() // (shape.experts // R), minlength=R)  # rank 0's selections per rank
+    want = bench_ll.op_bytes(per_rank, 0, shape.hidden)
+    for op, rec in recs.items():
+        assert rec["model"] == "deepseek-v4-flash" and rec["timing"] == "call" and rec["time_us_median"] > 0
+        assert rec["recv_tokens_per_rank"] == loads.tolist()
+        assert rec["busiest_rank_load"] == pytest.approx(loads.max() / loads.mean())
+        assert (rec["logical_bytes"], rec["nvlink_bytes"]) == want[op.split("/")[0]]
+    md = (out / f"bench_ll_host_ep{R}.md").read_text()
+    assert md.startswith("# cupy_ep low-latency benchmark: host-backend results")
+    assert "## deepseek-v4-flash: 256 experts, top-6, hidden 4096" in md and "**Skipped** kimi-k3" in md
+    assert "| ll_round_trip | bf16 | call |" in md

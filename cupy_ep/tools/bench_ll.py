@@ -32,8 +32,9 @@ import numpy as np
 from cupy_ep import Buffer, reference
 from cupy_ep import config as cfgmod
 from . import harness
-from .harness import (GpuTimer, capture_graph, make_routing, nccl_baseline, op_label, raw_words, results_stem,
-                      shared_gpu_markdown, shared_gpu_warning, shared_gpus, to_device, warm_stream, write_report)
+from .harness import (GpuTimer, HostTimer, capture_graph, make_routing, nccl_baseline, op_label, raw_words,
+                      results_stem, shared_gpu_markdown, shared_gpu_warning, shared_gpus, to_device, to_host,
+                      warm_stream, write_report)
 
 HOST_CALLS = 200  # plain calls per host-overhead measurement
 # why a run without NCCL has no aligned timing (its log and report say so)
@@ -46,6 +47,11 @@ class LatencyTimer(GpuTimer):
 
     def p99(self) -> float:
         return float(np.percentile(self.last, 99))
+
+
+class HostLatencyTimer(HostTimer):
+    """HostTimer (the host backend) with the percentile of :class:`LatencyTimer`."""
+    p99 = LatencyTimer.p99
 
 
 def _selections_per_rank(idx: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
@@ -100,11 +106,23 @@ class LowLatencyBench(harness.Tool):
         self.M = max_tokens(a)
         self.steady_n = even_steady_n(a.steady_n)
         rdma = cfgmod.low_latency_rdma_size_hint(self.M, a.hidden, self.R, a.experts)
-        self.buf = Buffer(comm, num_rdma_bytes=rdma, low_latency_mode=True, check_values=False, backend="cuda",
+        self.buf = Buffer(comm, num_rdma_bytes=rdma, low_latency_mode=True, check_values=False,
+                          backend="host" if getattr(a, "backend", None) == "host" else "cuda",
                           low_latency_transport=getattr(a, "ll_transport", None))
-        self.transport = self.buf._ll.transport
+        self.gpu = self.buf.backend == "cuda"
+        self.transport = self.buf._ll.transport if self.gpu else "host"
         self.records: list[dict] = []
-        self.nccl, self.nccl_status, self.shared = None, None, []  # run() opens the baseline
+        # run() opens the NCCL baseline (GPU)
+        self.nccl, self.nccl_status, self.shared = None, None if self.gpu else "not measured: the host backend", []
+
+    def sync(self) -> None:
+        """Wait for the device (nothing to wait for on the host backend)."""
+        if self.gpu:
+            import cupy
+            cupy.cuda.runtime.deviceSynchronize()
+
+    def dev(self, a):
+        return to_device(a) if self.gpu else a
 
     def inputs(self, tokens: int):
         """This rank's ``tokens`` tokens: bf16 x, distinct top-k experts by ``--routing``, weights (numpy)."""
@@ -123,8 +141,8 @@ class LowLatencyBench(harness.Tool):
         gathered = self.comm.allgather((x, idx, w, y))
         want = reference.low_latency_dispatch([g[0] for g in gathered], [g[1] for g in gathered], self.M,
                                               a.experts, self.rank, use_fp8=True)
-        ok = np.array_equal(count.get(), want.recv_count)
-        data, scales, src = data.get(), scales.get(), handle[0].get()
+        ok = np.array_equal(to_host(count), want.recv_count)
+        data, scales, src = to_host(data), to_host(scales), to_host(handle[0])
         for e, n in enumerate(want.recv_count):
             ok &= np.array_equal(data[e, :n].view(np.uint8), want.recv_x[e, :n])
             ok &= np.array_equal(scales[e, :n], want.recv_x_scales[e, :n])
@@ -135,7 +153,7 @@ class LowLatencyBench(harness.Tool):
                 continue
             want_c = reference.low_latency_combine([g[3] for g in gathered], [g[1] for g in gathered],
                                                    [g[2] for g in gathered], self.M, a.experts, self.rank, **wire)
-            ok &= np.array_equal(got.view(np.uint16).get(), want_c.view(np.uint16))
+            ok &= np.array_equal(to_host(got).view(np.uint16), want_c.view(np.uint16))
         if not self.comm.allreduce(bool(ok), op=__import__("mpi4py").MPI.LAND):
             self.log("cupy_ep.bench_ll: VERIFICATION FAILED against cupy_ep.reference")
             self.comm.Abort(2)
@@ -166,11 +184,14 @@ class LowLatencyBench(harness.Tool):
         expert_out = {}  # the round trip's expert output, made by its first (uncaptured) call
 
         def round_trip():
-            import cupy
             recv_x, _, h, _, _ = buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=False)
             if "y" not in expert_out:
                 expert_out["y"] = raw_words(recv_x).copy()
-            cupy.copyto(expert_out["y"], raw_words(recv_x))
+            if self.gpu:
+                import cupy
+                cupy.copyto(expert_out["y"], raw_words(recv_x))
+            else:
+                np.copyto(expert_out["y"], raw_words(recv_x))
             return buf.low_latency_combine(expert_out["y"].view(recv_x.dtype), idx, w, h)
         return {
             "ll_dispatch": (lambda: buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True),
@@ -226,6 +247,7 @@ class LowLatencyBench(harness.Tool):
                "steady_n": self.steady_n if how == "steady" else None,
                "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "model": getattr(a, "model_name", None),
                "hidden": a.hidden, "topk": a.topk, "experts": a.experts, "num_ranks": self.R}
+        rec.update(getattr(self, "load", {}))
         logical, nvlink = getattr(self, "op_bytes", {}).get(op, (None, None))
         rec.update(logical_bytes=logical, nvlink_bytes=nvlink,
                    logical_gbps=logical / (t.median_us * 1e3) if logical is not None and t.median_us else None,
@@ -239,11 +261,7 @@ class LowLatencyBench(harness.Tool):
         benchmark's ``check_values=False`` and again with the Buffer's default ``check_values=True`` (field
         ``check_values``): the value checks copy the top-k (and a combine's handle) to the host, a sync per call,
         which is what a decode loop with the defaults pays."""
-        import cupy
-        a, buf = self.args, self.buf
-
-        def sync():
-            cupy.cuda.runtime.deviceSynchronize()
+        a, buf, sync = self.args, self.buf, self.sync
         try:
             for checked in (False, True):
                 buf.check_values = checked
@@ -350,25 +368,50 @@ class LowLatencyBench(harness.Tool):
             # (what each size costs in wall time)
             self.log(f"  (token sweep T={T}: {time.perf_counter() - started:.1f} s)")
 
-    def run(self):
+    def note_load(self, idx_np) -> None:
+        """Collective: the tokens each rank receives in a dispatch of every rank's ``idx_np`` (a token counted once
+        per destination rank) and the busiest rank's over the mean, logged and put in every record."""
+        a = self.args
+        loads = harness.rank_loads(self.comm.allgather(idx_np), a.experts, self.R)
+        self.load = {"routing": getattr(a, "routing", "uniform"), "recv_tokens_per_rank": loads.tolist(),
+                     "busiest_rank_load": harness.busiest_load(loads)}
+        load = self.load["busiest_rank_load"]
+        self.log(f"  routing {self.load['routing']}: tokens received per rank {self.load['recv_tokens_per_rank']}, "
+                 "busiest rank / mean = " + ("-" if load is None else f"{load:.3f}"))
+
+    def device_ctx(self):
+        import contextlib
+        if not self.gpu:
+            return contextlib.nullcontext()
         import cupy
+        return cupy.cuda.Device(self.buf.device_id)
+
+    def run(self):
         a, R, buf = self.args, self.R, self.buf
-        self.log(f"cupy_ep.bench --mode low-latency: ranks={R} tokens={a.tokens} hidden={a.hidden} topk={a.topk} "
-                 f"experts={a.experts} iters={a.iters} steady_n={self.steady_n} token_sweep={a.ll_token_sweep}")
+        self.log(f"cupy_ep.bench --mode low-latency: backend={buf.backend} ranks={R} tokens={a.tokens} "
+                 f"hidden={a.hidden} topk={a.topk} experts={a.experts} iters={a.iters} steady_n={self.steady_n} "
+                 f"token_sweep={a.ll_token_sweep}")
         L = a.experts // R
-        with cupy.cuda.Device(buf.device_id):
+        with self.device_ctx():
             x_np, idx_np, w_np = self.inputs(a.tokens)
-            x, idx, w = to_device(x_np), to_device(idx_np), to_device(w_np)
+            self.note_load(idx_np)
+            x, idx, w = self.dev(x_np), self.dev(idx_np), self.dev(w_np)
             rng = np.random.default_rng(99 + self.rank)
             y_np = rng.integers(-8, 9, size=(L, R * self.M, a.hidden)).astype(np.float32).astype(reference.bfloat16)
-            y = to_device(y_np)
+            y = self.dev(y_np)
             out = buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True)
             combined, _, _ = buf.low_latency_combine(y, idx, w, out[2])
             combined_bf16p, _, _ = buf.low_latency_combine(y, idx, w, out[2], bf16_partials=True)
             combined_logfmt, _, _ = buf.low_latency_combine(y, idx, w, out[2], use_logfmt=True)
-            cupy.cuda.runtime.deviceSynchronize()
+            self.sync()
             self.verify(x_np, idx_np, w_np, out[:3], combined, y_np, combined_bf16p, combined_logfmt)
             handle = out[2]
+            if not self.gpu:  # the calls timed by the host clock: no graphs, no NCCL, no device overhead to split
+                runs = self.ops(x, idx, w, y, handle, idx_np)
+                self.time_ops(HostLatencyTimer(self.comm, a.iters, a.warmup), runs, a.tokens, ("call",))
+                self.log("  (host backend: call timings only; no graph, aligned or steady timing, no token sweep)")
+                buf.destroy()
+                return
 
             timer = LatencyTimer(self.comm, a.iters, a.warmup)
             self.shared = shared_gpus(self.comm)
@@ -399,15 +442,19 @@ class LowLatencyBench(harness.Tool):
         """The report of ``records`` (default: this bench's; :func:`main` passes every model shape's) and of the
         shapes ``skipped``."""
         records = self.records if records is None else records
-        stem = results_stem(f"bench_ll_gpu_ep{self.R}" + ("" if self.transport == "nvshmem" else f"_{self.transport}"),
-                            self.shared)
-        about = dict(transport=self.transport, nccl=self.nccl_status, shared_gpu_ranks=self.shared or None,
+        if not self.gpu:
+            stem = f"bench_ll_host_ep{self.R}"
+        else:
+            stem = results_stem(f"bench_ll_gpu_ep{self.R}" + ("" if self.transport == "nvshmem" else
+                                                              f"_{self.transport}"), self.shared)
+        about = dict(backend="cuda" if self.gpu else "host", transport=self.transport, nccl=self.nccl_status,
+                     shared_gpu_ranks=self.shared or None,
                      aligned="measured" if self.nccl is not None else f"skipped: {ALIGNED_WHY}")
         write_report(self.args.out, stem, records,
                      dict(num_ranks=self.R, **about, skipped=skipped or [], args=harness.args_doc(self.args)),
                      lambda common: markdown_lines(records, self.args, self.R,
                                                    dict(common, **about, skipped=skipped or [])),
-                     "low-latency")
+                     "low-latency", gpu=self.gpu)
 
 
 def _op_fields(label: str) -> dict:
@@ -430,8 +477,13 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
     steady = [r for r in records if r.get("timing") == "steady"]
     n = steady[0]["steady_n"] if steady else None
     shared = common.get("shared_gpu_ranks")
-    out = [f"# cupy_ep low-latency benchmark (EP{num_ranks}, {common['gpu']}"
-           + (", ranks sharing a GPU)" if shared else ")"), ""]
+    if common.get("backend") == "host":
+        out = [f"# cupy_ep low-latency benchmark: host-backend results (numpy + MPI on the CPU, no GPU), EP{num_ranks}",
+               "", "Host backend (backend=host): the CPU reference path, run to check the pipeline; its times are "
+               "host-clock call times, not GPU numbers, and say nothing about NVLink.", ""]
+    else:
+        out = [f"# cupy_ep low-latency benchmark (EP{num_ranks}, {common['gpu']}"
+               + (", ranks sharing a GPU)" if shared else ")"), ""]
     out += shared_gpu_markdown(shared, common.get("nccl"),
                                "" if str(common.get("aligned", "measured")) == "measured" else
                                f"The *aligned* rows are left out: {ALIGNED_WHY}.")
@@ -546,5 +598,6 @@ def main(args, comm) -> None:
     one :class:`LowLatencyBench` per ``--model`` shape the low-latency kernels can run (the others are logged as
     skipped, with the reason, and listed in the report), one report of them all."""
     from .bench import run_each_shape
-    args.iters = max(args.iters, 200)
+    if args.backend != "host":  # percentiles want iterations (a host run checks the pipeline)
+        args.iters = max(args.iters, 200)
     run_each_shape(args, comm, "low-latency", LowLatencyBench)

@@ -174,7 +174,7 @@ def build_parser(rank: int | None = None) -> CliParser:
         "GPU numbers)."))
     p.add_argument("--mode", choices=["normal", "low-latency", "internode"], default="normal",
                    help="normal: intranode dispatch/combine bandwidth; low-latency: decode dispatch/combine latency "
-                        "(cupy_ep/tools/bench_ll.py; GPU only); internode: RDMA/NVLink-domain bandwidth across nodes "
+                        "(cupy_ep/tools/bench_ll.py; on a GPU or --backend host); internode: RDMA/NVLink-domain bandwidth across nodes "
                         "(cupy_ep/tools/bench_internode.py; GPU only)")
     p.add_argument("--model", type=model_list, default=models.DEFAULT_MODEL,
                    help="comma-separated MoE shapes to run, or 'all': " + ", ".join(
@@ -227,8 +227,8 @@ def build_parser(rank: int | None = None) -> CliParser:
                    help="--mode low-latency: Buffer(low_latency_transport=...); with ipc the report is named "
                         "bench_ll_gpu_ep<R>_ipc (default: env CUPY_EP_LL_TRANSPORT, else nvshmem)")
     p.add_argument("--backend", choices=["cuda", "host"], default=None,
-                   help="cuda: the GPU kernels; host: numpy + MPI on the CPU, --mode normal only (default: cuda when "
-                        "a GPU is visible, else host)")
+                   help="cuda: the GPU kernels; host: numpy + MPI on the CPU, --mode normal and low-latency (default: "
+                        "cuda when a GPU is visible, else host)")
     p.add_argument("--out", default=None,
                    help="folder for the JSON, markdown and plot " + per_backend("out")[:-1]
                         + ", which git ignores)")
@@ -253,7 +253,7 @@ def parse_args(argv=None, gpu: bool | None = None, rank: int | None = None) -> a
                 f"{' in --mode low-latency' if args.mode == 'low-latency' else ''}, got {args.hidden}")
     if (explicit["topk"] is not None or explicit["experts"] is not None) and args.topk > args.experts:
         p.error(f"argument --topk: must be at most --experts {args.experts}, got {args.topk}")
-    if args.mode != "normal" and args.backend == "host":
+    if args.mode == "internode" and args.backend == "host":
         p.error(f"argument --backend: --mode {args.mode} runs on a GPU only, not on the host backend")
     if args.mode == "low-latency" and args.ll_max_tokens is not None and args.tokens > args.ll_max_tokens:
         p.error(f"argument --tokens: --tokens {args.tokens} is above --ll-max-tokens {args.ll_max_tokens}")
@@ -283,7 +283,7 @@ def check_world(args, comm, gpu_visible: bool) -> None:
     problem = None
     if args.backend == "cuda" and not gpu_visible:
         problem = "argument --backend: cuda, but this rank sees no GPU"
-    elif args.mode != "normal" and not gpu_visible:
+    elif args.mode != "normal" and args.backend != "host" and not gpu_visible:
         problem = f"argument --mode: {args.mode} needs a GPU, and this rank sees none"
     elif custom and args.experts % R:
         problem = f"argument --experts: must be a multiple of the rank count {R}, got {args.experts}"

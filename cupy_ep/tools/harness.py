@@ -296,6 +296,9 @@ def capture_graph(stream, body):
 
 
 class HostTimer:
+    """Host-clock timing of ``fn`` (the host backend: no device), ranks aligned by an MPI barrier; per iteration
+    the slowest rank counts, ``last`` holds those times."""
+
     def __init__(self, comm, iters: int, warmup: int):
         self.comm, self.iters, self.warmup = comm, iters, warmup
 
@@ -492,11 +495,12 @@ def write_files(out_dir, stem: str, doc: dict, md: str, prog: str, plot=None) ->
     print(f"{prog}: wrote {out}/{stem}.{kinds}")
 
 
-def write_report(out_dir, stem: str, records: list, doc: dict, make_lines, mode: str) -> None:
-    """Stamp ``records`` with the commit and GPU, write ``<out_dir>/<stem>.json`` (those two fields, ``doc``, then
-    ``results``) and ``<stem>.md`` (``make_lines(common)``: the markdown lines, given the stamp); print the table.
-    The writer of the low-latency and internode benchmarks."""
-    common = {"commit": git_commit(), "gpu": gpu_name()}
+def write_report(out_dir, stem: str, records: list, doc: dict, make_lines, mode: str, gpu: bool = True) -> None:
+    """Stamp ``records`` with the commit and GPU (None for a host-backend run: ``gpu`` False), write
+    ``<out_dir>/<stem>.json`` (those two fields, ``doc``, then ``results``) and ``<stem>.md``
+    (``make_lines(common)``: the markdown lines, given the stamp); print the table. The writer of the low-latency
+    and internode benchmarks."""
+    common = {"commit": git_commit(), "gpu": gpu_name() if gpu else None}
     for r in records:
         r.update(common)
     write_files(out_dir, stem, dict(common, **doc, results=records), "\n".join(make_lines(common)) + "\n",
