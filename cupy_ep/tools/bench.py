@@ -39,7 +39,7 @@ from cupy_ep import config as cfgmod
 
 from . import harness, models
 from .cli import check_world, parse_args, resolve_defaults
-from .harness import (GpuTimer, HostTimer, busiest_load, git_commit, gpu_name, make_inputs, measure_ceiling,
+from .harness import (GpuTimer, HostTimer, git_commit, gpu_name, make_inputs, measure_ceiling,
                       nccl_baseline, op_label, raw_words, results_stem, shared_gpu_markdown, shared_gpu_warning,
                       shared_gpus, shared_text, to_device, to_host)
 
@@ -237,14 +237,11 @@ class Bench(harness.Tool):
     def note_load(self, tokens: int, num_recv: int) -> float | None:
         """Collective: the tokens each rank receives in this workload's dispatch, and the busiest rank's over the
         mean (kept in ``self.routing``, logged); returns that load."""
-        loads = [int(v) for v in self.comm.allgather(num_recv)]
-        load = busiest_load(loads)
+        summary, text = harness.load_summary(self.comm.allgather(num_recv), self.args.routing)
         s = self.shape
-        self.routing.append({"model": s.name, "tokens": tokens, "routing": self.args.routing,
-                             "seed": self.args.seed, "recv_tokens_per_rank": loads, "busiest_rank_load": load})
-        self.log(f"  {s.describe()}, {tokens} tokens/rank, routing {self.args.routing}: tokens received per rank "
-                 f"{loads}, busiest rank / mean = " + ("-" if load is None else f"{load:.3f}"))
-        return load
+        self.routing.append(dict(summary, model=s.name, tokens=tokens, seed=self.args.seed))
+        self.log(f"  {s.describe()}, {tokens} tokens/rank, {text}")
+        return summary["busiest_rank_load"]
 
     def time_op(self, timer, fn, graph: bool) -> dict:
         """``fn`` timed as a call (events around the Python call: host overhead included) and, when ``graph``
@@ -548,7 +545,11 @@ def markdown_table(doc: dict) -> str:
              "paid once per n ops). NVLink GB/s counts bytes that left the GPU; logical GB/s (call) counts all "
              "received bytes (DeepEP's way). *of ceiling* divides by the ceiling timed the same way (graph by "
              "`ceiling_gbps`, steady by `ceiling_gbps_steady`); NCCL (grouped send/recv of the same per-peer "
-             "bytes) is timed each way too, and ours/NCCL compares like with like.", "",
+             "bytes) is timed each way too, and ours/NCCL compares like with like. *round_trip* = cached dispatch, "
+             "a stand-in expert step (a copy of the received rows) and combine back to back with no host sync; its "
+             "NCCL figure = the all-to-all, the same copy and the all-to-all back. The call is the end-to-end time, "
+             "graph and steady the kernels' (`kernel_time_us`: steady, else graph); logical GB/s counts both "
+             "halves of a round trip.", "",
              "| op | dtype | SMs | tokens | call us | graph us | steady us | logical GB/s "
              "| NVLink GB/s (call / graph / steady) | of ceiling (graph / steady) | NCCL us (call / graph / steady) "
              "| ours/NCCL (call / graph / steady) |",

@@ -373,11 +373,8 @@ class LowLatencyBench(harness.Tool):
         per destination rank) and the busiest rank's over the mean, logged and put in every record."""
         a = self.args
         loads = harness.rank_loads(self.comm.allgather(idx_np), a.experts, self.R)
-        self.load = {"routing": getattr(a, "routing", "uniform"), "recv_tokens_per_rank": loads.tolist(),
-                     "busiest_rank_load": harness.busiest_load(loads)}
-        load = self.load["busiest_rank_load"]
-        self.log(f"  routing {self.load['routing']}: tokens received per rank {self.load['recv_tokens_per_rank']}, "
-                 "busiest rank / mean = " + ("-" if load is None else f"{load:.3f}"))
+        self.load, text = harness.load_summary(loads, getattr(a, "routing", "uniform"))
+        self.log("  " + text)
 
     def device_ctx(self):
         import contextlib

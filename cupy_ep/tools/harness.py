@@ -128,6 +128,16 @@ def busiest_load(loads) -> float | None:
     return float(loads.max() / loads.mean()) if loads.size and loads.mean() > 0 else None
 
 
+def load_summary(loads, routing: str) -> tuple[dict, str]:
+    """``({"routing", "recv_tokens_per_rank", "busiest_rank_load"}, the log line's text)`` of the tokens each rank
+    receives (``loads``)."""
+    loads = [int(v) for v in loads]
+    load = busiest_load(loads)
+    text = (f"routing {routing}: tokens received per rank {loads}, busiest rank / mean = "
+            + ("-" if load is None else f"{load:.3f}"))
+    return {"routing": routing, "recv_tokens_per_rank": loads, "busiest_rank_load": load}, text
+
+
 # ------------------------------------------------------------------------------------------------------
 # timing helpers
 # ------------------------------------------------------------------------------------------------------
