@@ -17,7 +17,10 @@ graph rows, steady for the steady rows. Further records: a steady token sweep (`
 rank at the same max M, ``--ll-max-tokens`` (default ``--tokens``); T = 0 is the fixed cost) and the host time per call (timing ``host``:
 200 plain calls back to back, with ``check_values`` False and True), and with ``--ll-stamps`` where a call's time goes (timing ``stamps``: the
 kernels' %globaltimer phase stamps, ``phases_us``). Results are verified against :mod:`cupy_ep.reference` before any timing (a
-mismatch aborts). Records are written to ``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``.
+mismatch aborts). Records are written to ``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``. One run covers each
+``--model`` shape the kernels take (a top-k above ``LOW_LATENCY_MAX_TOPK`` is reported as skipped). On the
+host backend (``--backend host``) the calls are verified and timed by the host clock only
+(``bench_ll_host_ep<R>``).
 
 Where ranks share a GPU (CUDA MPS clients) NCCL refuses to run: the benchmark then runs without the NCCL baseline
 and without the aligned timing (which lines the ranks up by an NCCL all-reduce), says so in its log and report
