@@ -18,6 +18,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from .errors import CompileError
@@ -263,6 +264,20 @@ def _cache_key(filename: str, name: str, arch: str, extra_options) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
+# What this process's get_kernel calls did (``counters()``): instantiations compiled by NVRTC (cold: not in the
+# disk cache) and the seconds spent compiling, disk-cache hits (warm) and in-memory hits (already loaded).
+_counters = {"compiled": 0, "compile_s": 0.0, "disk_cache_hits": 0, "memory_cache_hits": 0}
+
+
+def counters() -> dict:
+    """A snapshot of this process's kernel counters: ``compiled`` (instantiations compiled, the disk cache cold
+    for them), ``compile_s`` (seconds in those compiles, linking included), ``disk_cache_hits`` (instantiations
+    loaded from the disk cache: warm), ``memory_cache_hits`` (``get_kernel`` calls answered by an already loaded
+    kernel). Subtract two snapshots to count what a stretch of code compiled."""
+    with _lock:
+        return dict(_counters)
+
+
 def _load_or_compile(filename: str, name: str, arch: str, extra_options) -> tuple[bytes, str]:
     """Cubin and lowered name of one instantiation, from the disk cache or a fresh compile."""
     folder = cache_dir()
@@ -270,10 +285,15 @@ def _load_or_compile(filename: str, name: str, arch: str, extra_options) -> tupl
     cubin_path, meta_path = folder / f"{key}.cubin", folder / f"{key}.json"
     if cubin_path.is_file() and meta_path.is_file():
         try:
-            return cubin_path.read_bytes(), json.loads(meta_path.read_text())["lowered"]
+            cached = cubin_path.read_bytes(), json.loads(meta_path.read_text())["lowered"]
+            _counters["disk_cache_hits"] += 1
+            return cached
         except (OSError, ValueError, KeyError):
             pass  # a damaged entry is recompiled below
+    t0 = time.perf_counter()
     result = compile_cubin(filename, [name], arch=arch, extra_options=extra_options)
+    _counters["compiled"] += 1
+    _counters["compile_s"] += time.perf_counter() - t0
     lowered = result.mapping[name]
     folder.mkdir(parents=True, exist_ok=True)
     # Atomic writes: several ranks may compile the same kernel into one cache at once.
@@ -328,7 +348,9 @@ def get_kernel(filename: str, name: str, extra_options=()) -> Kernel:
     key = (device_id, filename, name, tuple(extra_options))
     with _lock:
         kernel = _loaded.get(key)
-        if kernel is None:
+        if kernel is not None:
+            _counters["memory_cache_hits"] += 1
+        else:
             arch = device_arch(device_id)
             cubin, lowered = _load_or_compile(filename, name, arch, tuple(extra_options))
             module = cupy.cuda.function.Module()

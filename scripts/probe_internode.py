@@ -17,7 +17,7 @@ from mpi4py import MPI
 import cupy
 import cupy_ep
 from cupy_ep import config as cfgmod
-from cupy_ep.bench import make_routing
+from cupy_ep.tools.harness import make_routing
 
 
 def main():

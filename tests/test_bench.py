@@ -14,8 +14,8 @@ import types
 import numpy as np
 import pytest
 
-from cupy_ep import bench, bench_ll
-from cupy_ep.bench import GpuTimer, Timing
+from cupy_ep.tools import bench, bench_ll, harness
+from cupy_ep.tools.harness import GpuTimer, Timing
 
 # The fields every normal-mode result and the document carry (the issue's schema; later fields only add).
 ISSUE_TOP = ("commit", "gpu", "driver", "num_ranks", "ceiling_gbps", "results")
@@ -81,16 +81,16 @@ def test_steady_clamps_at_a_positive_floor(monkeypatch):
     # noise: the ops graph no slower than the flush-only graph
     timer, _, _ = _fake_timer(monkeypatch, [49.0, 50.0, 51.0], [50.0, 52.0, 51.0])
     t = timer.steady(None, n=10)
-    assert t.min_us == bench.STEADY_FLOOR_US > 0
-    assert t.median_us == bench.STEADY_FLOOR_US
-    assert np.all(timer.last >= bench.STEADY_FLOOR_US)
+    assert t.min_us == harness.STEADY_FLOOR_US > 0
+    assert t.median_us == harness.STEADY_FLOOR_US
+    assert np.all(timer.last >= harness.STEADY_FLOOR_US)
 
 
 def test_steady_median_is_taken_before_the_clamp(monkeypatch):
     timer, _, _ = _fake_timer(monkeypatch, [0.0, 60.0, 70.0, 80.0], [50.0])
     t = timer.steady(None, n=1)
     assert t.median_us == pytest.approx(15.0)  # median of (-50, 10, 20, 30)
-    assert t.min_us == bench.STEADY_FLOOR_US
+    assert t.min_us == harness.STEADY_FLOOR_US
 
 
 def test_steady_needs_at_least_one_op(monkeypatch):
@@ -124,8 +124,8 @@ def _fake_replays(monkeypatch, times_us):
         launch()
         timer.last = np.asarray(times_us, dtype=float)
         return Timing(float(np.median(timer.last)), float(np.min(timer.last)))
-    monkeypatch.setattr(bench, "warm_stream", lambda comm, ops: (ops(), Stream("stream"))[1])
-    monkeypatch.setattr(bench, "capture_graph", lambda stream, ops: (ops(), _FakeGraph("replay", log))[1])
+    monkeypatch.setattr(harness, "warm_stream", lambda comm, ops: (ops(), Stream("stream"))[1])
+    monkeypatch.setattr(harness, "capture_graph", lambda stream, ops: (ops(), _FakeGraph("replay", log))[1])
     monkeypatch.setattr("cupy_ep.jit.get_kernel", lambda filename, name: Kernel())
     monkeypatch.setattr(timer, "_time", fake_time)
     return timer, log
@@ -236,10 +236,10 @@ def test_markdown_table_has_steady_columns_and_says_which_ceiling():
 
 
 def test_op_label_names_zero_copy_and_bf16_partials():
-    assert bench.op_label({"op": "cached_dispatch"}) == "cached_dispatch"
-    assert bench.op_label({"op": "combine", "zero_copy": True}) == "combine zero-copy"
-    assert bench.op_label({"op": "ll_combine", "partials": "24-bit"}) == "ll_combine"
-    assert bench.op_label({"op": "ll_combine", "partials": "bf16"}) == "ll_combine (bf16 partials)"
+    assert harness.op_label({"op": "cached_dispatch"}) == "cached_dispatch"
+    assert harness.op_label({"op": "combine", "zero_copy": True}) == "combine zero-copy"
+    assert harness.op_label({"op": "ll_combine", "partials": "24-bit"}) == "ll_combine"
+    assert harness.op_label({"op": "ll_combine", "partials": "bf16"}) == "ll_combine (bf16 partials)"
     doc = _gpu_doc()
     doc["results"].append(dict(doc["results"][-1], zero_copy=True))
     assert "| combine zero-copy | bf16 | 24 | 1024 |" in bench.markdown_table(doc)
@@ -340,7 +340,9 @@ def test_host_run_writes_outside_the_committed_results_by_default(comm, tmp_path
     comm.Barrier()
     if comm.Get_rank() == 0:
         stem = f"bench_host_ep{comm.Get_size()}"
-        assert sorted(p.name for p in (cwd / "out" / "bench_host").iterdir()) == [f"{stem}.json", f"{stem}.md"]
+        # the same files as a GPU run (the plot where matplotlib is installed)
+        names = sorted(p.name for p in (cwd / "out" / "bench_host").iterdir())
+        assert names in ([f"{stem}.json", f"{stem}.md"], [f"{stem}.json", f"{stem}.md", f"{stem}.png"])
         assert not (cwd / "benchmarks").exists()
         doc = json.loads((cwd / "out" / "bench_host" / f"{stem}.json").read_text())
         assert doc["args"]["out"] == "out/bench_host" and doc["backend"] == "host"
@@ -362,13 +364,13 @@ def _fake_cupy(monkeypatch, bus_ids=None):
 
 def test_nccl_baseline_is_skipped_where_ranks_share_a_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # NCCL must not even be imported
-    assert bench.nccl_baseline(object(), [[0, 1]]) == (None, SKIPPED)
-    nc, status = bench.nccl_baseline(object(), [[0, 1], [2, 3]])
+    assert harness.nccl_baseline(object(), [[0, 1]]) == (None, SKIPPED)
+    nc, status = harness.nccl_baseline(object(), [[0, 1], [2, 3]])
     assert nc is None and status == ("skipped: ranks 0, 1 share a GPU; ranks 2, 3 share a GPU (NCCL refuses two "
                                      "ranks on one GPU)")
-    assert bench.results_stem("bench_gpu_ep2", [[0, 1]]) == "bench_gpu_ep2_shared_gpu"
-    assert bench.results_stem("bench_gpu_ep2", []) == "bench_gpu_ep2"
-    line = bench.shared_gpu_warning("cupy_ep.bench", [[0, 1]], SKIPPED)
+    assert harness.results_stem("bench_gpu_ep2", [[0, 1]]) == "bench_gpu_ep2_shared_gpu"
+    assert harness.results_stem("bench_gpu_ep2", []) == "bench_gpu_ep2"
+    line = harness.shared_gpu_warning("cupy_ep.bench", [[0, 1]], SKIPPED)
     assert "RANKS SHARE A GPU (ranks 0, 1 share a GPU)" in line and "not NVLink figures" in line and SKIPPED in line
 
 
@@ -377,9 +379,9 @@ def test_shared_gpus_finds_the_ranks_on_one_gpu(comm, monkeypatch):
     """Every rank reports the same host and bus id (a stand-in runtime): they all share one GPU; with a bus id
     of its own per rank, none does."""
     _fake_cupy(monkeypatch)
-    assert bench.shared_gpus(comm) == [list(range(comm.Get_size()))]
+    assert harness.shared_gpus(comm) == [list(range(comm.Get_size()))]
     _fake_cupy(monkeypatch, {0: f"0000:{comm.Get_rank():02x}:00.0"})
-    assert bench.shared_gpus(comm) == []
+    assert harness.shared_gpus(comm) == []
 
 
 def _shared_bench(out_dir):
@@ -392,6 +394,8 @@ def _shared_bench(out_dir):
     b.shared, b.nccl, b.nccl_status = [[0, 1]], None, SKIPPED
     b.ceiling = {"by_sms": {24: 300.0}, "gbps": 300.0, "by_sms_steady": {24: 310.0}, "gbps_steady": 310.0}
     b.startup = {}
+    b.shapes, b.skipped, b.routing = [bench.models.MODELS["deepseek-v3"]], [], []
+    b.jit_startup = b.jit_run = {"compiled": 0, "compile_s": 0.0, "disk_cache_hits": 0, "memory_cache_hits": 0}
     b.records = [bench.make_record(dict(BASE, op=op), _timings(), 14336, 2000, 1000,
                                    {"graph": 300.0, "steady": 310.0}, {}) for op in ("cached_dispatch", "combine")]
     return b
@@ -399,7 +403,7 @@ def _shared_bench(out_dir):
 
 def test_shared_gpu_results_say_so_and_take_their_own_names(tmp_path, monkeypatch):
     _fake_cupy(monkeypatch)
-    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no nvidia-smi")))
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: (_ for _ in ()).throw(OSError("no nvidia-smi")))
     monkeypatch.setenv("CUPY_EP_COMMIT", "abc1234")
     b = _shared_bench(tmp_path)
     b.write()
@@ -474,7 +478,7 @@ def _ll_bench(steady_n=10, tokens=128):
     b = bench_ll.LowLatencyBench.__new__(bench_ll.LowLatencyBench)
     b.args = argparse.Namespace(tokens=tokens, hidden=7168, topk=8, experts=256, iters=200, steady_n=steady_n,
                                 ll_token_sweep=[0, 128])
-    b.comm, b.rank, b.R, b.M = MPI.COMM_SELF, 0, 2, tokens
+    b.comm, b.rank, b.R, b.M, b.gpu = MPI.COMM_SELF, 0, 2, tokens, True
     b.steady_n = bench_ll.even_steady_n(steady_n)
     b.records = []
     return b
@@ -541,12 +545,12 @@ def test_ll_without_nccl_runs_every_op_without_aligned_timing():
     b.buf = types.SimpleNamespace(low_latency_dispatch=None, low_latency_combine=None)
     # (COMM_SELF with R = 2: an NCCL byte exchange would fail here)
     runs = b.ops(None, None, None, None, None, np.zeros((4, 8), dtype=np.int64))
-    assert set(runs) == {"ll_dispatch", "ll_combine", "ll_combine_bf16p", "ll_combine_logfmt"}
+    assert set(runs) == {"ll_dispatch", "ll_combine", "ll_combine_bf16p", "ll_combine_logfmt", "ll_round_trip"}
     assert all(nccl_fn is None for _, nccl_fn, _ in runs.values())
     b.time_ops(timer, {op: (lambda how: 12.0, None, dtype) for op, (_, _, dtype) in runs.items()}, 128,
                b.main_timings())
     assert sorted({r["timing"] for r in b.records}) == ["call", "graph", "steady"]
-    assert len(b.records) == 12
+    assert len(b.records) == 15
     assert all(r["nccl_time_us"] is None and r["ratio_to_nccl"] is None and r["nccl_timing"] is None
                for r in b.records)
 
@@ -573,7 +577,7 @@ def test_ll_shared_gpu_report(tmp_path, monkeypatch):
 
 
 def test_internode_shared_gpu_report(tmp_path, monkeypatch):
-    from cupy_ep import bench_internode
+    from cupy_ep.tools import bench_internode
     _fake_cupy(monkeypatch)
     monkeypatch.setenv("CUPY_EP_COMMIT", "abc1234")
     b = bench_internode.InternodeBench.__new__(bench_internode.InternodeBench)
@@ -650,7 +654,7 @@ def test_git_commit_flags_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     """A copy of the checkout with a stale .git (as on the GPU machine) must not pass for HEAD's code."""
     import shutil
     import subprocess
-    from cupy_ep.bench import _git_commit
+    from cupy_ep.tools.harness import git_commit as _git_commit
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     monkeypatch.delenv("CUPY_EP_COMMIT", raising=False)
@@ -702,5 +706,206 @@ def test_ll_host_overhead_measures_with_and_without_value_checks(monkeypatch):
 
 def test_shared_gpu_ranks_groups_ranks_on_one_gpu():
     gpus = [("a", "0000:18"), ("a", "0000:18"), ("a", "0000:2a"), ("b", "0000:18"), ("a", "0000:2a")]
-    assert bench.shared_gpu_ranks(gpus) == [[0, 1], [2, 4]]  # host b's GPU 0000:18 is another GPU
-    assert bench.shared_gpu_ranks([("a", "0"), ("a", "1")]) == []
+    assert harness.shared_gpu_ranks(gpus) == [[0, 1], [2, 4]]  # host b's GPU 0000:18 is another GPU
+    assert harness.shared_gpu_ranks([("a", "0"), ("a", "1")]) == []
+
+
+# ------------------------------------------------------------------------------------------------------
+# model shapes, routings, bytes, the round trip, kernel counters (host backend)
+# ------------------------------------------------------------------------------------------------------
+def test_presets_and_their_limits():
+    from cupy_ep.config import MAX_TOPK
+    from cupy_ep.reference import LOW_LATENCY_MAX_TOPK
+    from cupy_ep.tools import cli, models
+    assert [(s.experts, s.topk, s.hidden) for s in models.MODELS.values()] == [
+        (256, 8, 7168), (256, 6, 4096), (384, 6, 7168), (896, 16, 3584), (512, 22, 1024), (128, 8, 4096)]
+    args = cli.parse_args(["--model", "kimi-k3"])
+    assert (args.experts, args.topk, args.hidden) == (896, 16, 3584) and args.shapes[0].name == "kimi-k3"
+    assert cli.parse_args([]).shapes == [models.MODELS["deepseek-v3"]]
+    assert [s.name for s in cli.parse_args(["--model", "all"]).shapes] == list(models.MODELS)
+    custom = cli.parse_args(["--hidden", "1024"]).shapes
+    assert custom == [models.Shape("custom", 256, 8, 1024)]
+    for name in models.MODELS:
+        shape = models.MODELS[name]
+        ll = models.skip_reason(shape, "low-latency", 8)
+        assert (ll is None) == (shape.topk <= LOW_LATENCY_MAX_TOPK), (name, ll)
+        if ll is not None:
+            assert f"top-{shape.topk} is above the low-latency kernels' limit of {LOW_LATENCY_MAX_TOPK}" in ll
+        assert (models.skip_reason(shape, "normal", 8) is None) == (shape.topk <= MAX_TOPK)
+    assert models.skip_reason(models.MODELS["deepseek-v4-pro"], "normal", 5) == \
+        "384 experts do not split evenly over 5 ranks"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "gpt-9"], "argument --model: unknown model 'gpt-9'"),
+    (["--routing", "zipf:0"], "argument --routing: zipf:S needs S > 0, got 0"),
+    (["--routing", "hot-expert:1.5"], "argument --routing: hot-expert:F needs F in [0, 1], got 1.5"),
+    (["--routing", "skewed"], "argument --routing: expected uniform, zipf:S or hot-expert:F, got 'skewed'")])
+def test_model_and_routing_refused(capsys, argv, message):
+    from cupy_ep.tools import cli
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv, rank=0)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_routings():
+    from cupy_ep import reference
+    T, K, E, R = 2000, 8, 64, 4
+    # uniform: the distinct top-K of one uniform score per expert
+    rng = np.random.default_rng(3)
+    want = np.argsort(-np.random.default_rng(3).random((T, E), dtype=np.float32), axis=1)[:, :K]
+    assert np.array_equal(harness.make_routing(rng, T, K, E, R, 0.0), want)
+    hot = harness.make_routing(np.random.default_rng(3), T, K, E, R, 0.0, "hot-expert:1")
+    assert np.all((hot == harness.HOT_EXPERT).any(axis=1))
+    half = harness.make_routing(np.random.default_rng(3), T, K, E, R, 0.0, "hot-expert:0.5")
+    assert 0.5 < (half == harness.HOT_EXPERT).any(axis=1).mean() < 0.6  # half the tokens, plus uniform picks
+    for routing in ("uniform", "zipf:1.5", "hot-expert:0.5"):
+        idx = harness.make_routing(np.random.default_rng(3), T, K, E, R, 0.0, routing, seed=11)
+        assert idx.shape == (T, K) and idx.dtype == np.int64
+        assert all(len(set(row)) == K for row in idx)  # distinct experts per token
+    loads = {r: harness.busiest_load(harness.rank_loads(
+        [harness.make_routing(np.random.default_rng(s), T, K, E, R, 0.0, r, seed=11) for s in range(R)], E, R))
+        for r in ("uniform", "zipf:1.5")}
+    assert loads["uniform"] < 1.05 < loads["zipf:1.5"]
+    # skew: a skewed token's experts all on rank 0
+    skewed = harness.make_routing(np.random.default_rng(3), T, 4, E, R, 1.0, "zipf:1.5")
+    assert np.all(skewed < E // R)
+    itr = reference.token_rank_matrix(half, E, R)
+    assert harness.rank_loads([half], E, R).tolist() == itr.sum(axis=0).tolist()
+    assert harness.busiest_load([0, 0]) is None and harness.busiest_load([1, 3]) == 1.5
+
+
+def test_low_latency_bytes_by_hand():
+    per_rank = np.array([3, 5])  # selections bound for rank 0 and rank 1, from rank 0
+    got = bench_ll.op_bytes(per_rank, 0, 256)
+    fp8, bf16 = 256 + 2 * 4 + 16, 512
+    assert got["ll_dispatch"] == (8 * fp8, 5 * fp8)
+    assert got["ll_combine"] == got["ll_combine_logfmt"] == (8 * bf16, 5 * bf16)
+    assert got["ll_round_trip"] == (16 * bf16, 10 * bf16)
+
+
+def test_low_latency_skips_shapes_beyond_its_limits(capsys):
+    """Every shape beyond the low-latency kernels' top-k: each is named as skipped with the reason, no buffer is
+    made, nothing raises."""
+    from mpi4py import MPI
+    from cupy_ep.reference import LOW_LATENCY_MAX_TOPK
+    from cupy_ep.tools import cli, models
+    args = cli.parse_args(["--mode", "low-latency", "--model", "kimi-k3,nemotron-super"], gpu=True)
+    assert all(s.topk > LOW_LATENCY_MAX_TOPK for s in args.shapes)
+    bench_ll.main(args, MPI.COMM_SELF)
+    out = capsys.readouterr().out
+    for name in ("kimi-k3", "nemotron-super"):
+        shape = models.MODELS[name]
+        assert (f"SKIPPED {name}: top-{shape.topk} is above the low-latency kernels' limit of "
+                f"{LOW_LATENCY_MAX_TOPK}") in out
+    assert "no model shape to run" in out
+
+
+def test_jit_counters_count_compiles_and_cache_hits(tmp_path, monkeypatch):
+    from cupy_ep import jit
+    compiled = []
+
+    def fake_compile(filename, names, arch, extra_options=()):
+        compiled.append(names)
+        return types.SimpleNamespace(cubin=b"cubin", mapping={names[0]: "lowered_" + names[0]})
+    monkeypatch.setattr(jit, "compile_cubin", fake_compile)
+    monkeypatch.setattr(jit, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(jit, "_cache_key", lambda filename, name, arch, extra: f"{filename}-{name}")
+    before = jit.counters()
+    assert jit._load_or_compile("a.cu", "k<1>", "sm_90", ()) == (b"cubin", "lowered_k<1>")   # cold
+    assert jit._load_or_compile("a.cu", "k<2>", "sm_90", ()) == (b"cubin", "lowered_k<2>")   # cold
+    assert jit._load_or_compile("a.cu", "k<1>", "sm_90", ()) == (b"cubin", "lowered_k<1>")   # warm
+    after = jit.counters()
+    assert after["compiled"] - before["compiled"] == 2 == len(compiled)
+    assert after["disk_cache_hits"] - before["disk_cache_hits"] == 1
+    assert after["compile_s"] >= before["compile_s"]
+    assert bench.jit_delta(before)["compiled"] == 2
+
+
+def _routing_reference(comm, args_tokens, shape, routing, seed, skew=0.0):
+    """Every rank's top-k of the benchmark's inputs, rebuilt in numpy."""
+    R = comm.Get_size()
+    return [harness.make_inputs(r, R, args_tokens, shape.hidden, shape.topk, shape.experts, skew, seed, routing)[2]
+            for r in range(R)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("routing", ["uniform", "zipf:1.2", "hot-expert:0.5"])
+def test_host_run_of_every_preset(comm, tmp_path, routing):
+    """Every preset on the host backend: each runs (normal mode fits them all), its busiest-rank load and its
+    bytes equal what numpy gives for the same seed, the round trip moves both halves' bytes, and the report
+    has a table per model shape."""
+    from cupy_ep import reference
+    from cupy_ep.tools import models
+    out = comm.bcast(tmp_path if comm.Get_rank() == 0 else None)
+    R = comm.Get_size()
+    bench.main(["--backend", "host", "--model", "all", "--routing", routing, "--seed", "5", "--tokens", "12",
+                "--iters", "1", "--warmup", "0", "--out", str(out)])
+    if comm.Get_rank():
+        return
+    doc = json.loads((out / f"bench_host_ep{R}.json").read_text())
+    assert [m["name"] for m in doc["models"]] == list(models.MODELS) and doc["skipped"] == []
+    assert doc["jit"]["run"]["compiled"] == 0  # the host backend compiles nothing
+    md = (out / f"bench_host_ep{R}.md").read_text()
+    assert md.startswith("# cupy_ep benchmark: host-backend results")
+    for shape in models.MODELS.values():
+        idx = _routing_reference(comm, 12, shape, routing, 5)
+        loads = harness.rank_loads(idx, shape.experts, R)
+        (entry,) = [r for r in doc["routing"] if r["model"] == shape.name]
+        assert entry["recv_tokens_per_rank"] == loads.tolist()
+        assert entry["busiest_rank_load"] == pytest.approx(loads.max() / loads.mean())
+        assert f"## {shape.name}: {shape.experts} experts, top-{shape.topk}, hidden {shape.hidden}" in md
+        recs = {(r["op"], r["dtype"], r["zero_copy"]): r for r in doc["results"] if r["model"] == shape.name}
+        itr = [reference.token_rank_matrix(i, shape.experts, R) for i in idx]
+        received = sum(int(m[:, 0].sum()) for m in itr)             # rank 0's rows, its own included
+        from_peers = received - int(itr[0][:, 0].sum())
+        sent_out = int(itr[0].sum()) - int(itr[0][:, 0].sum())       # rank 0's rows to the other ranks
+        row, row8 = 2 * shape.hidden, shape.hidden + 4 * (-(-shape.hidden // 128))
+        assert (recs["dispatch", "bf16", False]["logical_bytes"], recs["dispatch", "bf16", False]["nvlink_bytes"]) \
+            == (received * row, sent_out * row)
+        assert recs["cached_dispatch", "fp8", False]["logical_bytes"] == received * row8
+        assert (recs["combine", "bf16", False]["logical_bytes"], recs["combine", "bf16", False]["nvlink_bytes"]) \
+            == (received * row, from_peers * row)
+        trip = recs["round_trip", "bf16", False]
+        assert (trip["logical_bytes"], trip["nvlink_bytes"]) == (2 * received * row, (sent_out + from_peers) * row)
+        assert trip["busiest_rank_load"] == entry["busiest_rank_load"] and trip["routing"] == routing
+        assert trip["kernel_time_us"] is None and trip["time_us_median"] > 0  # host: the call only
+        assert trip["logical_gbps"] == pytest.approx(trip["logical_bytes"] / (trip["time_us_median"] * 1e3))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_host_run_of_low_latency_presets(comm, tmp_path):
+    """--mode low-latency on the host backend: a preset within the kernels' top-k runs (verified, call-timed, its
+    bytes and busiest-rank load what numpy gives), one beyond it is reported as skipped with the reason."""
+    from cupy_ep.reference import LOW_LATENCY_MAX_TOPK
+    from cupy_ep.tools import models
+    out = comm.bcast(tmp_path if comm.Get_rank() == 0 else None)
+    R = comm.Get_size()
+    bench.main(["--mode", "low-latency", "--backend", "host", "--model", "deepseek-v4-flash,kimi-k3", "--routing",
+                "zipf:1.1", "--seed", "9", "--tokens", "6", "--iters", "1", "--warmup", "0", "--out", str(out)])
+    if comm.Get_rank():
+        return
+    shape = models.MODELS["deepseek-v4-flash"]
+    doc = json.loads((out / f"bench_ll_host_ep{R}.json").read_text())
+    assert doc["backend"] == "host" and doc["gpu"] is None
+    assert [(s["model"], s["reason"]) for s in doc["skipped"]] == [
+        ("kimi-k3", f"top-16 is above the low-latency kernels' limit of {LOW_LATENCY_MAX_TOPK} experts per token")]
+    recs = {r["op"] + (f"/{r['partials']}" if r.get("partials") else ""): r for r in doc["results"]}
+    assert set(recs) == {"ll_dispatch", "ll_combine/24-bit", "ll_combine/bf16", "ll_combine/logfmt", "ll_round_trip"}
+    idx = []
+    for r in range(R):  # the benchmark's inputs: x first, then the routing, from seed + rank
+        rng = np.random.default_rng(9 + r)
+        rng.standard_normal((6, shape.hidden), dtype=np.float32)
+        idx.append(harness.make_routing(rng, 6, shape.topk, shape.experts, R, 0.0, "zipf:1.1", 9))
+    loads = harness.rank_loads(idx, shape.experts, R)
+    per_rank = np.bincount(idx[0].ravel() // (shape.experts // R), minlength=R)  # rank 0's selections per rank
+    want = bench_ll.op_bytes(per_rank, 0, shape.hidden)
+    for op, rec in recs.items():
+        assert rec["model"] == "deepseek-v4-flash" and rec["timing"] == "call" and rec["time_us_median"] > 0
+        assert rec["recv_tokens_per_rank"] == loads.tolist()
+        assert rec["busiest_rank_load"] == pytest.approx(loads.max() / loads.mean())
+        assert (rec["logical_bytes"], rec["nvlink_bytes"]) == want[op.split("/")[0]]
+    md = (out / f"bench_ll_host_ep{R}.md").read_text()
+    assert md.startswith("# cupy_ep low-latency benchmark: host-backend results")
+    assert "## deepseek-v4-flash: 256 experts, top-6, hidden 4096" in md and "**Skipped** kimi-k3" in md
+    assert "| ll_round_trip | bf16 | call |" in md

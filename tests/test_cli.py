@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from cupy_ep import bench, soak, tune
+from cupy_ep.tools import cli, soak, tune
 
 REPO = Path(__file__).resolve().parent.parent
-TOOLS = {"bench": bench, "soak": soak, "tune": tune}
+TOOLS = {"bench": cli, "soak": soak, "tune": tune}
 # what --help must do without: the optional packages, MPI and CuPy (parsing comes before MPI starts)
 BLOCKED = ("matplotlib", "tqdm", "torch", "mpi4py", "cupy", "cupyx")
 # the benchmark's --help needs nothing but the interpreter: scripts/bench.sh --help may run a python on PATH that
@@ -50,7 +50,7 @@ def clean_env(extra_path: str | None = None) -> dict:
     """This process's environment without any MPI launcher's or torchrun's variables; the worktree first on
     PYTHONPATH (``extra_path`` before it)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in bench.LAUNCHER_RANK_VARS + ("WORLD_SIZE", "LOCAL_WORLD_SIZE")
+           if k not in cli.LAUNCHER_RANK_VARS + ("WORLD_SIZE", "LOCAL_WORLD_SIZE")
            and not k.startswith(_LAUNCHER_PREFIXES)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, str(REPO), os.environ.get("PYTHONPATH")) if p)
     return env
@@ -97,7 +97,7 @@ def error_lines(text: str, prog: str) -> list[str]:
 def help_of(parser, option: str) -> str:
     """An option's help as ``--help`` prints it (before line wrapping)."""
     action = next(a for a in parser._actions if option in a.option_strings)
-    return bench.HelpFormatter(parser.prog)._expand_help(action)
+    return cli.HelpFormatter(parser.prog)._expand_help(action)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def help_of(parser, option: str) -> str:
 @pytest.mark.parametrize("tool", sorted(TOOLS))
 def test_every_option_states_its_default(tool):
     parser = TOOLS[tool].build_parser()
-    formatter = bench.HelpFormatter(parser.prog)
+    formatter = cli.HelpFormatter(parser.prog)
     options = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
     assert len(options) >= 8
     for action in options:
@@ -118,9 +118,9 @@ def test_every_option_states_its_default(tool):
 
 
 def test_list_defaults_are_shown_as_they_are_typed():
-    assert help_of(bench.build_parser(), "--sms").endswith("(default: 8,16,24,32 on a GPU, 4 on the host backend)")
-    assert help_of(bench.build_parser(), "--ll-token-sweep").endswith("(default: 0,128)")
-    assert help_of(bench.build_parser(), "--steady-n").endswith("(default: 10)")
+    assert help_of(cli.build_parser(), "--sms").endswith("(default: 8,16,24,32 on a GPU, 4 on the host backend)")
+    assert help_of(cli.build_parser(), "--ll-token-sweep").endswith("(default: 0,128)")
+    assert help_of(cli.build_parser(), "--steady-n").endswith("(default: 10)")
     assert help_of(tune.build_parser(), "--sms").endswith("(default: 8,16,24,32,40,48)")
     assert help_of(soak.build_parser(), "--hiddens").endswith("(default: 2048,4096,7168)")
     assert soak.parse_args([]).hiddens == (2048, 4096, 7168)
@@ -200,7 +200,7 @@ def test_a_world_error_under_mpiexec_prints_once(tmp_path):
 # ------------------------------------------------------------------------------------------------------
 def _no_launcher(monkeypatch):
     for name in list(os.environ):
-        if name in bench.LAUNCHER_RANK_VARS or name.startswith(_LAUNCHER_PREFIXES):
+        if name in cli.LAUNCHER_RANK_VARS or name.startswith(_LAUNCHER_PREFIXES):
             monkeypatch.delenv(name)
 
 
@@ -215,7 +215,7 @@ def test_launcher_rank(monkeypatch, env, rank):
     _no_launcher(monkeypatch)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert bench.launcher_rank() == rank
+    assert cli.launcher_rank() == rank
 
 
 @pytest.mark.parametrize("tool", sorted(TOOLS))
@@ -253,10 +253,10 @@ class _FakeComm:
 
 
 def test_fail_once(capsys):
-    bench.fail_once(_FakeComm(0, [None, None]), bench.build_parser(), None)  # no problem: returns
+    cli.fail_once(_FakeComm(0, [None, None]), cli.build_parser(), None)  # no problem: returns
     for rank, printed in ((0, True), (1, False)):
         with pytest.raises(SystemExit) as e:
-            bench.fail_once(_FakeComm(rank, [None, "this rank sees no GPU"]), bench.build_parser(),
+            cli.fail_once(_FakeComm(rank, [None, "this rank sees no GPU"]), cli.build_parser(),
                             "this rank sees no GPU" if rank == 1 else None)
         assert e.value.code == 2
         err = capsys.readouterr().err
@@ -277,13 +277,13 @@ def test_fail_once(capsys):
     (["--mode", "internode"], 1, True, "argument --mode: internode needs at least 2 ranks (2 nodes), got 1"),
     ([], 2, False, None), (["--mode", "internode"], 2, True, None)])
 def test_check_world(capsys, argv, ranks, gpu, message):
-    args = bench.parse_args(argv, gpu=gpu, rank=0)
+    args = cli.parse_args(argv, gpu=gpu, rank=0)
     comm = _FakeComm(0, [message] * ranks)
     if message is None:
-        bench.check_world(args, comm, gpu)
+        cli.check_world(args, comm, gpu)
         return
     with pytest.raises(SystemExit) as e:
-        bench.check_world(args, comm, gpu)
+        cli.check_world(args, comm, gpu)
     assert e.value.code == 2
     assert error_lines(capsys.readouterr().err, "python -m cupy_ep.bench") == [
         f"python -m cupy_ep.bench: error: {message}"]
@@ -291,9 +291,9 @@ def test_check_world(capsys, argv, ranks, gpu, message):
 
 @pytest.mark.mpi(min_size=2)
 def test_check_world_ends_every_rank_alike(comm, capsys):
-    args = bench.parse_args(["--experts", str(comm.Get_size() * 4 + 1)], gpu=False, rank=comm.Get_rank())
+    args = cli.parse_args(["--experts", str(comm.Get_size() * 4 + 1)], gpu=False, rank=comm.Get_rank())
     with pytest.raises(SystemExit) as e:
-        bench.check_world(args, comm, False)
+        cli.check_world(args, comm, False)
     assert e.value.code == 2
     assert comm.allgather(e.value.code) == [2] * comm.Get_size()
     errors = error_lines(capsys.readouterr().err, "python -m cupy_ep.bench")
@@ -318,25 +318,25 @@ def test_tune_without_a_gpu_is_one_error(comm, capsys):
 # the benchmark's options
 # ------------------------------------------------------------------------------------------------------
 def test_bench_defaults_follow_the_mode_and_the_backend():
-    assert bench.parse_args([]).tokens == 4096
-    assert bench.parse_args(["--mode", "low-latency"]).tokens == bench.LL_DEFAULT_TOKENS
-    assert bench.parse_args(["--mode", "low-latency", "--tokens", "64"]).tokens == 64
-    args = bench.parse_args([])
+    assert cli.parse_args([]).tokens == 4096
+    assert cli.parse_args(["--mode", "low-latency"]).tokens == cli.LL_DEFAULT_TOKENS
+    assert cli.parse_args(["--mode", "low-latency", "--tokens", "64"]).tokens == 64
+    args = cli.parse_args([])
     assert (args.sms, args.iters, args.out) == (None, None, None)  # until the backend is known
-    gpu, host = bench.parse_args([], gpu=True), bench.parse_args([], gpu=False)
+    gpu, host = cli.parse_args([], gpu=True), cli.parse_args([], gpu=False)
     assert (gpu.sms, gpu.default_sms, gpu.token_sweep, gpu.iters, gpu.warmup) == ([8, 16, 24, 32], 24,
                                                                                  [512, 1024, 2048, 8192], 50, 5)
     assert (host.sms, host.default_sms, host.token_sweep, host.iters, host.warmup) == ([4], 4, [], 3, 1)
     assert gpu.out == "benchmarks/results" and host.out == "out/bench_host"
-    assert bench.parse_args(["--out", "x"], gpu=False).out == "x"
-    assert bench.parse_args(["--token-sweep", "", "--iters", "7"], gpu=True).token_sweep == []
-    assert bench.parse_args(["--iters", "7"], gpu=True).iters == 7
+    assert cli.parse_args(["--out", "x"], gpu=False).out == "x"
+    assert cli.parse_args(["--token-sweep", "", "--iters", "7"], gpu=True).token_sweep == []
+    assert cli.parse_args(["--iters", "7"], gpu=True).iters == 7
 
 
 def test_host_results_are_ignored_by_git():
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    host_out = bench.BACKEND_DEFAULTS["out"][1]
+    host_out = cli.BACKEND_DEFAULTS["out"][1]
     done = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", f"{host_out}/bench_host_ep2.json"])
     assert done.returncode == 0, f"{host_out} is not ignored by git"
     done = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", "benchmarks/results/bench_gpu_ep2.json"])
@@ -355,7 +355,7 @@ def test_host_results_are_ignored_by_git():
     (["--mode", "bogus"], "argument --mode: invalid choice")])
 def test_bench_refuses(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
-        bench.parse_args(argv, rank=0)
+        cli.parse_args(argv, rank=0)
     assert e.value.code == 2
     errors = error_lines(capsys.readouterr().err, "python -m cupy_ep.bench")
     assert len(errors) == 1 and message in errors[0], errors

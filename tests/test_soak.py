@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from cupy_ep import reference, soak
+from cupy_ep import reference
+from cupy_ep.tools import harness, soak
 
 
 @pytest.mark.mpi(min_size=2)
@@ -31,7 +32,7 @@ def test_progress_without_tqdm(monkeypatch):
     """tqdm is optional (the bench extra): without it the iterations run as a plain range."""
     monkeypatch.setitem(__import__("sys").modules, "tqdm", None)  # import tqdm raises ImportError
     items = range(3, 7)
-    assert soak.progress(items, 0, "soak") is items
+    assert harness.progress(items, 0, "soak") is items
 
 
 @pytest.mark.mpi(min_size=2)

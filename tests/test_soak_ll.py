@@ -5,7 +5,8 @@ import argparse
 import numpy as np
 import pytest
 
-from cupy_ep import reference, soak, soak_ll
+from cupy_ep import reference
+from cupy_ep.tools import soak, soak_ll
 
 # small shapes: the host backend and the reference are numpy, M=8 keeps an iteration in milliseconds
 ARGS = ["--mode", "low-latency", "--max-tokens", "8", "--hiddens", "128,512,1024", "--backend", "host"]

@@ -9,7 +9,7 @@ Per op: median and p99 over ``--iters`` (>= 200) iterations, timed three ways (f
   one buffer), started right after an MPI barrier, per op; the ranks' launch skew is paid once per 2 ops;
 * ``steady``: ``--steady-n`` ops (rounded up to even) back to back per replay, alternating the two buffers as in
   real use (each call's receive completes before the call after next), L2 flushed before each, minus a
-  flush-only graph, divided by n (:meth:`cupy_ep.bench.GpuTimer.steady`): device latency per op in a pipeline,
+  flush-only graph, divided by n (:meth:`cupy_ep.tools.harness.GpuTimer.steady`): device latency per op in a pipeline,
   the ranks' launch skew paid once per n ops.
 
 NCCL grouped send/recv of the same per-peer bytes is measured in the same run: as graph replays for the call and
@@ -17,7 +17,10 @@ graph rows, steady for the steady rows. Further records: a steady token sweep (`
 rank at the same max M, ``--ll-max-tokens`` (default ``--tokens``); T = 0 is the fixed cost) and the host time per call (timing ``host``:
 200 plain calls back to back, with ``check_values`` False and True), and with ``--ll-stamps`` where a call's time goes (timing ``stamps``: the
 kernels' %globaltimer phase stamps, ``phases_us``). Results are verified against :mod:`cupy_ep.reference` before any timing (a
-mismatch aborts). Records are written to ``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``.
+mismatch aborts). Records are written to ``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``. One run covers each
+``--model`` shape the kernels take (a top-k above ``LOW_LATENCY_MAX_TOPK`` is reported as skipped). On the
+host backend (``--backend host``) the calls are verified and timed by the host clock only
+(``bench_ll_host_ep<R>``).
 
 Where ranks share a GPU (CUDA MPS clients) NCCL refuses to run: the benchmark then runs without the NCCL baseline
 and without the aligned timing (which lines the ranks up by an NCCL all-reduce), says so in its log and report
@@ -29,11 +32,12 @@ import time
 
 import numpy as np
 
-import cupy_ep
 from cupy_ep import Buffer, reference
 from cupy_ep import config as cfgmod
-from cupy_ep.bench import (GpuTimer, nccl_baseline, op_label, results_stem, shared_gpu_markdown, shared_gpu_warning,
-                           shared_gpus, write_report)
+from . import harness
+from .harness import (GpuTimer, HostTimer, capture_graph, make_routing, nccl_baseline, op_label, raw_words,
+                      results_stem, shared_gpu_markdown, shared_gpu_warning, shared_gpus, to_device, to_host,
+                      warm_stream, write_report)
 
 HOST_CALLS = 200  # plain calls per host-overhead measurement
 # why a run without NCCL has no aligned timing (its log and report say so)
@@ -48,15 +52,28 @@ class LatencyTimer(GpuTimer):
         return float(np.percentile(self.last, 99))
 
 
-def _bf16_dev(a):
-    import cupy
-    return cupy.asarray(a.view(np.uint16)).view(cupy_ep.interop.BF16)
+class HostLatencyTimer(HostTimer):
+    """HostTimer (the host backend) with the percentile of :class:`LatencyTimer`."""
+    p99 = LatencyTimer.p99
 
 
 def _selections_per_rank(idx: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
     """Top-k slots of this rank's tokens per destination rank (one message each)."""
     valid = idx[idx >= 0]
     return np.bincount(valid // (num_experts // num_ranks), minlength=num_ranks)
+
+
+def op_bytes(per_rank: np.ndarray, rank: int, hidden: int) -> dict:
+    """``{op: (logical bytes, NVLink bytes)}`` of this rank's low-latency calls, as DeepEP's low-latency test
+    counts them: each top-k selection of this rank's tokens is one message (``per_rank[r]``: selections bound
+    for rank r), FP8 dispatch messages of ``hidden + hidden / 128 * 4 + 16`` bytes, BF16 rows of ``2 * hidden``
+    bytes back in the combine; logical counts every selection, the own rank's included, NVLink only those of
+    other ranks. The round trip moves a BF16 dispatch and a combine."""
+    total, other = int(per_rank.sum()), int(per_rank.sum() - per_rank[rank])
+    fp8, bf16 = hidden + hidden // 128 * 4 + 16, 2 * hidden
+    combine = (total * bf16, other * bf16)
+    return {"ll_dispatch": (total * fp8, other * fp8), "ll_combine": combine, "ll_combine_bf16p": combine,
+            "ll_combine_logfmt": combine, "ll_round_trip": (2 * total * bf16, 2 * other * bf16)}
 
 
 def even_steady_n(n: int) -> int:
@@ -82,31 +99,40 @@ def host_us_per_call(comm, fn, calls: int, sync) -> tuple[float, float]:
     return float(host), float(wall)
 
 
-class LowLatencyBench:
+class LowLatencyBench(harness.Tool):
+    """The low-latency benchmark of one model shape (``args.hidden``, ``args.topk``, ``args.experts``; ``args.shape``
+    names it): :func:`main` runs one per ``--model`` shape."""
+
     def __init__(self, args, comm):
-        self.args, self.comm = args, comm
-        self.rank, self.R = comm.Get_rank(), comm.Get_size()
+        super().__init__(args, comm)
         a = args
         self.M = max_tokens(a)
         self.steady_n = even_steady_n(a.steady_n)
         rdma = cfgmod.low_latency_rdma_size_hint(self.M, a.hidden, self.R, a.experts)
-        self.buf = Buffer(comm, num_rdma_bytes=rdma, low_latency_mode=True, check_values=False, backend="cuda",
+        self.buf = Buffer(comm, num_rdma_bytes=rdma, low_latency_mode=True, check_values=False,
+                          backend="host" if getattr(a, "backend", None) == "host" else "cuda",
                           low_latency_transport=getattr(a, "ll_transport", None))
-        self.transport = self.buf._ll.transport
+        self.gpu = self.buf.backend == "cuda"
+        self.transport = self.buf._ll.transport if self.gpu else "host"
         self.records: list[dict] = []
-        self.nccl, self.nccl_status, self.shared = None, None, []  # run() opens the baseline
+        # run() opens the NCCL baseline (GPU)
+        self.nccl, self.nccl_status, self.shared = None, None if self.gpu else "not measured: the host backend", []
 
-    def log(self, *a):
-        if self.rank == 0:
-            print(*a, flush=True)
+    def sync(self) -> None:
+        """Wait for the device (nothing to wait for on the host backend)."""
+        if self.gpu:
+            import cupy
+            cupy.cuda.runtime.deviceSynchronize()
+
+    def dev(self, a):
+        return to_device(a) if self.gpu else a
 
     def inputs(self, tokens: int):
-        """This rank's ``tokens`` tokens: bf16 x, distinct top-k experts, weights (numpy)."""
+        """This rank's ``tokens`` tokens: bf16 x, distinct top-k experts by ``--routing``, weights (numpy)."""
         a = self.args
-        rng = np.random.default_rng(4321 + self.rank)
+        rng = np.random.default_rng(a.seed + self.rank)
         x = rng.standard_normal((tokens, a.hidden), dtype=np.float32).astype(reference.bfloat16)
-        scores = rng.random((tokens, a.experts), dtype=np.float32)
-        idx = np.argsort(-scores, axis=1)[:, :a.topk].astype(np.int64)
+        idx = make_routing(rng, tokens, a.topk, a.experts, self.R, 0.0, a.routing, a.seed)
         w = rng.random((tokens, a.topk), dtype=np.float32)
         return x, idx, w
 
@@ -118,8 +144,8 @@ class LowLatencyBench:
         gathered = self.comm.allgather((x, idx, w, y))
         want = reference.low_latency_dispatch([g[0] for g in gathered], [g[1] for g in gathered], self.M,
                                               a.experts, self.rank, use_fp8=True)
-        ok = np.array_equal(count.get(), want.recv_count)
-        data, scales, src = data.get(), scales.get(), handle[0].get()
+        ok = np.array_equal(to_host(count), want.recv_count)
+        data, scales, src = to_host(data), to_host(scales), to_host(handle[0])
         for e, n in enumerate(want.recv_count):
             ok &= np.array_equal(data[e, :n].view(np.uint8), want.recv_x[e, :n])
             ok &= np.array_equal(scales[e, :n], want.recv_x_scales[e, :n])
@@ -130,7 +156,7 @@ class LowLatencyBench:
                 continue
             want_c = reference.low_latency_combine([g[3] for g in gathered], [g[1] for g in gathered],
                                                    [g[2] for g in gathered], self.M, a.experts, self.rank, **wire)
-            ok &= np.array_equal(got.view(np.uint16).get(), want_c.view(np.uint16))
+            ok &= np.array_equal(to_host(got).view(np.uint16), want_c.view(np.uint16))
         if not self.comm.allreduce(bool(ok), op=__import__("mpi4py").MPI.LAND):
             self.log("cupy_ep.bench_ll: VERIFICATION FAILED against cupy_ep.reference")
             self.comm.Abort(2)
@@ -142,18 +168,34 @@ class LowLatencyBench:
         ``handle`` (24-bit partials; ``ll_combine_bf16p``: ``bf16_partials=True``; ``ll_combine_logfmt``:
         ``use_logfmt=True``), each with NCCL grouped send/recv of its per-peer bytes (collective: every rank calls
         it; ``nccl_fn`` None without the NCCL baseline, ``self.nccl`` None). Records name the op and the partials
-        (:func:`_op_fields`)."""
+        (:func:`_op_fields`). ``ll_round_trip``: a BF16 dispatch, a stand-in expert step (the received rows copied
+        into the expert output) and the combine of it, back to back with no host sync (NCCL: the same bytes there,
+        the same copy, and back). Sets ``self.op_bytes`` (:func:`op_bytes`)."""
         a, R, buf = self.args, self.R, self.buf
-        dispatch_bytes = combine_bytes = (None, None)
+        per_rank = _selections_per_rank(idx_np, a.experts, R)
+        self.op_bytes = op_bytes(per_rank, self.rank, a.hidden)
+        dispatch_bytes = combine_bytes = round_trip_bytes = (None, None)
         if self.nccl is not None:
-            per_rank = _selections_per_rank(idx_np, a.experts, R)
             recv_per_rank = np.array(self.comm.alltoall([int(v) for v in per_rank]))
             msg_fp8 = a.hidden + a.hidden // 128 * 4 + 16
             dispatch_bytes = (per_rank * msg_fp8, recv_per_rank * msg_fp8)
             combine_bytes = (recv_per_rank * 2 * a.hidden, per_rank * 2 * a.hidden)
+            round_trip_bytes = (per_rank * 2 * a.hidden, recv_per_rank * 2 * a.hidden)
 
         def nccl(sizes):
             return self.nccl.make(*sizes) if self.nccl is not None else None
+        expert_out = {}  # the round trip's expert output, made by its first (uncaptured) call
+
+        def round_trip():
+            recv_x, _, h, _, _ = buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=False)
+            if "y" not in expert_out:
+                expert_out["y"] = raw_words(recv_x).copy()
+            if self.gpu:
+                import cupy
+                cupy.copyto(expert_out["y"], raw_words(recv_x))
+            else:
+                np.copyto(expert_out["y"], raw_words(recv_x))
+            return buf.low_latency_combine(expert_out["y"].view(recv_x.dtype), idx, w, h)
         return {
             "ll_dispatch": (lambda: buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True),
                             nccl(dispatch_bytes), "fp8"),
@@ -162,6 +204,8 @@ class LowLatencyBench:
                                  nccl(combine_bytes), "bf16"),
             "ll_combine_logfmt": (lambda: buf.low_latency_combine(y, idx, w, handle, use_logfmt=True),
                                   nccl(combine_bytes), "bf16"),
+            "ll_round_trip": (round_trip, self.nccl.make_round_trip(*round_trip_bytes) if self.nccl is not None
+                              else None, "bf16"),
         }
 
     def timed(self, timer, fn, how: str):
@@ -204,8 +248,13 @@ class LowLatencyBench:
                "nccl_time_us_p99": nccl_p99, "nccl_timing": nccl_how if nccl_t else None,
                "ratio_to_nccl": t.median_us / nccl_t.median_us if nccl_t else None,
                "steady_n": self.steady_n if how == "steady" else None,
-               "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden, "topk": a.topk,
-               "experts": a.experts, "num_ranks": self.R}
+               "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "model": getattr(a, "model_name", None),
+               "hidden": a.hidden, "topk": a.topk, "experts": a.experts, "num_ranks": self.R}
+        rec.update(getattr(self, "load", {}))
+        logical, nvlink = getattr(self, "op_bytes", {}).get(op, (None, None))
+        rec.update(logical_bytes=logical, nvlink_bytes=nvlink,
+                   logical_gbps=logical / (t.median_us * 1e3) if logical is not None and t.median_us else None,
+                   nvlink_gbps=nvlink / (t.median_us * 1e3) if nvlink is not None and t.median_us else None)
         self.records.append(rec)
         self.log(f"  {op:17s} {how:6s} T={tokens:4d} median {t.median_us:7.1f} us  p99 {p99:7.1f} us"
                  + (f"  (NCCL same bytes, {nccl_how} {nccl_t.median_us:7.1f} us)" if nccl_t else ""))
@@ -215,11 +264,7 @@ class LowLatencyBench:
         benchmark's ``check_values=False`` and again with the Buffer's default ``check_values=True`` (field
         ``check_values``): the value checks copy the top-k (and a combine's handle) to the host, a sync per call,
         which is what a decode loop with the defaults pays."""
-        import cupy
-        a, buf = self.args, self.buf
-
-        def sync():
-            cupy.cuda.runtime.deviceSynchronize()
+        a, buf, sync = self.args, self.buf, self.sync
         try:
             for checked in (False, True):
                 buf.check_values = checked
@@ -229,7 +274,7 @@ class LowLatencyBench:
                                          "host_us_per_call": host, "host_wall_us_per_call": wall,
                                          "check_values": checked, "calls": HOST_CALLS, "time_us_median": None,
                                          "time_us_p99": None, "time_us_min": None, "nccl_time_us": None,
-                                         "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden,
+                                         "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "model": getattr(a, "model_name", None), "hidden": a.hidden,
                                          "topk": a.topk, "experts": a.experts, "num_ranks": self.R})
                     self.log(f"  {op:17s} host   T={tokens:4d} {host:7.1f} us per call on the host "
                              f"({wall:7.1f} us per call until the device is done; {HOST_CALLS} calls back to back"
@@ -249,12 +294,14 @@ class LowLatencyBench:
         buffer, or None): fill it before each call inside the graph, as the steady timing does, so the calls start
         with a cold L2 (records say ``l2_flushed``)."""
         import cupy
-        from .bench import capture_graph, warm_stream
-        from .cuda_low_latency import STAMP_NAMES, phase_breakdown
+
+        from ..cuda_low_latency import STAMP_NAMES, phase_breakdown
         a, ll = self.args, self.buf._low_latency()
         ll.enable_stamps()
         try:
             for op, (fn, _, dtype) in runs.items():
+                if op == "ll_round_trip":  # two kernels, each stamped as its own op
+                    continue
                 stamps = ll.stamps_of("dispatch" if op == "ll_dispatch" else "combine")
 
                 def one_round():
@@ -291,7 +338,7 @@ class LowLatencyBench:
                                      "l2_flushed": flush is not None,
                                      "rounds": rounds, "calls_per_round": calls, "time_us_median": None,
                                      "time_us_p99": None, "time_us_min": None, "nccl_time_us": None,
-                                     "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "hidden": a.hidden,
+                                     "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "model": getattr(a, "model_name", None), "hidden": a.hidden,
                                      "topk": a.topk, "experts": a.experts, "num_ranks": self.R})
                 flushed = ' (L2 flushed)' if flush is not None else ''
                 self.log(f"  {op:17s} phases{flushed} (us after the first block started): " +
@@ -306,7 +353,6 @@ class LowLatencyBench:
 
     def token_sweep(self, timer, y) -> None:
         """Steady records at T tokens per rank (``--ll-token-sweep``), same max M; T = --tokens is the main run's."""
-        import cupy
         a, buf = self.args, self.buf
         for T in a.ll_token_sweep:
             if T == a.tokens:  # the main run's
@@ -316,7 +362,7 @@ class LowLatencyBench:
                 continue
             started = time.perf_counter()
             x_np, idx_np, w_np = self.inputs(T)
-            x, idx, w = _bf16_dev(x_np), cupy.asarray(idx_np), cupy.asarray(w_np)
+            x, idx, w = to_device(x_np), to_device(idx_np), to_device(w_np)
             handle = buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True)[2]
             runs = self.ops(x, idx, w, y, handle, idx_np)
             self.time_ops(timer, runs, T, ("steady",), with_nccl=T > 0)
@@ -325,25 +371,47 @@ class LowLatencyBench:
             # (what each size costs in wall time)
             self.log(f"  (token sweep T={T}: {time.perf_counter() - started:.1f} s)")
 
-    def run(self):
+    def note_load(self, idx_np) -> None:
+        """Collective: the tokens each rank receives in a dispatch of every rank's ``idx_np`` (a token counted once
+        per destination rank) and the busiest rank's over the mean, logged and put in every record."""
+        a = self.args
+        loads = harness.rank_loads(self.comm.allgather(idx_np), a.experts, self.R)
+        self.load, text = harness.load_summary(loads, getattr(a, "routing", "uniform"))
+        self.log("  " + text)
+
+    def device_ctx(self):
+        import contextlib
+        if not self.gpu:
+            return contextlib.nullcontext()
         import cupy
+        return cupy.cuda.Device(self.buf.device_id)
+
+    def run(self):
         a, R, buf = self.args, self.R, self.buf
-        self.log(f"cupy_ep.bench --mode low-latency: ranks={R} tokens={a.tokens} hidden={a.hidden} topk={a.topk} "
-                 f"experts={a.experts} iters={a.iters} steady_n={self.steady_n} token_sweep={a.ll_token_sweep}")
+        self.log(f"cupy_ep.bench --mode low-latency: backend={buf.backend} ranks={R} tokens={a.tokens} "
+                 f"hidden={a.hidden} topk={a.topk} experts={a.experts} iters={a.iters} steady_n={self.steady_n} "
+                 f"token_sweep={a.ll_token_sweep}")
         L = a.experts // R
-        with cupy.cuda.Device(buf.device_id):
+        with self.device_ctx():
             x_np, idx_np, w_np = self.inputs(a.tokens)
-            x, idx, w = _bf16_dev(x_np), cupy.asarray(idx_np), cupy.asarray(w_np)
+            self.note_load(idx_np)
+            x, idx, w = self.dev(x_np), self.dev(idx_np), self.dev(w_np)
             rng = np.random.default_rng(99 + self.rank)
             y_np = rng.integers(-8, 9, size=(L, R * self.M, a.hidden)).astype(np.float32).astype(reference.bfloat16)
-            y = _bf16_dev(y_np)
+            y = self.dev(y_np)
             out = buf.low_latency_dispatch(x, idx, self.M, a.experts, use_fp8=True)
             combined, _, _ = buf.low_latency_combine(y, idx, w, out[2])
             combined_bf16p, _, _ = buf.low_latency_combine(y, idx, w, out[2], bf16_partials=True)
             combined_logfmt, _, _ = buf.low_latency_combine(y, idx, w, out[2], use_logfmt=True)
-            cupy.cuda.runtime.deviceSynchronize()
+            self.sync()
             self.verify(x_np, idx_np, w_np, out[:3], combined, y_np, combined_bf16p, combined_logfmt)
             handle = out[2]
+            if not self.gpu:  # the calls timed by the host clock: no graphs, no NCCL, no device overhead to split
+                runs = self.ops(x, idx, w, y, handle, idx_np)
+                self.time_ops(HostLatencyTimer(self.comm, a.iters, a.warmup), runs, a.tokens, ("call",))
+                self.log("  (host backend: call timings only; no graph, aligned or steady timing, no token sweep)")
+                buf.destroy()
+                return
 
             timer = LatencyTimer(self.comm, a.iters, a.warmup)
             self.shared = shared_gpus(self.comm)
@@ -363,8 +431,6 @@ class LowLatencyBench:
             else:
                 self.log("  (--steady-n 0: no steady timing, no token sweep)")
         buf.destroy()
-        if self.rank == 0:
-            self.write()
 
     def main_timings(self) -> tuple:
         """How the main run (--tokens) times each op: call, graph, aligned (only with the NCCL baseline, whose
@@ -372,22 +438,30 @@ class LowLatencyBench:
         return (("call", "graph") + (("aligned",) if self.nccl is not None else ())
                 + (("steady",) if self.steady_n else ()))
 
-    def write(self):
-        stem = results_stem(f"bench_ll_gpu_ep{self.R}" + ("" if self.transport == "nvshmem" else f"_{self.transport}"),
-                            self.shared)
-        about = dict(transport=self.transport, nccl=self.nccl_status, shared_gpu_ranks=self.shared or None,
+    def write(self, records: list | None = None, skipped: list | None = None) -> None:
+        """The report of ``records`` (default: this bench's; :func:`main` passes every model shape's) and of the
+        shapes ``skipped``."""
+        records = self.records if records is None else records
+        if not self.gpu:
+            stem = f"bench_ll_host_ep{self.R}"
+        else:
+            stem = results_stem(f"bench_ll_gpu_ep{self.R}" + ("" if self.transport == "nvshmem" else
+                                                              f"_{self.transport}"), self.shared)
+        about = dict(backend="cuda" if self.gpu else "host", transport=self.transport, nccl=self.nccl_status,
+                     shared_gpu_ranks=self.shared or None,
                      aligned="measured" if self.nccl is not None else f"skipped: {ALIGNED_WHY}")
-        write_report(self.args.out, stem, self.records,
-                     dict(num_ranks=self.R, **about, args={k: v for k, v in vars(self.args).items()}),
-                     lambda common: markdown_lines(self.records, self.args, self.R, dict(common, **about)),
-                     "low-latency")
+        write_report(self.args.out, stem, records,
+                     dict(num_ranks=self.R, **about, skipped=skipped or [], args=harness.args_doc(self.args)),
+                     lambda common: markdown_lines(records, self.args, self.R,
+                                                   dict(common, **about, skipped=skipped or [])),
+                     "low-latency", gpu=self.gpu)
 
 
 def _op_fields(label: str) -> dict:
     """A record's ``op`` (``ll_dispatch`` / ``ll_combine``) and, for a combine, its ``partials`` ("24-bit";
     "bf16" for the ``ll_combine_bf16p`` run: ``bf16_partials=True``; "logfmt" for ``ll_combine_logfmt``:
     ``use_logfmt=True``)."""
-    if label == "ll_dispatch":
+    if label in ("ll_dispatch", "ll_round_trip"):
         return {"op": label}
     return {"op": "ll_combine", "partials": {"ll_combine_bf16p": "bf16", "ll_combine_logfmt": "logfmt"}.get(label,
                                                                                                        "24-bit")}
@@ -403,14 +477,19 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
     steady = [r for r in records if r.get("timing") == "steady"]
     n = steady[0]["steady_n"] if steady else None
     shared = common.get("shared_gpu_ranks")
-    out = [f"# cupy_ep low-latency benchmark (EP{num_ranks}, {common['gpu']}"
-           + (", ranks sharing a GPU)" if shared else ")"), ""]
+    if common.get("backend") == "host":
+        out = [f"# cupy_ep low-latency benchmark: host-backend results (numpy + MPI on the CPU, no GPU), EP{num_ranks}",
+               "", "Host backend (backend=host): the CPU reference path, run to check the pipeline; its times are "
+               "host-clock call times, not GPU numbers, and say nothing about NVLink.", ""]
+    else:
+        out = [f"# cupy_ep low-latency benchmark (EP{num_ranks}, {common['gpu']}"
+               + (", ranks sharing a GPU)" if shared else ")"), ""]
     out += shared_gpu_markdown(shared, common.get("nccl"),
                                "" if str(common.get("aligned", "measured")) == "measured" else
                                f"The *aligned* rows are left out: {ALIGNED_WHY}.")
-    out += [f"commit `{common['commit']}`; transport {common.get('transport', 'nvshmem')}; {args.tokens} tokens/rank (max tokens M = {max_tokens(args)}), hidden "
-           f"{args.hidden}, top-{args.topk} of {args.experts}; {args.iters} iterations, median and p99 of the "
-           "slowest rank per iteration.", "",
+    out += [f"commit `{common['commit']}`; transport {common.get('transport', 'nvshmem')}; {args.tokens} tokens/rank "
+           f"(max tokens M = {max_tokens(args)}); routing {getattr(args, 'routing', 'uniform')}; {args.iters} "
+           "iterations, median and p99 of the slowest rank per iteration.", "",
            "Timings: *call* = CUDA events around the Python call (host overhead included); *graph* = two ops per "
            "CUDA-graph replay (the two buffers alternate per call: a graph must hold an even number of "
            "low-latency calls), right after an MPI barrier, per op, the ranks' launch skew included once per 2 "
@@ -424,14 +503,36 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
            "`bf16_partials=True`, the expert ranks' partial sums cross NVLink as bf16 instead of 24 bits (a third "
            "fewer bytes, one more rounding); *ll_combine (LogFMT-10 partials)*: `use_logfmt=True`, as LogFMT-10 "
            "(cupy_ep/logfmt.py: 1.3125 bytes per value, 44 % of the 24-bit bytes, a relative error of at most "
-           "2.2 % per partial value).", "",
-           "| op | dtype | timing | median us | p99 us | NCCL us (same bytes) | NCCL timing | ours/NCCL |",
-           "|---|---|---|---|---|---|---|---|"]
+           "2.2 % per partial value). *ll_round_trip*: a BF16 dispatch, a stand-in expert step (the received rows "
+           "copied into the expert output) and the combine of it, back to back with no host sync (NCCL: the same "
+           "bytes there, the same copy, and back). Logical GB/s counts every top-k selection's message, the own "
+           "rank's included (DeepEP's figure: FP8 messages of H + H/128*4 + 16 bytes, BF16 rows of 2H), NVLink "
+           "GB/s only those to other ranks; both at the median time of the row's timing.", ""]
+    for model in dict.fromkeys(r.get("model") for r in records):
+        group = [r for r in records if r.get("model") == model]
+        if model is not None:  # one set of tables per model shape
+            g0 = group[0]
+            out += ["", f"## {model}: {g0['experts']} experts, top-{g0['topk']}, hidden {g0['hidden']}", ""]
+        out += _tables(group, args)
+    for sk in common.get("skipped") or []:
+        out += ["", f"**Skipped** {sk['model']} ({sk['experts']} experts, top-{sk['topk']}, hidden {sk['hidden']}) in "
+                f"{sk['mode']} mode: {sk['reason']}."]
+    return out
+
+
+def _tables(records: list, args) -> list:
+    """The tables of one model shape's records: main (call / graph / aligned / steady at --tokens), token sweep,
+    phases, host time per call."""
+    steady = [r for r in records if r.get("timing") == "steady"]
+    out = []
+    out += ["| op | dtype | timing | median us | p99 us | NCCL us (same bytes) | NCCL timing | ours/NCCL "
+            "| logical GB/s | NVLink GB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["timing"] in ("call", "graph", "aligned", "steady") and r["tokens"] == args.tokens:
             out.append(f"| {op_label(r)} | {r['dtype']} | {r['timing']} | {r['time_us_median']:.1f} | "
                        f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {r.get('nccl_timing') or '-'} | "
-                       f"{_f(r.get('ratio_to_nccl'), '.2f')} |")
+                       f"{_f(r.get('ratio_to_nccl'), '.2f')} | {_f(r.get('logical_gbps'), '.1f')} | "
+                       f"{_f(r.get('nvlink_gbps'), '.1f')} |")
     if steady:
         out += ["", f"Token sweep (steady): T tokens per rank, max tokens M = {max_tokens(args)}. T = 0 is the fixed "
                 "cost of a call: the launch, the signals and their round trip, "
@@ -443,7 +544,7 @@ def markdown_lines(records: list, args, num_ranks: int, common: dict) -> list:
                        f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {_f(r.get('ratio_to_nccl'), '.2f')} |")
     stamped = [r for r in records if r.get("timing") == "stamps"]
     if stamped:
-        from .cuda_low_latency import STAMP_NAMES
+        from ..cuda_low_latency import STAMP_NAMES
         names = [n for n in STAMP_NAMES + ("last_end",) if any(n in r["phases_us"] for r in stamped)]
         out += ["", f"Phases (`--ll-stamps`): the kernels' %globaltimer stamps in us, median over "
                 f"{stamped[0]['rounds']} calls (each the last of {stamped[0].get('calls_per_round', 4)} replayed back "
@@ -493,6 +594,10 @@ def max_tokens(args) -> int:
 
 
 def main(args, comm) -> None:
-    """Entry from :func:`cupy_ep.bench.main` (``--mode low-latency``; its ``check_world`` made sure of a GPU)."""
-    args.iters = max(args.iters, 200)
-    LowLatencyBench(args, comm).run()
+    """Entry from :func:`cupy_ep.tools.bench.main` (``--mode low-latency``; its ``check_world`` made sure of a GPU):
+    one :class:`LowLatencyBench` per ``--model`` shape the low-latency kernels can run (the others are logged as
+    skipped, with the reason, and listed in the report), one report of them all."""
+    from .bench import run_each_shape
+    if args.backend != "host":  # percentiles want iterations (a host run checks the pipeline)
+        args.iters = max(args.iters, 200)
+    run_each_shape(args, comm, "low-latency", LowLatencyBench)

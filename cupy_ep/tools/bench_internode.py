@@ -20,11 +20,11 @@ import os
 
 import numpy as np
 
-import cupy_ep
 from cupy_ep import Buffer, internode_reference, reference
 from cupy_ep import config as cfgmod
-from cupy_ep.bench import GpuTimer, make_routing, results_stem, shared_gpu_markdown, shared_gpu_warning, shared_gpus, \
-    write_report
+from . import harness
+from .harness import (GpuTimer, make_routing, results_stem, shared_gpu_markdown, shared_gpu_warning, shared_gpus,
+                      to_device, write_report)
 
 
 def ranks_per_node(comm) -> int:
@@ -51,10 +51,12 @@ def logical_bytes(idx: np.ndarray, num_experts: int, num_ranks: int, gpus_per_no
     return int(internode_reference.node_matrix(itr, gpus_per_node).sum()), int(itr.sum())
 
 
-class InternodeBench:
+class InternodeBench(harness.Tool):
+    """The internode benchmark of one model shape (``args.hidden``, ``args.topk``, ``args.experts``): :func:`main`
+    runs one per ``--model`` shape."""
+
     def __init__(self, args, comm):
-        self.args, self.comm = args, comm
-        self.rank, self.R = comm.Get_rank(), comm.Get_size()
+        super().__init__(args, comm)
         self.G = ranks_per_node(comm)
         self.N = self.R // self.G
         self.sms = args.default_sms
@@ -70,20 +72,16 @@ class InternodeBench:
         self.records: list[dict] = []
         self.shared: list = []  # groups of ranks sharing a GPU (run() finds them)
 
-    def log(self, *a):
-        if self.rank == 0:
-            print(*a, flush=True)
-
     def run(self):
         import cupy
         a, R, buf = self.args, self.R, self.buf
         self.log(f"cupy_ep.bench --mode internode: {self.N} nodes x {self.G} GPUs, transport {self.transport}, "
                  f"tokens={a.tokens} hidden={a.hidden} topk={a.topk} experts={a.experts} sms={self.sms}")
-        rng = np.random.default_rng(777 + self.rank)
+        rng = np.random.default_rng(a.seed + self.rank)
         x_np = rng.standard_normal((a.tokens, a.hidden), dtype=np.float32).astype(reference.bfloat16)
         x8_np = rng.integers(0, 0x7f, size=(a.tokens, a.hidden), dtype=np.uint8)
         s_np = rng.random((a.tokens, -(-a.hidden // 128)), dtype=np.float32)
-        idx_np = make_routing(rng, a.tokens, a.topk, a.experts, R, a.skew)
+        idx_np = make_routing(rng, a.tokens, a.topk, a.experts, R, a.skew, a.routing, a.seed)
         w_np = rng.random((a.tokens, a.topk), dtype=np.float32)
         rdma_rows, _ = logical_bytes(idx_np, a.experts, R, self.G)
         timer = GpuTimer(self.comm, a.iters, a.warmup)
@@ -91,9 +89,8 @@ class InternodeBench:
             self.shared = shared_gpus(self.comm)
             if self.shared:
                 self.log(shared_gpu_warning("cupy_ep.bench --mode internode", self.shared, None))
-            x = cupy.asarray(x_np.view(np.uint16)).view(cupy_ep.interop.BF16)
-            x8 = (cupy.asarray(x8_np), cupy.asarray(s_np))
-            idx, w = cupy.asarray(idx_np), cupy.asarray(w_np)
+            x, x8 = to_device(x_np), to_device((x8_np, s_np))
+            idx, w = to_device(idx_np), to_device(w_np)
             layout = buf.get_dispatch_layout(idx, a.experts)[:4]
             kw = dict(num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1], is_token_in_rank=layout[3],
                       num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w, config=self.dcfg)
@@ -122,7 +119,9 @@ class InternodeBench:
                 rec = {"op": op, "dtype": dtype, "transport": self.transport, "time_us_median": t.median_us,
                        "time_us_min": t.min_us, "rdma_gbps": rdma_gbps, "nvl_gbps": nvl_gbps,
                        "rdma_ceiling_gbps": ceiling, "rdma_vs_ceiling": rdma_gbps / ceiling if ceiling else None,
-                       "tokens": a.tokens, "hidden": a.hidden, "topk": a.topk, "experts": a.experts, "num_ranks": R,
+                       "rdma_bytes": rdma_rows * row, "nvl_bytes": num_recv * row,
+                       "tokens": a.tokens, "model": getattr(a, "model_name", None), "hidden": a.hidden,
+                       "topk": a.topk, "experts": a.experts, "num_ranks": R,
                        "num_nodes": self.N, "gpus_per_node": self.G, "num_sms": self.sms,
                        "config_dispatch": vars(self.dcfg), "config_combine": vars(self.ccfg)}
                 # gather: the slowest rank's time is already what GpuTimer reports; bandwidths are rank 0's bytes
@@ -130,8 +129,6 @@ class InternodeBench:
                 self.log(f"  {op:26s} {dtype:4s} median {t.median_us:9.1f} us  RDMA {rdma_gbps:7.1f} GB/s  "
                          f"NVL {nvl_gbps:7.1f} GB/s")
         buf.destroy()
-        if self.rank == 0:
-            self.write()
 
     def verify(self, x_np, idx_np, w_np, recv_x, handle, combined, num_experts):
         """Bit-exact check of the BF16 dispatch and of the combine (of the received rows) before any timing."""
@@ -154,32 +151,42 @@ class InternodeBench:
             raise SystemExit(f"cupy_ep.bench --mode internode: verification failed on rank {self.rank}: {problems}")
         self.log("  verified against the reference (dispatch bit-exact, combine bit-exact)")
 
-    def write(self):
+    def write(self, records: list | None = None, skipped: list | None = None) -> None:
+        """The report of ``records`` (default: this bench's; :func:`main` passes every model shape's) and of the
+        shapes ``skipped``."""
+        records = self.records if records is None else records
+
         def lines(common):
             out = [f"# cupy_ep internode benchmark ({self.N} nodes x {self.G} GPUs, {self.transport}, {common['gpu']}"
                    + (", ranks sharing a GPU)" if self.shared else ")"), ""]
             out += shared_gpu_markdown(self.shared, None, "RDMA GB/s and the RDMA ceiling are copies through the "
                                        "shared GPU too, not network figures.")
-            out += [f"commit `{common['commit']}`; {self.args.tokens} tokens/rank, hidden {self.args.hidden}, top-"
-                   f"{self.args.topk} of {self.args.experts}; {self.sms} SMs; {self.args.iters} iterations. RDMA GB/s ="
-                   " (token, node) pairs incl. the own node x row bytes / time (DeepEP's logical figure); NVL GB/s = "
-                   "received rows x row bytes / time.", "",
-                   "| op | dtype | median us | RDMA GB/s | NVL GB/s | RDMA ceiling GB/s | RDMA / ceiling |",
-                   "|---|---|---|---|---|---|---|"]
-            for r in self.records:
-                out.append(f"| {r['op']} | {r['dtype']} | {r['time_us_median']:.1f} | {r['rdma_gbps']:.1f} | "
+            out += [f"commit `{common['commit']}`; {self.args.tokens} tokens/rank; {self.sms} SMs; "
+                    f"{self.args.iters} iterations. RDMA GB/s = (token, node) pairs incl. the own node x row bytes / "
+                    "time (DeepEP's logical figure); NVL GB/s = received rows x row bytes / time.", "",
+                    "| model | experts / top-k / hidden | op | dtype | median us | RDMA GB/s | NVL GB/s "
+                    "| RDMA ceiling GB/s | RDMA / ceiling |", "|---|---|---|---|---|---|---|---|---|"]
+            for r in records:
+                out.append(f"| {r.get('model') or '-'} | {r.get('experts', self.args.experts)} / "
+                           f"{r.get('topk', self.args.topk)} / {r.get('hidden', self.args.hidden)} | {r['op']} | "
+                           f"{r['dtype']} | {r['time_us_median']:.1f} | {r['rdma_gbps']:.1f} | "
                            f"{r['nvl_gbps']:.1f} | {r['rdma_ceiling_gbps']:.1f} | {r['rdma_vs_ceiling']:.2f} |")
+            for sk in skipped or []:
+                out += ["", f"**Skipped** {sk['model']} ({sk['experts']} experts, top-{sk['topk']}, hidden "
+                        f"{sk['hidden']}) in {sk['mode']} mode: {sk['reason']}."]
             return out
         write_report(self.args.out, results_stem(f"bench_internode_{self.transport}_ep{self.R}", self.shared),
-                     self.records, dict(num_ranks=self.R, num_nodes=self.N, gpus_per_node=self.G,
-                                        transport=self.transport, shared_gpu_ranks=self.shared or None,
-                                        args=dict(vars(self.args))), lines, "internode")
+                     records, dict(num_ranks=self.R, num_nodes=self.N, gpus_per_node=self.G,
+                                   transport=self.transport, shared_gpu_ranks=self.shared or None,
+                                   skipped=skipped or [], args=harness.args_doc(self.args)), lines, "internode")
 
 
 def main(args, comm) -> None:
-    """Entry from :func:`cupy_ep.bench.main` (``--mode internode``; its ``check_world`` made sure of a GPU and at least
-    2 ranks)."""
-    InternodeBench(args, comm).run()
+    """Entry from :func:`cupy_ep.tools.bench.main` (``--mode internode``; its ``check_world`` made sure of a GPU and
+    at least 2 ranks): one :class:`InternodeBench` per ``--model`` shape it can run (the others logged as skipped,
+    with the reason, and listed in the report), one report of them all."""
+    from .bench import run_each_shape
+    run_each_shape(args, comm, "internode", InternodeBench)
 
 
 __all__ = ["InternodeBench", "logical_bytes", "ranks_per_node", "main", "Buffer"]

@@ -21,9 +21,9 @@ import argparse
 
 import numpy as np
 
-from . import Buffer, reference
-from . import config as cfgmod
-from .soak import progress
+from .. import Buffer, reference
+from .. import config as cfgmod
+from .harness import progress, to_device, to_host
 
 HIDDENS = (2048, 4096, 7168)        # multiples of 512: any of them may take the FP8 cast
 LOCAL_EXPERTS = (1, 4, 16, 32)      # experts per rank; E = L * R always divides by R
@@ -104,7 +104,7 @@ def device_failure(buf) -> str | None:
     if buf.backend != "cuda":
         return None
     import cupy
-    from .errors import CommError
+    from ..errors import CommError
     cupy.cuda.runtime.deviceSynchronize()
     try:
         buf.check_health()
@@ -114,7 +114,7 @@ def device_failure(buf) -> str | None:
 
 
 def main(args, comm) -> int:
-    """Entry from :func:`cupy_ep.soak.main` (``--mode low-latency``). Returns the exit code (0, or 1 on a
+    """Entry from :func:`cupy_ep.tools.soak.main` (``--mode low-latency``). Returns the exit code (0, or 1 on a
     mismatch)."""
     rank, R = comm.Get_rank(), comm.Get_size()
     M, hiddens = args.max_tokens, tuple(args.hiddens)
@@ -128,14 +128,9 @@ def main(args, comm) -> int:
     BF16 = reference.bfloat16
 
     def dev(a):
-        return xp.asarray(a) if gpu else a
+        return to_device(a) if gpu else a
 
-    def host(a):
-        """numpy copy of a CuPy or numpy array of any dtype (CuPy copies ml_dtypes arrays as raw words)."""
-        if a is None or not gpu:
-            return a
-        raw = a.view({1: xp.uint8, 2: xp.uint16, 4: xp.uint32, 8: xp.uint64}[a.dtype.itemsize])
-        return xp.ascontiguousarray(raw).get().view(a.dtype)
+    host = to_host
 
     def valid_rows(a, count):
         """numpy ``[sum(count), ...]``: rows ``[0, count[e])`` of each expert of an ``[L, R*M, ...]`` array,
