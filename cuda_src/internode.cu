@@ -6,7 +6,7 @@
 // reduces over nodes.
 //
 // Kernels (templated on kNumRdmaRanks N (nodes), kNumNvlRanks G (GPUs per node), the RDMA transport
-// (rdma_transport.cuh: IpcRdma or NvshmemRdma) and, for dispatch, the top-k index type):
+// (transport/rdma.cuh: IpcRdma or NvshmemRdma) and, for dispatch, the top-k index type):
 //   internode_notify_dispatch   count exchange (per node over RDMA, per GPU over NVLink) -> the prefix matrices
 //                               of DeepEP's internode handle + receive counts to the host; zeroes the dispatch rings
 //   internode_cached_notify     barriers + zero the dispatch or combine rings (cached dispatch, every combine)
@@ -43,279 +43,22 @@
 //
 // Flow control everywhere: monotonic tail (producer) and head (consumer) counters, producer waits for space,
 // writes, publishes tail with release (NVLink) or fence + atomic add (RDMA); consumer acquires tail, reads,
-// returns head. Every spin goes through wait_until (common.cuh); on timeout the kernels return.
+// returns head. Every spin goes through wait_until (common/wait.cuh); on timeout the kernels return.
 //
 // STATUS: both the direct path to peers (the default wherever Rdma::direct is not null) and the put path
 // (CUPY_EP_INTERNODE_FORCE_PUT=1) pass the GPU tests on both transports (2 x 1 and 2 x 2, H200 box; record in
 // benchmarks/results/gpu_tests_h200x2.md).
-#include "common.cuh"
-#include "buffer.cuh"
-#include "rdma_transport.cuh"
+#include "common/wait.cuh"
+#include "common/layout.cuh"
+#include "transport/rdma.cuh"
+#include "internode/roles.cuh"
+#include "internode/reduce.cuh"
+#include "internode/rdma_ring.cuh"
+#include "internode/handshake.cuh"
 
 namespace ep {
 
-enum WarpRole : int {
-    // dispatch
-    kRDMASender = 10, kRDMASenderCoordinator = 11, kRDMAAndNVLForwarder = 12, kForwarderCoordinator = 13,
-    kNVLReceivers = 14,
-    // combine
-    kNVLSender = 15, kNVLAndRDMAForwarder = 16, kRDMAReceiver = 17, kCoordinator = 18,
-    // notify / barriers (diagnostics only)
-    kRoleRdmaBarrier = 19, kRoleNvlBarrier = 20, kIdle = 21,
-    // num_worst_tokens too small for what this rank receives (head = needed, tail = allocated rows,
-    // expected = 0: recv rows, 1: rows received over RDMA); not a wait, but it stops the buffer the same way
-    kRoleCapacity = 22,
-};
-
-constexpr int kDispatchSenderWarps = 6;
-constexpr int kCombineRecvWarps = 6;
-constexpr int kMaxCombineForwarderWarps = 16;  // warp w forwards to nodes w, w + 16 (in that order on every node)
-constexpr int kNotifyThreads = 256;   // mirrors cuda_internode._NOTIFY_THREADS
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kSendWindow = 32;       // tokens a sender may run ahead of the in-order release, per node
-
-template <int kNumNvlRanks>
-struct DispatchShape {
-    static constexpr int kWarps = kDispatchSenderWarps + 1 + kNumNvlRanks;  // odd SM; the even SM uses G + 1
-    static constexpr int kThreads = kWarps * kWarpSize;
-};
-
-template <int kNumRdmaRanks, int kNumNvlRanks>
-struct CombineShape {
-    static constexpr int kEvenWarps = kNumNvlRanks + kCombineRecvWarps + 1;
-    static constexpr int kOddWarps = kNumRdmaRanks < kMaxCombineForwarderWarps ? kNumRdmaRanks : kMaxCombineForwarderWarps;
-    static constexpr int kWarps = kEvenWarps > kOddWarps ? kEvenWarps : kOddWarps;
-    static constexpr int kThreads = kWarps * kWarpSize;
-};
-
-// ---------------------------------------------------------------------------------------------------
-// Warp-level waits through the one wait helper. Every lane runs wait_until; done() is a warp vote, and the
-// other inputs of the exit decision (the global timer, the abort flag) are read by one warp instruction at one
-// address, so all lanes leave together. cond() runs in every lane on every poll.
-// ---------------------------------------------------------------------------------------------------
-template <typename Cond, typename Observe>
-__device__ __forceinline__ bool warp_wait_all(const DeviceCtx* ctx, WaitSite site, Cond cond, Observe observe) {
-    return wait_until(ctx, site, [&] { return __all_sync(kFullMask, cond()) != 0; }, observe);
-}
-template <typename Cond, typename Observe>
-__device__ __forceinline__ bool warp_wait_any(const DeviceCtx* ctx, WaitSite site, Cond cond, Observe observe) {
-    return wait_until(ctx, site, [&] { return __any_sync(kFullMask, cond()) != 0; }, observe);
-}
-
-__device__ __forceinline__ int ld_shared_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
-__device__ __forceinline__ void st_shared_volatile(int* p, int v) { *reinterpret_cast<volatile int*>(p) = v; }
-
-__device__ __forceinline__ long long offset_in(const void* base, const void* p) {
-    return static_cast<const char*>(p) - static_cast<const char*>(base);
-}
-
-// First set bit of mask at or after `from` (cyclic); mask != 0.
-__device__ __forceinline__ int next_set_bit(unsigned mask, int from) {
-    const unsigned high = from > 0 ? mask & ~((1u << from) - 1u) : mask;
-    return __ffs(high != 0 ? high : mask) - 1;
-}
-
-// Warp copies here keep 4 loads per lane in flight (common.cuh warp_copy): the role loops hold more state.
-constexpr int kCopyUnroll = 4;
-
-// dst[c] = bf16(fp32 sum) for the warp's int4 columns c < n (8 bf16 each) of: bias0[c], bias1[c] (rows of this
-// rank's inputs, skipped when null), then src0[slot[k] + c] for k = 0 .. kSources - 1 with slot[k] >= 0 (rings
-// written by peers). The additions per element keep this order (the combine is deterministic). kCols columns per
-// lane per step, so each source has kCols loads in flight instead of one.
-template <int kSources, int kCols>
-__device__ __forceinline__ void reduce_columns(int4* dst, const int4* src0, const long long* slot, const int4* bias0,
-                                               const int4* bias1, int c) {
-    float acc[kCols][8];
-#pragma unroll
-    for (int u = 0; u < kCols; ++u)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-    int4 v[kCols];
-    if (bias0 != nullptr) {
-#pragma unroll
-        for (int u = 0; u < kCols; ++u) v[u] = ld_nc_v4(bias0 + c + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kCols; ++u) accumulate_bf16x8(acc[u], v[u]);
-    }
-    if (bias1 != nullptr) {
-#pragma unroll
-        for (int u = 0; u < kCols; ++u) v[u] = ld_nc_v4(bias1 + c + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kCols; ++u) accumulate_bf16x8(acc[u], v[u]);
-    }
-    for (int k = 0; k < kSources; ++k) {
-        const long long s = slot[k];
-        if (s < 0) continue;
-#pragma unroll
-        for (int u = 0; u < kCols; ++u) v[u] = ld_ring_v4(src0 + s + c + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kCols; ++u) accumulate_bf16x8(acc[u], v[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kCols; ++u)
-        dst[c + u * kWarpSize] = make_int4((int)pack_bf16x2(acc[u][0], acc[u][1]), (int)pack_bf16x2(acc[u][2], acc[u][3]),
-                                           (int)pack_bf16x2(acc[u][4], acc[u][5]), (int)pack_bf16x2(acc[u][6], acc[u][7]));
-}
-// Top-k weight k of a token summed over its sources' ring copies (slot < 0: the source does not hold it), in
-// source order like reduce_rows; the weights sit at weights_off bytes into each ring token.
-template <int kSources>
-__device__ __forceinline__ float sum_token_weight(const int4* src0, const long long* slot, long long weights_off,
-                                                  int k) {
-    float sum = 0.0f;
-    for (int j = 0; j < kSources; ++j) {
-        if (slot[j] < 0) continue;
-        const char* token = reinterpret_cast<const char*>(src0 + slot[j]);
-        sum += ld_volatile(reinterpret_cast<const float*>(token + weights_off) + k);
-    }
-    return sum;
-}
-template <int kSources>
-__device__ __forceinline__ void reduce_rows(int4* dst, const int4* src0, const long long* slot, const int4* bias0,
-                                            const int4* bias1, int n) {
-    constexpr int kCols = 4;  // 12 * kCols registers (acc + loads) whatever kSources is
-    int c = lane_id();
-    for (; c + (kCols - 1) * kWarpSize < n; c += kCols * kWarpSize)
-        reduce_columns<kSources, kCols>(dst, src0, slot, bias0, bias1, c);
-    for (; c < n; c += kWarpSize) reduce_columns<kSources, 1>(dst, src0, slot, bias0, bias1, c);
-}
-
-// Where the producer of node n's RDMA ring (dispatch: the sender warps; combine: forwarder warp n) writes it, ring
-// [channel] of `data` (a SymBuffer of the RDMA carve):
-//   own node                                 my receive half [channel][node], where the consumers read it
-//   stores reach node n (Rdma::direct)       node n's receive half [channel][my node], the same slot: the
-//                                            put-issuing warp only signals the tail
-//   otherwise                                my send half [channel][n], which the put-issuing warp puts to that
-//                                            same place in chunks (rdma_needs_put)
-// Slot i is at the result + i * token int4s on every path, and every path is throttled by the same head: the
-// consumer returns a slot after reading it in its receive half, so a slot is free on both halves at once.
-template <typename Rdma>
-__device__ __forceinline__ int4* rdma_ring_for(const Rdma& rdma, const SymBuffer<int4>& data, int channel, int node,
-                                               int n) {
-    int4* landing = data.recv(rdma.a.base, channel, node);
-    if (n == node) return landing;
-    char* peer = rdma.direct(offset_in(rdma.a.base, landing), n);
-    return peer != nullptr ? reinterpret_cast<int4*>(peer) : data.send(rdma.a.base, channel, n);
-}
-template <typename Rdma>
-__device__ __forceinline__ bool rdma_needs_put(const Rdma& rdma, int node, int n) {
-    return n != node && rdma.direct(0, n) == nullptr;
-}
-
-// Hand `count` slots of the ring (channel, node -> n) from slot `first` on to node n (warp-collective): where
-// n is not load/store reachable, put them from my send half to the same place in n's receive half; then lane
-// 0 orders everything with rdma.fence() (system scope) and adds count to n's tail, which the consumer
-// acquires. The caller orders the slots' own stores before this (fence_acq_rel_sys + __syncwarp).
-template <typename Rdma>
-__device__ __forceinline__ void rdma_publish_slots(const Rdma& rdma, const SymBuffer<int4>& data,
-                                                   const AsymBuffer<int>& tail, int channel, int node, int n,
-                                                   int first, int count, int token_int4s, int token_bytes) {
-    if (rdma_needs_put(rdma, node, n))
-        rdma.put_warp(offset_in(rdma.a.base, data.recv(rdma.a.base, channel, node) + (long long)first * token_int4s),
-                      data.send(rdma.a.base, channel, n) + (long long)first * token_int4s, token_bytes * count, n);
-    __syncwarp();
-    if (lane_id() == 0) {
-        rdma.fence();
-        rdma.add(offset_in(rdma.a.base, tail.on(rdma.a.base, channel, node)), count, n);
-    }
-}
-
-__device__ __forceinline__ bool block_aborted_internode(const DeviceCtx* ctx) {
-    return __syncthreads_or(threadIdx.x == 0 && buffer_aborted(ctx)) != 0;
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Barriers. NVLink domain: the intranode scheme (own slot +1, peer's slot -1, wait <= 0) on the signals at the
-// start of every node peer's NVLink buffer. RDMA domain: arrivals[i] is only ever added to by PE i (remote
-// atomics through a NIC are not atomic with the GPU's own atomics), my epoch counts my own barriers; wait
-// until every arrivals[i] reaches my epoch. Both reusable without reset. False (block-wide) on timeout.
-// ---------------------------------------------------------------------------------------------------
-template <int kNumNvlRanks>
-__device__ bool nvl_barrier(void** nvl_ptrs, int nvl_rank, const DeviceCtx* ctx, int kernel) {
-    __syncthreads();
-    bool ok = true;
-    const int i = threadIdx.x;
-    if (i < kNumNvlRanks) {
-        fence_acq_rel_sys();
-        int* mine = barrier_signals(nvl_ptrs[nvl_rank]) + i;
-        atomicAdd_system(mine, 1);
-        atomicSub_system(barrier_signals(nvl_ptrs[i]) + nvl_rank, 1);
-        ok = wait_until(ctx, WaitSite{kernel, kRoleNvlBarrier, -1, i}, [&] { return ld_volatile(mine) <= 0; },
-                        [&](long long& h, long long& t, long long& e) { h = ld_volatile(mine); e = 0; });
-        fence_acq_rel_sys();
-    }
-    return __syncthreads_and(ok) != 0;
-}
-
-template <int kNumRdmaRanks, typename Rdma>
-__device__ bool rdma_barrier(const Rdma& rdma, int node, const DeviceCtx* ctx, int kernel) {
-    __shared__ int s_epoch;
-    __syncthreads();
-    int* arrivals = reinterpret_cast<int*>(rdma.a.base);  // InternodeRdmaNotify::barrier is at offset 0
-    if (threadIdx.x == 0) {
-        s_epoch = ld_volatile(arrivals + kMaxRdmaRanks) + 1;
-        st_volatile(arrivals + kMaxRdmaRanks, s_epoch);
-    }
-    __syncthreads();
-    bool ok = true;
-    const int i = threadIdx.x;
-    if (i < kNumRdmaRanks) {
-        rdma.quiet();  // this thread's earlier RDMA traffic has landed (callers quiet their own puts too)
-        fence_acq_rel_sys();
-        rdma.add(4LL * node, 1, i);
-        const int epoch = s_epoch;
-        ok = wait_until(ctx, WaitSite{kernel, kRoleRdmaBarrier, -1, i},
-                        [&] { return ld_volatile(arrivals + i) >= epoch; },
-                        [&](long long& h, long long& t, long long& e) { h = ld_volatile(arrivals + i); e = epoch; });
-        fence_acq_rel_sys();
-    }
-    return __syncthreads_and(ok) != 0;
-}
-
-template <int kNumRdmaRanks, int kNumNvlRanks, typename Rdma>
-__device__ bool both_barriers(const Rdma& rdma, void** nvl_ptrs, int node, int nvl_rank, const DeviceCtx* ctx,
-                              int kernel) {
-    if (!rdma_barrier<kNumRdmaRanks>(rdma, node, ctx, kernel)) return false;
-    return nvl_barrier<kNumNvlRanks>(nvl_ptrs, nvl_rank, ctx, kernel);
-}
-
-__device__ __forceinline__ void zero_range(void* base, long long begin, long long end) {
-    int* p = at_offset<int>(base, begin);
-    for (long long i = threadIdx.x; i < (end - begin) / 4; i += blockDim.x) p[i] = 0;
-}
-
-// Call agreement (as intranode.cu): the words ride at the start of the notify vectors; every rank compares
-// those of its RDMA peers and of its node peers with its own. A difference stops the buffer with a
-// kRoleCallCheck record (peer = the global rank that disagreed).
-enum InternodeCallOp : int { kOpInternodeDispatch = 11, kOpInternodeCachedDispatch = 12, kOpInternodeCombine = 13 };
-
-__device__ bool check_words(const int* theirs, const int* mine, int peer, const DeviceCtx* ctx, int kernel) {
-    bool ok = true;
-    for (int k = 0; k < kCallWords; ++k) {
-        const int v = ld_volatile(theirs + k);
-        if (v != mine[k]) {
-            ok = false;
-            report_failure(ctx, WaitSite{kernel, kRoleCallCheck, -1, peer}, mine[k], v, k, 0);
-        }
-    }
-    return ok;
-}
-
-// Puts the first `ints` of my send-half vector for every node into that node's receive half (slot = my node);
-// the own node's vector was written straight into the receive half. Warp w serves nodes w, w + W, ...
-template <int kNumRdmaRanks, typename Rdma>
-__device__ void put_notify_vectors(const Rdma& rdma, const SymBuffer<int>& counts, int node, int ints) {
-    const int num_warps = blockDim.x / kWarpSize;
-    const long long bytes = align_up(4LL * ints, 16);
-    bool put = false;
-    for (int n = warp_id(); n < kNumRdmaRanks; n += num_warps) {
-        if (n == node) continue;
-        rdma.put_warp(offset_in(rdma.a.base, counts.recv(rdma.a.base, 0, node)), counts.send(rdma.a.base, 0, n),
-                      bytes, n);
-        put = true;
-    }
-    __syncwarp();
-    if (put && lane_id() == 0) rdma.quiet();
-}
+using namespace internode;
 
 // ---------------------------------------------------------------------------------------------------
 // internode_notify_dispatch: grid 1 + N blocks of kNotifyThreads.
@@ -342,7 +85,7 @@ internode_notify_dispatch(const int* num_tokens_per_rank, const int* num_tokens_
     constexpr int N = kNumRdmaRanks, G = kNumNvlRanks, R = N * G;
     const int node = rank / G, nvl_rank = rank % G;
     if (blockIdx.x == 0) {
-        if (block_aborted_internode(ctx)) return;
+        if (block_aborted(ctx)) return;
         const Rdma rdma(RdmaArgs{rdma_base, rdma_peers, node});
         const InternodeRdmaNotify rnotify(N, G);
         const InternodeNvlNotify nnotify(G);
@@ -490,7 +233,7 @@ internode_cached_notify(int op, int num_channels, int num_rdma_slots, int num_nv
                         const unsigned long long* rdma_peers, int rank, const DeviceCtx* ctx) {
     constexpr int N = kNumRdmaRanks, G = kNumNvlRanks;
     const int node = rank / G, nvl_rank = rank % G;
-    if (block_aborted_internode(ctx)) return;
+    if (block_aborted(ctx)) return;
     const Rdma rdma(RdmaArgs{rdma_base, rdma_peers, node});
     const InternodeRdmaNotify rnotify(N, G);
     const InternodeNvlNotify nnotify(G);
@@ -572,7 +315,7 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
              i < (long long)num_worst_tokens * num_topk; i += stride)
             recv_topk_idx[i] = (IdxT)-1;
     }
-    if (block_aborted_internode(ctx)) return;
+    if (block_aborted(ctx)) return;
 
     if (is_sender_sm && warp < S) {
         // ---- kRDMASender --------------------------------------------------------------------------
@@ -909,7 +652,7 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
     int begin, end;
     channel_range(num_tokens, num_channels, channel, begin, end);
     for (int i = threadIdx.x; i < W; i += blockDim.x) s_next[i] = begin + i;
-    if (block_aborted_internode(ctx)) return;
+    if (block_aborted(ctx)) return;
 
     if (!is_forwarder_sm && warp < G) {
         // ---- kNVLSender: my rows that came through forwarder GPU k go back to it, sub-ring = origin node ---

@@ -14,198 +14,21 @@
 //
 // Flow control per (channel, peer) ring: the producer waits until Q - (tail - head) >= chunk, writes
 // the payload, then publishes tail with a release store; the consumer acquires tail, reads, returns head.
-#include "common.cuh"
-#include "buffer.cuh"
+#include "common/wait.cuh"
+#include "common/layout.cuh"
+#include "intranode/groups.cuh"
+#include "intranode/handshake.cuh"
+#include "intranode/dispatch.cuh"
+#include "intranode/dispatch_direct.cuh"
+#include "intranode/combine.cuh"
 
 namespace ep {
 
-// Warps of a dispatch/combine block, grouped per peer rank (24 warps, or the largest multiple of R below).
-template <int kNumRanks>
-struct Groups {
-    static constexpr int kWarpsPerRank = 24 / kNumRanks;
-    static constexpr int kWarps = kWarpsPerRank * kNumRanks;
-    static constexpr int kThreads = kWarps * kWarpSize;
-    static constexpr int kThreadsPerRank = kWarpsPerRank * kWarpSize;
-};
-
-// ---------------------------------------------------------------------------------------------------
-// barrier: thread i < R adds 1 to its own slot i and subtracts 1 from peer i's slot `rank`; slot i then
-// reads (my arrivals - i's arrivals), and we wait until it is <= 0. Reusable without any reset.
-// Returns false (for the whole block) if the wait timed out.
-// ---------------------------------------------------------------------------------------------------
-template <int kNumRanks>
-__device__ bool barrier_block(void** buffer_ptrs, int rank, const DeviceCtx* ctx, int kernel) {
-    __syncthreads();
-    bool ok = true;
-    const int i = threadIdx.x;
-    if (i < kNumRanks) {
-        fence_acq_rel_sys();  // everything this block wrote before is visible to the peers
-        int* mine = barrier_signals(buffer_ptrs[rank]) + i;
-        atomicAdd_system(mine, 1);
-        atomicSub_system(barrier_signals(buffer_ptrs[i]) + rank, 1);
-        ok = wait_until(ctx, WaitSite{kernel, kRoleBarrier, -1, i}, [&] { return ld_volatile(mine) <= 0; },
-                        [&](long long& head, long long& tail, long long& expected) {
-                            head = ld_volatile(mine);
-                            expected = 0;
-                        });
-        fence_acq_rel_sys();
-    }
-    return __syncthreads_and(ok) != 0;
-}
+using namespace intranode;
 
 template <int kNumRanks>
 __global__ void barrier(void** buffer_ptrs, int rank, const DeviceCtx* ctx) {
     barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kKernelBarrier);
-}
-
-__device__ __forceinline__ void zero_ints(int* p, long long n) {
-    for (long long i = threadIdx.x; i < n; i += blockDim.x) p[i] = 0;
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Call agreement. Ranks that disagree about a call (another num_sms, hidden size, ring size or top-k, or
-// a cached dispatch on one rank and a normal one on another) would carve the rings differently and then
-// corrupt data or hang. So every notify kernel writes what it thinks the call is into each peer's
-// call_words[my rank] between its first two barriers, and after the second compares every row with its
-// own; any difference stops the buffer on every rank (the comparison is symmetric) with a record that the
-// host raises as CallMismatchError. Nothing of the call has touched a ring by then.
-// ---------------------------------------------------------------------------------------------------
-enum CallOp : int { kOpDispatch = 1, kOpCachedDispatch = 2, kOpCombine = 3, kOpDirectDispatch = 4,
-                    kOpCachedDirectDispatch = 5, kOpDirectCombine = 6 };
-
-struct CallWords {
-    int w[kCallWords];
-};
-
-// A dispatch's call words; direct_capacity > 0: a zero-copy dispatch (the last word is its row capacity).
-__device__ __forceinline__ CallWords dispatch_call_words(bool cached, int num_channels, int num_slots, int hidden_int4,
-                                                         int num_topk, int num_scales, int num_experts,
-                                                         int direct_capacity) {
-    const bool direct = direct_capacity > 0;
-    const int op = cached ? (direct ? kOpCachedDirectDispatch : kOpCachedDispatch)
-                          : (direct ? kOpDirectDispatch : kOpDispatch);
-    return CallWords{{op, num_channels, num_slots, hidden_int4, num_topk, num_scales, num_experts, direct_capacity}};
-}
-
-// The dispatch meta that the notify kernels zero, as offsets [begin, end): the rings' counters, or the zero-copy
-// counter and channel starts.
-__device__ __forceinline__ void dispatch_meta_range(int num_ranks, int num_channels, int num_slots, int hidden_int4,
-                                                    int num_topk, int num_scales, int direct_capacity,
-                                                    long long& begin, long long& end) {
-    if (direct_capacity > 0) {
-        const DirectDispatchLayout d(num_channels, direct_capacity, hidden_int4, num_topk, num_scales);
-        begin = d.begin, end = d.meta_end;
-    } else {
-        const DispatchLayout d(num_channels, num_ranks, num_slots, hidden_int4, num_topk, num_scales);
-        begin = d.begin, end = d.meta_end;
-    }
-}
-
-// One thread writes, or compares, one rank's row of words (constant indices: the words stay in registers).
-__device__ __forceinline__ void write_call_words(int* row, const CallWords& words) {
-#pragma unroll
-    for (int k = 0; k < kCallWords; ++k) row[k] = words.w[k];
-}
-
-// True iff `row` (a peer's words) equals ours; otherwise reports the first word that differs (stops the buffer).
-__device__ __forceinline__ bool same_call_words(const int* row, const CallWords& words, const DeviceCtx* ctx,
-                                                int kernel, int peer) {
-    int bad = -1, mine = 0, theirs = 0;
-#pragma unroll
-    for (int k = kCallWords - 1; k >= 0; --k) {
-        const int w = ld_volatile(&row[k]);
-        if (w != words.w[k]) bad = k, mine = words.w[k], theirs = w;
-    }
-    if (bad < 0) return true;
-    report_failure(ctx, WaitSite{kernel, kRoleCallCheck, -1, peer}, mine, theirs, bad, 0);
-    return false;
-}
-
-template <int kNumRanks>
-__device__ void publish_call_words(void** buffer_ptrs, int rank, const CallWords& words) {
-    for (int peer = threadIdx.x; peer < kNumRanks; peer += blockDim.x)
-        write_call_words(NotifyArea().call_words.on(buffer_ptrs[peer]) + rank * kCallWords, words);
-}
-
-// Call after the barrier that follows publish_call_words. False (for the whole block) on disagreement.
-template <int kNumRanks>
-__device__ bool check_call_words(void** buffer_ptrs, int rank, const CallWords& words, const DeviceCtx* ctx,
-                                 int kernel) {
-    const int* rows = NotifyArea().call_words.on(buffer_ptrs[rank]);
-    bool ok = true;
-    for (int peer = threadIdx.x; peer < kNumRanks; peer += blockDim.x)
-        ok = same_call_words(rows + peer * kCallWords, words, ctx, kernel, peer) && ok;
-    return __syncthreads_and(ok) != 0;
-}
-
-// Uniform over the block: a kernel launched after a failed wait or check returns at once.
-__device__ __forceinline__ bool block_aborted(const DeviceCtx* ctx) {
-    return __syncthreads_or(threadIdx.x == 0 && buffer_aborted(ctx)) != 0;
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Entry handshake of the zero-copy kernels: half a round trip inside the kernel instead of a notify kernel
-// with two barriers before it. A zero-copy kernel stores into a buffer only once every rank has entered the
-// same call: entering means that rank's earlier kernels on the buffer have finished (stream order), so
-// nothing of an earlier call (a ring's late head update, a count still arriving) meets this call's stores.
-//   open (every block, before its own set-up work): read the call's epoch; block 0 zeroes the meta that the
-//        ranks will count into in this rank's buffer, writes this call's words into every rank's
-//        entry_words[parity][my rank], then releases entry[my rank] = epoch to every rank (this one too);
-//   wait (every block, before its first store): entry[s] has reached the epoch for every rank s, and s's
-//        words equal ours (any difference stops the buffer on every rank, as check_call_words does).
-// The epoch counts the zero-copy calls begun on the buffer (entry_epoch: the block that reads it last advances
-// it), so it is the same on every rank, in every replay of a CUDA graph. A peer is at most one call ahead (its
-// next call needs rows or flags from this one), hence entry_words by the epoch's parity.
-// ---------------------------------------------------------------------------------------------------
-template <int kNumRanks>
-__device__ int open_direct_call(void** buffer_ptrs, int rank, const CallWords& words, long long zero_begin,
-                                long long zero_end) {
-    const NotifyArea notify;
-    void* mine = buffer_ptrs[rank];
-    __shared__ int s_epoch;
-    if (threadIdx.x == 0) {
-        const int epoch = ld_volatile(notify.entry_epoch.on(mine)) + 1;
-        s_epoch = epoch;
-        __threadfence();  // the read above comes before this block's arrival, so before the last one's update
-        int* arrivals = notify.entry_arrivals.on(mine);
-        if (atomicAdd(arrivals, 1) == (int)gridDim.x - 1) {
-            st_volatile(arrivals, 0);
-            st_volatile(notify.entry_epoch.on(mine), epoch);
-        }
-    }
-    __syncthreads();
-    const int epoch = s_epoch;
-    if (blockIdx.x == 0) {
-        zero_ints(at_offset<int>(mine, zero_begin), (zero_end - zero_begin) / 4);
-        if (threadIdx.x < kNumRanks)
-            write_call_words(notify.entry_words.on(buffer_ptrs[threadIdx.x]) +
-                             ((epoch & 1) * kMaxNvlRanks + rank) * kCallWords, words);
-        __syncthreads();
-        if (threadIdx.x < kNumRanks) {
-            fence_acq_rel_sys();  // the block's zeroes and words before the entry
-            st_release_sys(notify.entry.on(buffer_ptrs[threadIdx.x]) + rank, epoch);
-        }
-    }
-    return epoch;
-}
-
-// False (for the whole block) on a timeout or a disagreement.
-template <int kNumRanks>
-__device__ bool wait_direct_call(void** buffer_ptrs, int rank, const CallWords& words, int epoch,
-                                 const DeviceCtx* ctx, int kernel) {
-    bool ok = true;
-    if (threadIdx.x < kNumRanks) {
-        const int s = threadIdx.x;
-        const NotifyArea notify;
-        const int* entry = notify.entry.on(buffer_ptrs[rank]) + s;
-        int seen = 0;
-        ok = wait_until(ctx, WaitSite{kernel, kRoleEntry, -1, s}, [&] { return (seen = ld_acquire_sys(entry)) - epoch >= 0; },
-                        [&](long long& h, long long& tl, long long& ex) { h = seen; tl = seen; ex = epoch; });
-        if (ok)
-            ok = same_call_words(notify.entry_words.on(buffer_ptrs[rank]) + ((epoch & 1) * kMaxNvlRanks + s) * kCallWords,
-                                 words, ctx, kernel, s);
-    }
-    return __syncthreads_and(ok) != 0;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -304,20 +127,6 @@ __global__ void notify_dispatch(const int* num_tokens_per_rank, const int* num_t
     }
 }
 
-// Zero a layout's ring meta (start/end/head/tail) in my buffer between two barriers, and check that all
-// ranks agree about the call. num_tokens >= 0: also tell every peer my token count (notify.num_tokens).
-template <int kNumRanks>
-__device__ void reset_rings(void** buffer_ptrs, int rank, long long begin, long long meta_end,
-                            const CallWords& words, const DeviceCtx* ctx, int kernel, int num_tokens = -1) {
-    if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kernel)) return;
-    publish_call_words<kNumRanks>(buffer_ptrs, rank, words);
-    if (num_tokens >= 0 && threadIdx.x < kNumRanks)
-        NotifyArea().num_tokens.on(buffer_ptrs[threadIdx.x])[rank] = num_tokens;
-    zero_ints(at_offset<int>(buffer_ptrs[rank], begin), (meta_end - begin) / 4);
-    if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kernel)) return;
-    check_call_words<kNumRanks>(buffer_ptrs, rank, words, ctx, kernel);
-}
-
 // Ring dispatches only: a zero-copy cached dispatch enters by its own handshake (open_direct_call).
 template <int kNumRanks>
 __global__ void cached_notify_dispatch(void** buffer_ptrs, int rank, int num_channels, int num_slots,
@@ -340,10 +149,6 @@ __global__ void cached_notify_combine(void** buffer_ptrs, int rank, int num_chan
                            num_tokens);
 }
 
-// Senders copy rows of this rank's own input into a peer's ring with 6 loads per lane in flight (the most the
-// 80 registers of a 768-thread block hold); the receivers' local copies are bulk copies.
-constexpr int kSendUnroll = 6;
-
 // ---------------------------------------------------------------------------------------------------
 // dispatch: grid 2C + O blocks of Groups<R>::kThreads threads (Config.intranode_dispatch_split picks C and O).
 // Blocks 2c and 2c + 1 are channel c's sender and receiver; blocks 2C .. 2C + O - 1 copy the own rows.
@@ -358,101 +163,6 @@ constexpr int kSendUnroll = 6;
 // send_head[t][r] = the row of token t inside rank r's block of rows from this rank (the count of earlier
 // tokens sent to r), -1 if not sent: independent of channels, so a combine may use other channels.
 // ---------------------------------------------------------------------------------------------------
-// Warp groups over the R-1 remote peers. Only where that gives every peer more warps than Groups does
-// (R <= 5) are the warps regrouped; otherwise group g serves peer g and the own group idles (same width,
-// and the plain mapping keeps the kernels within their 80 registers).
-template <int kNumRanks>
-struct RemoteGroups {
-    static constexpr int kRemoteRanks = kNumRanks > 1 ? kNumRanks - 1 : 1;  // R = 1: nothing remote
-    static constexpr bool kRegroup = Groups<kNumRanks>::kWarps / kRemoteRanks > Groups<kNumRanks>::kWarpsPerRank;
-    static constexpr int kWarpsPerPeer = kRegroup ? Groups<kNumRanks>::kWarps / kRemoteRanks
-                                                  : Groups<kNumRanks>::kWarpsPerRank;
-    static constexpr int kThreadsPerPeer = kWarpsPerPeer * kWarpSize;
-    // The dispatch sender claims ring slots for a batch of windows of 32 tokens at a time, enough for about
-    // four rows per warp: one barrier per window would leave most warps waiting for the one with an extra row.
-    static constexpr int kBatchWindows = (kWarpsPerPeer * 4 + kWarpSize - 1) / kWarpSize;
-    static constexpr int kBatchTokens = kBatchWindows * kWarpSize;  // mirrors cuda_backend._dispatch_batch
-
-    // This warp's group: the peer it serves (-1: the warp idles) and its index in the group.
-    __device__ static int peer_of_warp(int rank) {
-        const int group = warp_id() / kWarpsPerPeer;
-        if (kNumRanks <= 1) return -1;
-        if (kRegroup) return group < kNumRanks - 1 ? (group >= rank ? group + 1 : group) : -1;
-        return group != rank ? group : -1;
-    }
-    __device__ static int warp_in_group() { return warp_id() % kWarpsPerPeer; }
-};
-
-// The top-k ids of a row as `dst_rank` receives them (local expert id, or -1 and weight 0 if another rank
-// owns the expert), and its FP8 scales; the lanes of a warp split the entries.
-template <typename IdxT>
-__device__ __forceinline__ void copy_own_row_meta(IdxT* recv_topk_idx, float* recv_topk_weights, float* recv_x_scales,
-                                                  long long out, const IdxT* topk_idx, const float* topk_weights,
-                                                  const float* x_scales, int t, int num_topk, int dst_rank,
-                                                  int experts_per_rank, int num_scales, long long scale_token_stride,
-                                                  long long scale_hidden_stride) {
-    if (recv_topk_idx != nullptr) {
-        for (int k = lane_id(); k < num_topk; k += kWarpSize) {
-            const long long e = (long long)topk_idx[(long long)t * num_topk + k];
-            const long long local = e - (long long)dst_rank * experts_per_rank;
-            const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
-            recv_topk_idx[out * num_topk + k] = (IdxT)(owned ? local : -1);
-            recv_topk_weights[out * num_topk + k] =
-                owned && topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
-        }
-    }
-    for (int i = lane_id(); i < num_scales; i += kWarpSize)
-        recv_x_scales[out * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
-}
-
-// Own-row block `own_block` of `num_own_blocks`: the blocks split the tokens into equal ranges of whole
-// windows of 32. A token's row inside the own source block is the count of earlier own tokens (= its
-// send_head); the count before the range comes from channel_prefix_matrix plus a scan of the part of the
-// range's first channel that lies before it.
-template <int kNumRanks, typename IdxT>
-__device__ void copy_own_rows(int own_block, int num_own_blocks, TmaCopier& tma, int4* recv_x, float* recv_x_scales,
-                              int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights, int* send_head,
-                              const int4* x, const float* x_scales, const IdxT* topk_idx, const float* topk_weights,
-                              const bool* is_token_in_rank, const int* channel_prefix_matrix,
-                              const int* rank_prefix_matrix, int num_tokens, int num_channels, int hidden_int4,
-                              int num_topk, int num_experts, int num_scales, long long scale_token_stride,
-                              long long scale_hidden_stride, int rank) {
-    using G = Groups<kNumRanks>;
-    const int num_windows = (num_tokens + kWarpSize - 1) / kWarpSize;
-    const int per_block = (num_windows + num_own_blocks - 1) / num_own_blocks * kWarpSize;
-    const int begin = min(own_block * per_block, num_tokens), end = min(begin + per_block, num_tokens);
-    if (begin >= end) return;  // uniform over the block
-    const int per_channel = (num_tokens + num_channels - 1) / num_channels;
-    const int first_channel = begin / per_channel;
-    int base = first_channel > 0 ? channel_prefix_matrix[rank * num_channels + first_channel - 1] : 0;
-    for (int t0 = first_channel * per_channel; t0 < begin; t0 += blockDim.x) {
-        const int t = t0 + threadIdx.x;
-        base += __syncthreads_count(t < begin && is_token_in_rank[(long long)t * kNumRanks + rank]);
-    }
-    const int row_begin = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) + base;
-    const int experts_per_rank = num_experts / kNumRanks;
-    const long long row_bytes = (long long)hidden_int4 * 16;
-    // Every warp scans every window (one load + ballot) and takes the selected tokens k with
-    // (count + k) % warps == its index: no barriers, the same rows as a ring receiver would write.
-    int count = 0;
-    for (int w0 = begin, window = 0; w0 < end; w0 += kWarpSize, ++window) {
-        const int t_lane = w0 + lane_id();
-        const bool selected = t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + rank];
-        const unsigned mask = __ballot_sync(0xffffffffu, selected);
-        if (send_head != nullptr && window % G::kWarps == warp_id() && t_lane < end)
-            send_head[(long long)t_lane * kNumRanks + rank] =
-                selected ? base + count + __popc(mask & ((1u << lane_id()) - 1u)) : -1;
-        for (int j = (warp_id() - count % G::kWarps + G::kWarps) % G::kWarps; j < __popc(mask); j += G::kWarps) {
-            const int t = w0 + nth_set_bit(mask, j);
-            const long long out = row_begin + count + j;
-            if (lane_id() == 0) tma.copy(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, row_bytes);
-            if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = t;
-            copy_own_row_meta(recv_topk_idx, recv_topk_weights, recv_x_scales, out, topk_idx, topk_weights, x_scales,
-                              t, num_topk, rank, experts_per_rank, num_scales, scale_token_stride, scale_hidden_stride);
-        }
-        count += __popc(mask);
-    }
-}
 
 template <int kNumRanks, typename IdxT>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
@@ -680,31 +390,6 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
 // counter shows every row (all ranks' blocks), and copies a share of the small per-row outputs out of the
 // buffer into the caller's fresh arrays. The rows themselves stay in the buffer: recv_x is a view of it.
 // ---------------------------------------------------------------------------------------------------
-constexpr int kDirectUnroll = 4;  // 16-byte loads per lane in flight (a 7168-wide bf16 row is 7 rounds of 4)
-
-// Copy one row (n int4) to every rank in `targets` (bit d: rank d gets it at row `row` of lane d, in dst_x[d]).
-// The rows travel by shuffle, not in a per-rank register array: the kernel is at its 80-register limit. So the
-// loop runs the same rounds on every lane (a lane past the row's end is masked, it still shuffles): a lane-strided
-// loop left the lanes past a short row's end out of the shuffle and hung (hidden 128: 16 int4).
-template <int kNumRanks>
-__device__ __forceinline__ void warp_copy_to_targets(int4* const* dst_x, int row, unsigned targets, const int4* src,
-                                                     int n) {
-    for (int i0 = 0; i0 < n; i0 += kDirectUnroll * kWarpSize) {
-        const int i = i0 + lane_id();
-        int4 v[kDirectUnroll];
-#pragma unroll
-        for (int u = 0; u < kDirectUnroll; ++u)
-            if (i + u * kWarpSize < n) v[u] = ld_nc_v4(src + i + u * kWarpSize);
-#pragma unroll
-        for (int d = 0; d < kNumRanks; ++d) {
-            if (!((targets >> d) & 1u)) continue;
-            int4* dst = dst_x[d] + (long long)__shfl_sync(0xffffffffu, row, d) * n + i;
-#pragma unroll
-            for (int u = 0; u < kDirectUnroll; ++u)
-                if (i + u * kWarpSize < n) dst[u * kWarpSize] = v[u];
-        }
-    }
-}
 
 template <int kNumRanks, typename IdxT>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
@@ -900,91 +585,6 @@ dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, fl
 // order: deterministic), round once to bf16, release the slots. The own rank's contributions are read
 // straight from x: row (own block start + send_head).
 // ---------------------------------------------------------------------------------------------------
-constexpr int kCombineTokensPerWarp = 2;
-
-// First index i in [0, n) with a[i] >= key (n if none) of an ascending array; every lane returns it. Each
-// step loads 32 evenly spaced probes at once and narrows [lo, hi) 32-fold (3 dependent loads for 32K rows).
-__device__ __forceinline__ int warp_lower_bound(const int* a, int n, int key) {
-    int lo = 0, hi = n;
-    while (hi - lo > kWarpSize) {
-        const int step = (hi - lo + kWarpSize - 1) / kWarpSize;
-        const int probe = lo + lane_id() * step;
-        const int below = __popc(__ballot_sync(0xffffffffu, probe < hi && a[probe] < key));  // a prefix of lanes
-        const int first_not_below = lo + below * step;  // a probe >= key, if below < 32 and it is < hi
-        if (below > 0) lo = lo + (below - 1) * step + 1;
-        if (below < kWarpSize && first_not_below < hi) hi = first_not_below;
-    }
-    return lo + __popc(__ballot_sync(0xffffffffu, lo + lane_id() < hi && a[lo + lane_id()] < key));
-}
-
-// One token's sum by one warp: srcs[0 .. num_src) are the rows to add, in order; 0 + each in fp32, rounded once to
-// bf16 into out (every lane returns when it is stored). The rows stream through the warp's shared buffer in column
-// chunks: lane 0 bulk-loads one chunk of every source, all lanes wait on the mbarrier, then reduce the chunk from
-// shared memory (register loads left the reduction latency bound: 29 against 56 GB/s of traffic per SM). Rows a
-// peer wrote need lane 0's fence_proxy_async() after they were acquired.
-__device__ __forceinline__ void warp_sum_rows(TmaCopier& tma, const int4* const volatile* srcs, int num_src, int4* out,
-                                              int hidden_int4) {
-    const int chunk_int4 = kTmaChunkBytes / 16 / max(num_src, 1);
-    const int4* stage = static_cast<const int4*>(tma.buf);
-    for (int c0 = 0; c0 < hidden_int4; c0 += chunk_int4) {
-        const int n = min(chunk_int4, hidden_int4 - c0);
-        if (lane_id() == 0) {
-            mbarrier_expect_tx(tma.bar, n * 16 * num_src);
-            for (int q = 0; q < num_src; ++q)
-                tma_load(static_cast<int4*>(tma.buf) + q * chunk_int4, srcs[q] + c0, n * 16, tma.bar);
-        }
-        mbarrier_wait(tma.bar, tma.phase);
-        tma.phase ^= 1;
-        for (int i = lane_id(); i < n; i += kWarpSize) {
-            float acc[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-            for (int q = 0; q < num_src; ++q) accumulate_bf16x8(acc, stage[q * chunk_int4 + i]);
-            out[c0 + i] = make_int4((int)pack_bf16x2(acc[0], acc[1]), (int)pack_bf16x2(acc[2], acc[3]),
-                                    (int)pack_bf16x2(acc[4], acc[5]), (int)pack_bf16x2(acc[6], acc[7]));
-        }
-        __syncwarp();  // every lane has read the buffer before lane 0 refills it
-    }
-}
-
-// Both combines (ring and zero-copy) add a token's rows in one order, so that their results are the same bit for
-// bit (and the reference's): bias0, bias1, then every rank holding the token, ascending. These two helpers keep
-// that order in one place; rows[r] is the token's row from rank r (-1: none), and the caller says where it lies
-// (a ring slot or an inbox row; the own rank's row is in x).
-
-// Lane 0 lists the token's sources into srcs for warp_sum_rows, row_of(r, row) addressing rank r's row; every
-// lane returns their count.
-template <int kNumRanks, typename RowOf>
-__device__ __forceinline__ int token_sources(const int4* volatile* srcs, const int4* bias0, const int4* bias1, int t,
-                                             int hidden_int4, const volatile int* rows, RowOf row_of) {
-    int num_src = 0;
-    if (lane_id() == 0) {
-        if (bias0 != nullptr) srcs[num_src++] = bias0 + (long long)t * hidden_int4;
-        if (bias1 != nullptr) srcs[num_src++] = bias1 + (long long)t * hidden_int4;
-        for (int r = 0; r < kNumRanks; ++r) {
-            const int row = rows[r];
-            if (row >= 0) srcs[num_src++] = row_of(r, row);
-        }
-    }
-    return __shfl_sync(0xffffffffu, num_src, 0);
-}
-
-// The token's combined top-k weights into out[0 .. num_topk): 0 + the weight from each rank holding it, ascending;
-// weight_of(r, row, k) loads weight k of rank r's row. One lane per k.
-template <int kNumRanks, typename WeightOf>
-__device__ __forceinline__ void sum_token_weights(float* out, int num_topk, const volatile int* rows,
-                                                  WeightOf weight_of) {
-    for (int k = lane_id(); k < num_topk; k += kWarpSize) {
-        float w = 0.0f;
-#pragma unroll
-        for (int r = 0; r < kNumRanks; ++r) {
-            const int row = rows[r];
-            if (row < 0) continue;
-            w += weight_of(r, row, k);
-        }
-        out[k] = w;
-    }
-}
 
 template <int kNumRanks>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
