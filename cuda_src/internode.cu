@@ -41,15 +41,18 @@
 // (the wire is bf16, as DeepEP's), then combined = bf16(0 + bias0 + bias1 + sum over nodes n = 0..N-1 of partial_n)
 // in fp32 at the token's owner; weights the same in fp32 without rounding. The order never depends on timing.
 //
-// Flow control everywhere: monotonic tail (producer) and head (consumer) counters, producer waits for space,
-// writes, publishes tail with release (NVLink) or fence + atomic add (RDMA); consumer acquires tail, reads,
-// returns head. Every spin goes through wait_until (common/wait.cuh); on timeout the kernels return.
+// Flow control everywhere: the ring protocol of common/ring.cuh (RingProducer / RingConsumer: monotonic tail and
+// head counters; the producer waits for space, writes, publishes the tail; the consumer acquires the tail, reads,
+// returns the head); the RDMA rings publish and return through the transport (fence + atomic add). Every spin
+// goes through the one timed wait (common/wait.cuh); on timeout the kernels return.
 //
 // STATUS: both the direct path to peers (the default wherever Rdma::direct is not null) and the put path
 // (CUPY_EP_INTERNODE_FORCE_PUT=1) pass the GPU tests on both transports (2 x 1 and 2 x 2, H200 box; record in
 // benchmarks/results/gpu_tests_h200x2.md).
 #include "common/wait.cuh"
 #include "common/layout.cuh"
+#include "common/lock.cuh"
+#include "common/ring.cuh"
 #include "transport/rdma.cuh"
 #include "internode/roles.cuh"
 #include "internode/reduce.cuh"
@@ -346,7 +349,9 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
         if (lane == 0 && warp < N) rdma.quiet();  // every put of this kernel completes inside it
         // Every sender warp scans every token so that lane n knows the node-n ring counter (`tail`).
         int tail = 0, cached_head = 0;  // lane n < N
-        const int* head_ptr = rl.head.on(rdma_base, channel, lane < N ? lane : 0);
+        // node n's ring: its tail is published by the coordinator (rdma_publish_slots)
+        const RingProducer<> ring{nullptr, rl.head.on(rdma_base, channel, lane < N ? lane : 0), num_rdma_slots};
+        const SharedLock window_lock{&s_lock[lane < N ? lane : 0]};
         bool ok = true;
         for (int t = begin; t < end && ok; ++t) {
             unsigned bits = 0;
@@ -358,13 +363,10 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
             const unsigned node_mask = __ballot_sync(kFullMask, in_node);
             if ((t - begin) % S == warp) {
                 if (lane < N && send_rdma_head != nullptr) send_rdma_head[(long long)t * N + lane] = in_node ? tail : -1;
-                ok = warp_wait_all(ctx, WaitSite{kKernelInternodeDispatch, kRDMASender, channel, lane},
-                                   [&] {
-                                       if (!in_node || tail - cached_head < num_rdma_slots) return true;
-                                       cached_head = ld_volatile(head_ptr);
-                                       return tail - cached_head < num_rdma_slots;
-                                   },
-                                   [&](long long& h, long long& tl, long long& e) { h = cached_head; tl = tail; e = num_rdma_slots; });
+                ok = ring.wait_for_space<kByWarpAll>(
+                    ctx, WaitSite{kKernelInternodeDispatch, kRDMASender, channel, lane}, tail, cached_head, 1,
+                    [&](long long& h, long long& tl, long long& e) { h = cached_head; tl = tail; e = num_rdma_slots; },
+                    in_node);
                 if (!ok) break;
                 for (unsigned m = node_mask; m != 0; m &= m - 1) {
                     const int n = __ffs(m) - 1;
@@ -395,11 +397,9 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                                           [&](long long& h, long long& tl, long long& e) {
                                               h = ld_shared_volatile(&s_released[lane]); tl = tail; e = kSendWindow;
                                           });
-                    released = released && wait_until(ctx, WaitSite{kKernelInternodeDispatch, kRDMASender, channel, lane},
-                                                      [&] { return atomicCAS_block(&s_lock[lane], 0, 1) == 0; },
-                                                      [&](long long& h, long long& tl, long long& e) { e = -2; });
+                    released = released &&
+                               window_lock.acquire(ctx, WaitSite{kKernelInternodeDispatch, kRDMASender, channel, lane});
                     if (released) {
-                        __threadfence_block();
                         const int offset = tail - s_released[lane];
                         unsigned window = s_window[lane] | (1u << offset);
                         if (offset == 0) {
@@ -408,8 +408,7 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                             st_shared_volatile(&s_released[lane], s_released[lane] + run);
                         }
                         s_window[lane] = window;
-                        __threadfence_block();
-                        atomicExch_block(&s_lock[lane], 0);
+                        window_lock.release();
                     }
                 }
                 ok = __all_sync(kFullMask, released) != 0;
@@ -479,13 +478,13 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
         const int num_to_recv = warp_reduce_sum(count);
         const int experts_per_rank = num_experts / R;
         const int4* ring = nl.x.on(my_nvl, channel, j);
-        const int* tail_ptr = nl.tail.on(my_nvl, channel, j);
+        const RingConsumer counters{nl.tail.on(my_nvl, channel, j), nl.head.on(nvl_ptrs[j], channel, nvl_rank)};
         int head = 0;
         while (ok && head < num_to_recv) {
             int tl = head;
-            ok = warp_wait_all(ctx, WaitSite{kKernelInternodeDispatch, kNVLReceivers, channel, j},
-                               [&] { return (tl = ld_acquire_sys(tail_ptr)) != head; },
-                               [&](long long& h, long long& t2, long long& e) { h = head; t2 = tl; e = num_to_recv; });
+            ok = counters.wait_for_data<kByWarpAll>(
+                ctx, WaitSite{kKernelInternodeDispatch, kNVLReceivers, channel, j}, head + 1, tl,
+                [&](long long& h, long long& t2, long long& e) { h = head; t2 = tl; e = num_to_recv; });
             if (!ok) break;
             // Every lane loaded the tail itself; take lane 0's value so that the token loop below
             // (full-mask __shfl_sync inside) has one trip count for the whole warp even if the loads differed;
@@ -515,7 +514,7 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
             }
             head = tl;
             __syncwarp();
-            if (lane == 0) st_release_sys(nl.head.on(nvl_ptrs[j], channel, nvl_rank), head);
+            if (lane == 0) counters.release(head);
         }
     } else if (!is_sender_sm && warp < G) {
         // ---- kRDMAAndNVLForwarder: warp j forwards every RDMA token meant for GPU j of my node --------------
@@ -537,23 +536,22 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
             if (j == 0 && recv_rdma_channel_prefix_matrix != nullptr)
                 recv_rdma_channel_prefix_matrix[lane * num_channels + channel] = rdma_end;
         }
-        const int* nvl_head_ptr = nl.head.on(my_nvl, channel, j);
+        // consumer of node n's RDMA ring (lane n; its head goes back through the coordinator), producer of GPU j's
+        // NVLink ring (the whole warp)
+        const RingConsumer rdma_ring{rl.tail.on(rdma_base, channel, lane < N ? lane : 0), nullptr};
+        const RingProducer<> nvl{nl.tail.on(nvl_ptrs[j], channel, nvl_rank), nl.head.on(my_nvl, channel, j), num_nvl_slots};
         int4* nvl_ring = nl.x.on(nvl_ptrs[j], channel, nvl_rank);
         int nvl_tail = 0, nvl_head = 0, rr = 0, avail = 0;
         while (ok && __any_sync(kFullMask, consumed < num_rdma)) {
-            ok = warp_wait_all(ctx, WaitSite{kKernelInternodeDispatch, kRDMAAndNVLForwarder, channel, N + j},
-                               [&] {
-                                   nvl_head = ld_volatile(nvl_head_ptr);
-                                   return num_nvl_slots - (nvl_tail - nvl_head) >= num_nvl_send;
-                               },
-                               [&](long long& h, long long& tl, long long& e) { h = nvl_head; tl = nvl_tail; e = num_nvl_send; });
-            ok = ok && warp_wait_any(ctx, WaitSite{kKernelInternodeDispatch, kRDMAAndNVLForwarder, channel, lane},
-                                     [&] {
-                                         if (lane >= N || consumed >= num_rdma) return false;
-                                         avail = min(ld_acquire_sys(rl.tail.on(rdma_base, channel, lane)), num_rdma) - consumed;
-                                         return avail > 0;
-                                     },
-                                     [&](long long& h, long long& tl, long long& e) { h = consumed; tl = consumed + avail; e = num_rdma; });
+            ok = nvl.wait_for_space<kByWarpAll>(
+                ctx, WaitSite{kKernelInternodeDispatch, kRDMAAndNVLForwarder, channel, N + j}, nvl_tail, nvl_head,
+                num_nvl_send, [&](long long& h, long long& tl, long long& e) { h = nvl_head; tl = nvl_tail; e = num_nvl_send; });
+            int rdma_tail = consumed;
+            ok = ok && rdma_ring.wait_for_data<kByWarpAny>(
+                ctx, WaitSite{kKernelInternodeDispatch, kRDMAAndNVLForwarder, channel, lane}, consumed + 1, rdma_tail,
+                [&](long long& h, long long& tl, long long& e) { h = consumed; tl = rdma_tail; e = num_rdma; },
+                lane < N && consumed < num_rdma);
+            avail = min(rdma_tail, num_rdma) - consumed;
             if (!ok) break;
             // Only lane n acquired node n's tail; ballot/shfl are not memory-ordering operations, so
             // the other lanes' slot loads below are ordered after that acquire by this warp barrier.
@@ -580,7 +578,7 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                 }
             }
             __syncwarp();
-            if (lane == 0) st_release_sys(nl.tail.on(nvl_ptrs[j], channel, nvl_rank), nvl_tail);
+            if (lane == 0) nvl.release(nvl_tail);
             if (lane == n) {
                 consumed += used;
                 forwarded = fwd;
@@ -664,21 +662,20 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
             row_end = channel + 1 < num_channels ? recv_gbl_channel_prefix_matrix[src * num_channels + channel + 1]
                                                  : recv_gbl_rank_prefix_sum[src];
         }
-        const int* head_ptr = nl.head.on(my_nvl, channel, k);
         int4* ring = nl.x.on(nvl_ptrs[k], channel, nvl_rank);
         int* tail_ptr = nl.tail.on(nvl_ptrs[k], channel, nvl_rank);
+        // lane n: producer of the sub-ring of origin node n
+        const RingProducer<> sub{tail_ptr + lane, nl.head.on(my_nvl, channel, k) + lane, sub_slots};
         int rr = 0, head = 0;
         bool ok = true;
         while (ok && __any_sync(kFullMask, row < row_end)) {
-            ok = warp_wait_any(ctx, WaitSite{kKernelInternodeCombine, kNVLSender, channel, lane},
-                               [&] {
-                                   if (lane >= N || row >= row_end) return false;
-                                   head = ld_volatile(head_ptr + lane);
-                                   return sub_slots - (sent - head) >= min(num_nvl_send, row_end - row);
-                               },
-                               [&](long long& h, long long& tl, long long& e) { h = head; tl = sent; e = sub_slots; });
+            ok = sub.wait_for_space<kByWarpAny, false>(
+                ctx, WaitSite{kKernelInternodeCombine, kNVLSender, channel, lane}, sent, head,
+                min(num_nvl_send, row_end - row),
+                [&](long long& h, long long& tl, long long& e) { h = head; tl = sent; e = sub_slots; },
+                lane < N && row < row_end);
             if (!ok) break;
-            const bool ready = lane < N && row < row_end && sub_slots - (sent - head) >= min(num_nvl_send, row_end - row);
+            const bool ready = lane < N && row < row_end && sub.has_space(sent, head, min(num_nvl_send, row_end - row));
             const int n = next_set_bit(__ballot_sync(kFullMask, ready), rr);
             rr = n + 1 < N ? n + 1 : 0;
             const int r0 = __shfl_sync(kFullMask, row, n), s0 = __shfl_sync(kFullMask, sent, n);
@@ -691,7 +688,7 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
                         topk_weights != nullptr ? topk_weights[(long long)(r0 + i) * num_topk + kk] : 0.0f;
             }
             __syncwarp();
-            if (lane == 0) st_release_sys(tail_ptr + n, s0 + cnt);
+            if (lane == 0) ring_release(tail_ptr + n, s0 + cnt);  // sub-ring n's tail (lane n's ring)
             if (lane == n) {
                 row += cnt;
                 sent += cnt;
@@ -704,11 +701,13 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
         const int4* ring0 = rl.data.recv(rdma_base, channel, 0);   // source n's ring: + n * elems_per_rank
         for (int t = begin + w; t < end; t += W) {
             const int h = lane < N ? send_rdma_head[(long long)t * N + lane] : -1;
-            const bool ok = warp_wait_all(ctx, WaitSite{kKernelInternodeCombine, kRDMAReceiver, channel, lane},
-                                          [&] { return h < 0 || ld_acquire_sys(rl.tail.on(rdma_base, channel, lane)) > h; },
-                                          [&](long long& hh, long long& tl, long long& e) {
-                                              hh = h; tl = ld_volatile(rl.tail.on(rdma_base, channel, lane)); e = h + 1;
-                                          });
+            int seen = 0;
+            const bool ok = RingConsumer{rl.tail.on(rdma_base, channel, lane), nullptr}.wait_for_data<kByWarpAll>(
+                ctx, WaitSite{kKernelInternodeCombine, kRDMAReceiver, channel, lane}, h + 1, seen,
+                [&](long long& hh, long long& tl, long long& e) {
+                    hh = h; tl = ld_volatile(rl.tail.on(rdma_base, channel, lane)); e = h + 1;
+                },
+                h >= 0);
             if (!ok) break;
             if (lane < N) slot[lane] = h >= 0 ? lane * rl.data.elems_per_rank + (long long)(h % num_rdma_slots) * fmt.int4s : -1;
             __syncwarp();
@@ -764,25 +763,25 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
         const int total = row[channel] - (channel > 0 ? row[channel - 1] : 0);
         const int row_base = (n > 0 ? recv_rdma_rank_prefix_sum[n - 1] : 0) + (channel > 0 ? row[channel - 1] : 0);
         int4* ring = rdma_ring_for(rdma, rl.data, channel, node, n);
-        const int* head_ptr = rl.head.on(rdma_base, channel, n);
+        // producer of node n's RDMA ring (its tail is published by rdma_publish_slots)
+        const RingProducer<> out{nullptr, rl.head.on(rdma_base, channel, n), num_rdma_slots};
         long long* slot = s_slot[warp];
         const int4* nvl0 = nl.x.on(my_nvl, channel, 0);   // GPU j's ring: + j * elems_per_rank
         int issued = 0, head = 0;
         while (ok && issued < total) {
             const int chunk = min(min(num_rdma_send, total - issued), num_rdma_slots - issued % num_rdma_slots);
-            ok = warp_wait_all(ctx, WaitSite{kKernelInternodeCombine, kNVLAndRDMAForwarder, channel, n},
-                               [&] {
-                                   head = ld_volatile(head_ptr);
-                                   return issued + chunk - head <= num_rdma_slots;
-                               },
-                               [&](long long& h, long long& tl, long long& e) { h = head; tl = issued; e = chunk; });
+            ok = out.wait_for_space<kByWarpAll, false>(
+                ctx, WaitSite{kKernelInternodeCombine, kNVLAndRDMAForwarder, channel, n}, issued, head, chunk,
+                [&](long long& h, long long& tl, long long& e) { h = head; tl = issued; e = chunk; });
             for (int i = issued; ok && i < issued + chunk; ++i) {
                 const int h = lane < G ? send_nvl_head[(long long)(row_base + i) * G + lane] : -1;
-                ok = warp_wait_all(ctx, WaitSite{kKernelInternodeCombine, kNVLAndRDMAForwarder, channel, N + lane},
-                                   [&] { return h < 0 || ld_acquire_sys(nl.tail.on(my_nvl, channel, lane) + n) > h; },
-                                   [&](long long& hh, long long& tl, long long& e) {
-                                       hh = h; tl = ld_volatile(nl.tail.on(my_nvl, channel, lane) + n); e = h + 1;
-                                   });
+                int seen = 0;  // lane j: consumer of sub-ring n of GPU j's ring
+                ok = RingConsumer{nl.tail.on(my_nvl, channel, lane) + n, nullptr}.wait_for_data<kByWarpAll>(
+                    ctx, WaitSite{kKernelInternodeCombine, kNVLAndRDMAForwarder, channel, N + lane}, h + 1, seen,
+                    [&](long long& hh, long long& tl, long long& e) {
+                        hh = h; tl = ld_volatile(nl.tail.on(my_nvl, channel, lane) + n); e = h + 1;
+                    },
+                    h >= 0);
                 if (!ok) break;
                 if (lane < G)
                     slot[lane] = h >= 0 ? lane * nl.x.elems_per_rank + (long long)(n * sub_slots + h % sub_slots) * fmt.int4s : -1;
@@ -794,7 +793,7 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
                         sum_token_weight<G>(nvl0, slot, fmt.weights_off, kk);
                 __syncwarp();
                 // One consumer per sub-ring, in order: the slot is free again.
-                if (lane < G && h >= 0) st_release_sys(nl.head.on(nvl_ptrs[lane], channel, nvl_rank) + n, h + 1);
+                if (lane < G && h >= 0) ring_release(nl.head.on(nvl_ptrs[lane], channel, nvl_rank) + n, h + 1);
             }
             if (!ok) break;
             // Every lane's slot stores (into node n's receive half on the direct path, my send half for a put)

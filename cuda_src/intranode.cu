@@ -12,10 +12,12 @@
 //   combine_direct        zero-copy combine: rows stored straight into the owners' buffers, reduced as they land
 //   carve_probe           writes the layout sums (tests compare them with cupy_ep/config.py)
 //
-// Flow control per (channel, peer) ring: the producer waits until Q - (tail - head) >= chunk, writes
-// the payload, then publishes tail with a release store; the consumer acquires tail, reads, returns head.
+// Flow control per (channel, peer) ring: common/ring.cuh's protocol (the producer waits until Q - (tail - head) >=
+// chunk, writes the payload, then publishes tail with a release store; the consumer acquires tail, reads, returns
+// head).
 #include "common/wait.cuh"
 #include "common/layout.cuh"
+#include "common/ring.cuh"
 #include "intranode/groups.cuh"
 #include "intranode/handshake.cuh"
 #include "intranode/dispatch.cuh"
@@ -203,8 +205,8 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
             const bool leader = warp_in_group == 0 && lane_id() == 0;
             const int bar_id = 1 + peer;
             void* dst_base = buffer_ptrs[peer];
-            int* tail_ptr = layout.tail.on(dst_base, channel, rank);
-            const int* head_ptr = layout.head.on(dst_base, channel, rank);
+            const RingProducer<> ring{layout.tail.on(dst_base, channel, rank), layout.head.on(dst_base, channel, rank),
+                                      num_slots};
             int4* ring_x = layout.x.on(dst_base, channel, rank);
             int* ring_src = layout.src_idx.on(dst_base, channel, rank);
             int* ring_topk = layout.topk_idx.on(dst_base, channel, rank);
@@ -225,15 +227,12 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
             for (int b0 = begin; b0 < end; b0 += RG::kBatchTokens) {
                 if (leader) {
                     bool ok = true;
-                    if (num_slots - (cached_tail - cached_head) < RG::kBatchTokens) {
-                        ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleSender, channel, peer},
-                                        [&] {
-                                            cached_head = ld_volatile(head_ptr);
-                                            return num_slots - (cached_tail - cached_head) >= RG::kBatchTokens;
-                                        },
-                                        [&](long long& h, long long& tl, long long& ex) {
-                                            h = cached_head; tl = cached_tail; ex = RG::kBatchTokens;
-                                        });
+                    if (!ring.has_space(cached_tail, cached_head, RG::kBatchTokens)) {
+                        ok = ring.wait_for_space(ctx, WaitSite{kKernelDispatch, kRoleSender, channel, peer}, cached_tail,
+                                                 cached_head, RG::kBatchTokens,
+                                                 [&](long long& h, long long& tl, long long& ex) {
+                                                     h = cached_head; tl = cached_tail; ex = RG::kBatchTokens;
+                                                 });
                     }
                     s_abort[peer] = !ok;
                 }
@@ -274,7 +273,7 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                 // Publish once a chunk has accumulated (and at the end): all warps of the group wrote their rows.
                 if (cached_tail - published >= num_max_send_tokens || b_end >= end) {
                     group_sync(bar_id, RG::kThreadsPerPeer);
-                    if (leader) st_release_sys(tail_ptr, cached_tail);
+                    if (leader) ring.release(cached_tail);
                     published = cached_tail;
                 }
             }
@@ -298,8 +297,7 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
             void* mine = buffer_ptrs[rank];
             int* start_ptr = layout.start.on(mine, channel, peer);
             int* end_ptr = layout.end.on(mine, channel, peer);
-            int* head_ptr = layout.head.on(mine, channel, peer);
-            const int* tail_ptr = layout.tail.on(mine, channel, peer);
+            const RingConsumer ring{layout.tail.on(mine, channel, peer), layout.head.on(mine, channel, peer)};
             const int4* ring_x = layout.x.on(mine, channel, peer);
             const int* ring_src = layout.src_idx.on(mine, channel, peer);
             const int* ring_topk = layout.topk_idx.on(mine, channel, peer);
@@ -333,11 +331,11 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                 while (cached_head < num_to_recv) {
                     if (leader) {
                         int tail = cached_head;
-                        const bool ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
-                                                   [&] { return (tail = ld_acquire_sys(tail_ptr)) != cached_head; },
-                                                   [&](long long& h, long long& tl, long long& ex) {
-                                                       h = cached_head; tl = tail; ex = num_to_recv;
-                                                   });
+                        const bool ok = ring.wait_for_data(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
+                                                           cached_head + 1, tail,
+                                                           [&](long long& h, long long& tl, long long& ex) {
+                                                               h = cached_head; tl = tail; ex = num_to_recv;
+                                                           });
                         s_abort[peer] = !ok;
                         s_value[peer] = tail;
                     }
@@ -362,7 +360,7 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
                     row += tail - cached_head;
                     cached_head = tail;
                     group_sync(bar_id, RG::kThreadsPerPeer);  // all reads of the slots are done
-                    if (leader) st_release_sys(head_ptr, cached_head);
+                    if (leader) ring.release(cached_head);
                 }
             }
         }
@@ -615,8 +613,6 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
         const bool leader = warp_in_group == 0 && lane_id() == 0;
         const int bar_id = 1 + peer;
         void* dst_base = buffer_ptrs[peer];
-        int* tail_ptr = layout.tail.on(dst_base, channel, rank);
-        const int* head_ptr = layout.head.on(dst_base, channel, rank);
         int4* ring_x = layout.x.on(dst_base, channel, rank);
         float* ring_weights = layout.topk_weights.on(dst_base, channel, rank);
 
@@ -629,20 +625,18 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
         const int last = warp_lower_bound(recv_src_idx + block_begin, block_rows, token_end);
         const int row_begin = block_begin + first, row_end = block_begin + last;
         // Absolute counters: the ring starts at `first`; a head still 0 (nothing released yet) means `first`.
+        const RingProducer<true> ring{layout.tail.on(dst_base, channel, rank), layout.head.on(dst_base, channel, rank),
+                                      num_slots, first};
         int cached_tail = first, cached_head = first;
         for (int row = row_begin; row < row_end;) {
             const int n = min(num_max_send_tokens, row_end - row);
             if (leader) {
                 bool ok = true;
-                if (num_slots - (cached_tail - cached_head) < n) {
-                    ok = wait_until(ctx, WaitSite{kKernelCombine, kRoleSender, channel, peer},
-                                    [&] {
-                                        cached_head = max(ld_volatile(head_ptr), first);
-                                        return num_slots - (cached_tail - cached_head) >= n;
-                                    },
-                                    [&](long long& h, long long& tl, long long& ex) {
-                                        h = cached_head; tl = cached_tail; ex = n;
-                                    });
+                if (!ring.has_space(cached_tail, cached_head, n)) {
+                    ok = ring.wait_for_space(ctx, WaitSite{kKernelCombine, kRoleSender, channel, peer}, cached_tail,
+                                             cached_head, n, [&](long long& h, long long& tl, long long& ex) {
+                                                 h = cached_head; tl = cached_tail; ex = n;
+                                             });
                 }
                 s_abort[peer] = !ok;
             }
@@ -659,7 +653,7 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
             cached_tail += n;
             row += n;
             group_sync(bar_id, RG::kThreadsPerPeer);
-            if (leader) st_release_sys(tail_ptr, cached_tail);
+            if (leader) ring.release(cached_tail);
         }
     } else {
         void* mine = buffer_ptrs[rank];
@@ -685,13 +679,12 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
                 for (int i = 0; i < b_end - b && r != rank; ++i) need = max(need, s_heads[i][r] + 1);
                 s_need[r] = need;
                 if (need > 0) {
-                    const int* tail_ptr = layout.tail.on(mine, channel, r);
+                    const RingConsumer ring{layout.tail.on(mine, channel, r), layout.head.on(mine, channel, r)};
                     int tail = 0;
-                    ok = wait_until(ctx, WaitSite{kKernelCombine, kRoleReceiver, channel, r},
-                                    [&] { return (tail = ld_acquire_sys(tail_ptr)) >= need; },
-                                    [&](long long& h, long long& tl, long long& ex) {
-                                        h = released; tl = tail; ex = need;
-                                    });
+                    ok = ring.wait_for_data(ctx, WaitSite{kKernelCombine, kRoleReceiver, channel, r}, need, tail,
+                                            [&](long long& h, long long& tl, long long& ex) {
+                                                h = released; tl = tail; ex = need;
+                                            });
                 }
             }
             if (!__syncthreads_and(ok)) break;
@@ -723,7 +716,7 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
             __syncthreads();  // the batch's slots are read
             if (threadIdx.x < kNumRanks && s_need[threadIdx.x] > released) {
                 released = s_need[threadIdx.x];
-                st_release_sys(layout.head.on(mine, channel, threadIdx.x), released);
+                ring_release(layout.head.on(mine, channel, threadIdx.x), released);
             }
         }
     }

@@ -126,4 +126,17 @@ __device__ __forceinline__ bool warp_wait_any(const DeviceCtx* ctx, WaitSite sit
     return wait_until(ctx, site, [&] { return __any_sync(0xffffffffu, cond()) != 0; }, observe);
 }
 
+// Who waits: one thread, or a warp that leaves when all (kByWarpAll) or any (kByWarpAny) of its lanes' conditions
+// hold. A lane with nothing to wait for votes idle_lane_vote(): true under an all-vote (it never holds the warp
+// back), false under an any-vote (it never lets the warp go).
+enum WaitBy : int { kByThread = 0, kByWarpAll = 1, kByWarpAny = 2 };
+template <int kBy, typename Cond, typename Observe>
+__device__ __forceinline__ bool wait_by(const DeviceCtx* ctx, WaitSite site, Cond cond, Observe observe) {
+    if constexpr (kBy == kByWarpAll) return warp_wait_all(ctx, site, cond, observe);
+    else if constexpr (kBy == kByWarpAny) return warp_wait_any(ctx, site, cond, observe);
+    else return wait_until(ctx, site, cond, observe);
+}
+template <int kBy>
+__device__ __forceinline__ constexpr bool idle_lane_vote() { return kBy == kByWarpAll; }
+
 }  // namespace ep
