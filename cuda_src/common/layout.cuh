@@ -477,5 +477,11 @@ __device__ __forceinline__ void channel_range(int num_tokens, int num_channels, 
     begin = min(per * channel, num_tokens);
     end = min(begin + per, num_tokens);
 }
+// The same range as {begin, end}.
+__device__ __forceinline__ int2 channel_bounds(int num_tokens, int num_channels, int channel) {
+    int2 r;
+    channel_range(num_tokens, num_channels, channel, r.x, r.y);
+    return r;
+}
 
 }  // namespace ep

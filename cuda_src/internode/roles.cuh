@@ -17,6 +17,13 @@ enum WarpRole : int {
     kRoleCapacity = 22,
 };
 
+// A warp's role in a dispatch or combine block (computed once per warp: dispatch_role_of / combine_role_of) and
+// its target (the GPU or node index the role serves; 0 where it serves all).
+struct RoleOf {
+    int role;  // WarpRole
+    int target;
+};
+
 constexpr int kDispatchSenderWarps = 6;
 constexpr int kCombineRecvWarps = 6;
 constexpr int kMaxCombineForwarderWarps = 16;  // warp w forwards to nodes w, w + 16 (in that order on every node)

@@ -4,6 +4,14 @@
 
 namespace ep::intranode {
 
+// The warp roles of the intranode ring kernels (dispatch_role_of, combine_role_of) and their target (the peer rank a
+// ring role serves; an own-row block's index).
+enum ChannelRole : int { kSender, kReceiver, kOwnRows, kIdle };
+struct RoleOf {
+    int role;  // ChannelRole
+    int target;
+};
+
 // Warps of a dispatch/combine block, grouped per peer rank (24 warps, or the largest multiple of R below).
 template <int kNumRanks>
 struct Groups {
