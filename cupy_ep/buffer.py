@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 
 from . import config as _config
+from . import event as _event
 from .errors import BackendUnavailableError, BufferUnusableError
 
 
@@ -57,11 +58,15 @@ class Buffer:
             a CUDA graph fixes the buffer at capture, so a graph must hold an even number of low-latency
             calls (dispatch + combine pairs, as in DeepEP): an odd number is refused on the device at the
             second replay with a ``CommError``.
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy,
-            enable_shrink: accepted for DeepEP compatibility.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy: accepted for
+            DeepEP compatibility.
+        enable_shrink: with ``low_latency_mode``, DeepEP's shrink mode: a rank that times out in a low-latency call
+            is masked and left out of the later ones (``low_latency_update_mask_buffer`` / ``_query_`` /
+            ``_clean_mask_buffer``).
         backend: ``"cuda"``, ``"host"`` or None (auto: cuda when a GPU is visible).
         device: GPU ordinal; default the rank on this machine modulo the visible GPUs.
-        timeout_s: device-wait timeout in seconds (default ``CUPY_EP_TIMEOUT_S`` or 100).
+        timeout_s: timeout in seconds of every wait for another rank (device waits; host waits on the host
+            backend), default ``CUPY_EP_TIMEOUT_S`` or 100.
         num_ranks_per_node: GPUs per NVLink domain (default: the MPI shared-memory split). When the ranks span
             more than one such domain, the internode path runs (cupy_ep/cuda_internode.py).
         internode_transport: ``"nvshmem"`` (default; env ``CUPY_EP_INTERNODE_TRANSPORT``) or ``"ipc"`` (the RDMA
@@ -95,6 +100,8 @@ class Buffer:
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
+        from .validate import check_comm
+        check_comm(comm)
         self.comm = comm
         self.rank = comm.Get_rank()
         self.num_ranks = comm.Get_size()
@@ -154,6 +161,36 @@ class Buffer:
                    Buffer.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
 
     @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """``num_rdma_bytes`` the low-latency kernels need (DeepEP's hint, sized for BF16 rows; the host backend
+        itself needs none): :func:`cupy_ep.config.low_latency_rdma_size_hint`. Callable before any Buffer exists.
+
+        Args:
+            num_max_dispatch_tokens_per_rank: M, the most tokens any rank dispatches in one call (the same on
+                every rank).
+            hidden: H, the hidden size.
+            num_ranks: the ranks of the expert-parallel group.
+            num_experts: E, all experts.
+
+        Returns:
+            int, bytes."""
+        return _config.low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                                  num_experts)
+
+    @staticmethod
+    def capture() -> _event.EventOverlap:
+        """An ``EventOverlap`` recorded on the caller's current stream (DeepEP's ``Buffer.capture()``, for
+        ``previous_event=``): torch's ``torch.cuda.current_stream()`` for torch users, CuPy's current stream for
+        CuPy users (:func:`cupy_ep.interop.caller_kind` says how it tells them apart); its
+        ``current_stream_wait()`` makes that framework's current stream wait. Without a GPU, or with
+        ``CUPY_EP_BACKEND=host``: a complete :class:`~cupy_ep.event.HostEvent` (the host backend's calls are
+        synchronous)."""
+        if _choose_backend(None) == "host":
+            return _event.EventOverlap(_event.HOST_EVENT)
+        return _event.capture()
+
+    @staticmethod
     def is_sm90_compiled() -> bool:
         """DeepEP compatibility: whether the kernels use the SM90 features (TMA bulk copies, mbarriers). cupy_ep
         compiles them at run time for the GPU it runs on, so this is True when the current GPU has compute
@@ -165,9 +202,10 @@ class Buffer:
 
     # ---- raw access (DeepEP API) ----------------------------------------------------------------------
     def get_comm_stream(self):
-        """The stream the communication kernels run on (``async_finish`` calls, hooks): a ``cupy.cuda.Stream`` (torch
-        users: ``torch.cuda.ExternalStream(buf.get_comm_stream().ptr)``); None on the host backend, which runs
-        every call synchronously on the host."""
+        """The stream the communication kernels run on (``async_finish`` calls, hooks), in the caller's framework:
+        a ``torch.cuda.ExternalStream`` for torch users, the ``cupy.cuda.Stream`` for CuPy users (as
+        :meth:`capture` tells them apart; ``buf.comm_stream`` is always the CuPy one); None on the host backend,
+        which runs every call synchronously on the host."""
         return None
 
     def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):

@@ -8,15 +8,17 @@ or an ``EventOverlap`` is returned (``async_finish=True``).
 from __future__ import annotations
 
 import functools
+import sys
 import time
 
 import numpy as np
 
-from . import bootstrap, cuda_internode, cuda_low_latency, interop, jit, validate
+from . import bootstrap, cuda_internode, cuda_low_latency, handles, interop, jit, validate
 from . import config as _config
 from .buffer import Buffer
 from .errors import CallMismatchError, CommError, CommTimeoutError
-from .event import EventOverlap
+from .event import EventOverlap, HostEvent
+from .validate import intranode_warps as _warps
 
 _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
                  5: "cached_notify_combine", 6: "combine", 7: "barrier", 8: "low_latency_dispatch",
@@ -42,31 +44,18 @@ _CTX_DTYPE = np.dtype([("timeout_ns", "<u8"), ("record", "<u8"), ("abort_flag", 
                        ("rank", "<i4"), ("num_ranks", "<i4"), ("shrink_mask", "<u8")])
 _LAYOUT_THREADS = 256  # mirrors kLayoutThreads in layout.cu
 _NOTIFY_THREADS = 128
-_COMBINE_TOKENS_PER_WARP = 2  # mirrors kCombineTokensPerWarp in intranode/combine.cuh
-_TMA_BYTES_PER_WARP = 8192  # mirrors kTmaChunkBytes in cuda_src/common/warp.cuh (dispatch/combine receivers' bulk-copy buffers)
-
-
-def _warps(num_ranks: int) -> int:
-    """Warps of a dispatch/combine block (mirrors Groups<kNumRanks> in intranode/groups.cuh)."""
-    return (24 // num_ranks) * num_ranks
-
-
-def _remote_warps(num_ranks: int) -> int:
-    """Sender warps per remote peer (mirrors RemoteGroups<kNumRanks>::kWarpsPerPeer in intranode/groups.cuh)."""
-    per_rank, remote = 24 // num_ranks, max(num_ranks - 1, 1)
-    return max(_warps(num_ranks) // remote, per_rank)
-
-
-def _dispatch_batch(num_ranks: int) -> int:
-    """Ring slots a dispatch sender claims at once (mirrors RemoteGroups<kNumRanks>::kBatchTokens)."""
-    return -(-_remote_warps(num_ranks) * 4 // 32) * 32
+_TMA_BYTES_PER_WARP = 8192  # mirrors kTmaChunkBytes in common/warp.cuh (dispatch/combine receivers' bulk-copy buffers)
 
 
 def _capturing() -> bool:
-    """True while CuPy's current stream is being captured into a CUDA graph (no host syncs allowed)."""
+    """True while the caller's current stream is being captured into a CUDA graph (no host syncs allowed): CuPy's,
+    or torch's once torch has initialized CUDA (``torch.cuda.graph`` captures torch's current stream)."""
     import cupy
     try:
-        return bool(cupy.cuda.get_current_stream().is_capturing())
+        if cupy.cuda.get_current_stream().is_capturing():
+            return True
+        torch = sys.modules.get("torch")
+        return bool(torch is not None and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
     except Exception:
         return False
 
@@ -110,8 +99,7 @@ class CudaBuffer(Buffer):
                 raise NotImplementedError("low_latency_mode: not implemented together with the internode path "
                                           "(one NVSHMEM world would have to serve both); use one Buffer per mode")
         else:
-            if not 1 <= self.num_ranks <= _config.MAX_NVL_RANKS:
-                raise ValueError(f"comm: intranode supports 1..{_config.MAX_NVL_RANKS} ranks, got {self.num_ranks}")
+            validate.check_intranode_ranks(self.num_ranks)
             if num_rdma_bytes and not low_latency_mode:
                 raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain (unless low_latency_mode)")
         self.device_id = bootstrap.choose_device(self.topology.machine_rank, device)
@@ -125,6 +113,8 @@ class CudaBuffer(Buffer):
         self.enable_shrink = validate.check_flag(enable_shrink, "enable_shrink")
         # Collective (every rank, before any check that raises): what each rank's kernels may hold at once.
         self.sm_share = bootstrap.gpu_sm_share(self.comm, self.device_id, self.topology.local_size)
+        self.buffer_id = handles.new_buffer_id(self.comm)  # collective; handles carry it (handles.check_origin)
+        self._dispatch_epoch = 0  # normal-mode dispatches made so far (next_dispatch_epoch)
         self.num_device_sms = self.sm_share.device_sms
         ranks_per_gpu = self.sm_share.ranks_per_gpu
         if low_latency_mode and ranks_per_gpu > 1 and ll_transport == "nvshmem" and not self.sm_share.mps:
@@ -167,6 +157,7 @@ class CudaBuffer(Buffer):
             self.comm_stream = cupy.cuda.Stream(non_blocking=True, priority=high)
             self._fork_event = cupy.cuda.Event(disable_timing=True)
             self._join_event = cupy.cuda.Event(disable_timing=True)
+            self._torch_comm_stream = None  # get_comm_stream's torch view of comm_stream, made at first use
             self._kernels: dict = {}
             # low-latency mode: NVSHMEM world + symmetric buffer (cupy_ep/cuda_low_latency.py)
             self._ll = (cuda_low_latency.LowLatencyState(self, num_rdma_bytes, self.topology.num_nodes == 1,
@@ -257,6 +248,12 @@ class CudaBuffer(Buffer):
         self.check_health()
 
     def get_comm_stream(self):
+        if interop.caller_kind().lib == "torch":
+            import torch
+            if self._torch_comm_stream is None:
+                self._torch_comm_stream = torch.cuda.ExternalStream(
+                    self.comm_stream.ptr, device=torch.device("cuda", self.device_id))
+            return self._torch_comm_stream
         return self.comm_stream
 
     def _buffer_bytes(self, offset: int, nbytes: int, rdma: bool):
@@ -269,12 +266,6 @@ class CudaBuffer(Buffer):
         mem = cupy.cuda.UnownedMemory(base + offset, nbytes, self, self.device_id)
         return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
-    @_on_device
-    def capture(self) -> EventOverlap:
-        """An ``EventOverlap`` recorded on the current stream."""
-        import cupy
-        return EventOverlap(cupy.cuda.get_current_stream().record())
-
     # ---- the one launch helper ------------------------------------------------------------------------
     def _launch(self, filename: str, name: str, grid: int, block: int, args, shared_mem: int = 0) -> None:
         kernel = self._kernels.get(name)
@@ -285,19 +276,22 @@ class CudaBuffer(Buffer):
     def _begin(self, kind: interop.Kind, previous_event):
         """Make the communication stream wait for the caller; returns the caller's stream."""
         compute = interop.current_stream(kind, self.device_id)
-        if previous_event is not None:
-            if not isinstance(previous_event, EventOverlap):
-                raise TypeError(f"previous_event: must be an EventOverlap, got {type(previous_event).__name__}")
-            if previous_event.event is not None:
-                self.comm_stream.wait_event(previous_event.event)
-        else:
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event: must be an EventOverlap, got {type(previous_event).__name__}")
+        event = None if previous_event is None else previous_event.event
+        if event is not None and not isinstance(event, HostEvent):
+            self.comm_stream.wait_event(event)
+        else:  # no event to wait for (as DeepEP, which passes ``previous_event.event``): follow the caller's stream
             self._fork_event.record(compute)  # reused: the wait is enqueued before the next record
             self.comm_stream.wait_event(self._fork_event)
         return compute
 
-    def _finish(self, compute, async_finish: bool, keep_alive) -> EventOverlap:
+    def _finish(self, compute, async_finish: bool, keep_alive, kind: interop.Kind) -> EventOverlap:
+        """End a call on the comm stream: the caller's stream ``compute`` waits for it, or (``async_finish``) an
+        event whose ``current_stream_wait`` makes the current stream of ``kind``'s framework wait."""
         if async_finish:  # the caller holds this event: a fresh one
-            return EventOverlap(self.comm_stream.record(), keep_alive, on_wait=self.check_health)
+            return EventOverlap(self.comm_stream.record(), keep_alive, on_wait=self.check_health,
+                                current_stream=functools.partial(interop.current_stream, kind, self.device_id))
         self._join_event.record(self.comm_stream)
         compute.wait_event(self._join_event)
         return EventOverlap(None)
@@ -364,7 +358,8 @@ class CudaBuffer(Buffer):
                          (raw_idx, np.int32(num_tokens), np.int32(num_topk), np.int32(num_experts),
                           np.int32(self.num_ranks), np.int32(self.topology.num_ranks_per_node),
                           per_rank, per_rdma, per_expert, in_rank, self._workspace), shared_mem=4 * columns)
-            event = self._finish(compute, async_finish, (raw_idx, per_rank, per_rdma, per_expert, in_rank))
+            event = self._finish(compute, async_finish, (raw_idx, per_rank, per_rdma, per_expert, in_rank),
+                                 kind)
         return (interop.wrap(per_rank, kind, "int32"), interop.wrap(per_rdma, kind, "int32"),
                 interop.wrap(per_expert, kind, "int32"), interop.wrap(in_rank, kind, "bool"), event)
 
@@ -375,6 +370,7 @@ class CudaBuffer(Buffer):
         combine has its own)."""
         if not isinstance(handle, (tuple, list)) or len(handle) != 6:
             raise ValueError("handle: must be the 6-tuple returned by an intranode dispatch")
+        handles.check_origin(handle, getattr(self, "buffer_id", None))
         names = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
                  "is_token_in_rank", "send_head")
         dtypes = ("int32", "int32", "int32", "int32", "bool", "int32")
@@ -418,10 +414,11 @@ class CudaBuffer(Buffer):
         mem = cupy.cuda.UnownedMemory(self._nvl.ptr + offset, nbytes, self, self.device_id)
         return cupy.ndarray((rows, hidden), dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
-    def _check_nvl_bytes(self, needed: int, what: str) -> None:
-        if needed > self.num_nvl_bytes:
-            raise ValueError(f"num_nvl_bytes: this {what} needs at least {needed} bytes of NVLink buffer, the "
-                             f"buffer has {self.num_nvl_bytes} (use Buffer.get_nvl_buffer_size_hint)")
+    def next_dispatch_epoch(self) -> int:
+        """Count one more normal-mode dispatch (intranode or internode) and return its number: the ``epoch`` of the
+        handle it returns (:mod:`cupy_ep.handles`)."""
+        self._dispatch_epoch = getattr(self, "_dispatch_epoch", 0) + 1
+        return self._dispatch_epoch
 
     @_on_device
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -487,23 +484,10 @@ class CudaBuffer(Buffer):
                 num_worst_tokens, R, T, self.device_id, self.check_values and not _capturing())
         S = info.num_scales
         hidden_int4 = info.hidden_bytes // 16
-        capacity = 0  # rows of a zero-copy output; 0: the ring dispatch
-        if zero_copy:
-            capacity = _config.direct_dispatch_capacity(self.num_nvl_bytes, C, info.hidden_bytes, max(num_topk, 1), S)
-            if capacity < max(1, num_worst_tokens):
-                raise ValueError(f"num_nvl_bytes: a zero-copy dispatch of {info.hidden_bytes}-byte rows fits {capacity} "
-                                 f"rows in this buffer ({self.num_nvl_bytes} bytes), it needs "
-                                 f"{max(1, num_worst_tokens)} (Buffer.get_zero_copy_nvl_size_hint sizes it)")
-            if cached and int(handle_raw[3].shape[0]) > capacity:
-                raise ValueError(f"handle: its dispatch received {handle_raw[3].shape[0]} rows, more than the "
-                                 f"{capacity} a zero-copy dispatch fits in num_nvl_bytes={self.num_nvl_bytes}")
-        else:
-            if cfg.num_max_nvl_chunked_recv_tokens < _dispatch_batch(R):
-                raise ValueError(f"config: dispatch at {R} ranks needs num_max_nvl_chunked_recv_tokens >= "
-                                 f"{_dispatch_batch(R)} (the slots a sender claims at once), got "
-                                 f"{cfg.num_max_nvl_chunked_recv_tokens}")
-            self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.dispatch_channel_bytes(
-                C, R, cfg.num_max_nvl_chunked_recv_tokens, info.hidden_bytes, max(num_topk, 1), S), "dispatch")
+        # rows of a zero-copy output; 0: the ring dispatch
+        capacity = validate.check_intranode_dispatch_fits(
+            cfg, R, self.num_nvl_bytes, info.hidden_bytes, num_topk, S, zero_copy, num_worst_tokens,
+            int(handle_raw[3].shape[0]) if cached else None)
 
         kind = interop.kind_of(info.x)
         with self._device:
@@ -580,14 +564,15 @@ class CudaBuffer(Buffer):
                     shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
             keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, rpm, cpm, rcpm,
                     src_idx, send_head, in_rank)
-            event = self._finish(compute, async_finish, keep)
+            event = self._finish(compute, async_finish, keep, kind)
 
         out_x = interop.wrap_recv_x(recv_x, recv_scales, kind, info)
         if cached:
             return out_x, None, None, None, None, event
-        out_handle = (interop.wrap(rpm, kind, "int32"), interop.wrap(cpm, kind, "int32"),
-                      interop.wrap(rcpm, kind, "int32"), interop.wrap(src_idx, kind, "int32"),
-                      is_token_in_rank, interop.wrap(send_head, kind, "int32"))
+        out_handle = handles.DispatchHandle((
+            interop.wrap(rpm, kind, "int32"), interop.wrap(cpm, kind, "int32"), interop.wrap(rcpm, kind, "int32"),
+            interop.wrap(src_idx, kind, "int32"), is_token_in_rank, interop.wrap(send_head, kind, "int32")),
+            self.buffer_id, self.next_dispatch_epoch())
         return (out_x, interop.wrap(recv_idx, kind, idx_name), interop.wrap(recv_w, kind, "float32"),
                 per_expert_list if per_expert_list is not None else [], out_handle, event)
 
@@ -643,21 +628,9 @@ class CudaBuffer(Buffer):
         num_topk = validate.check_combine_topk_weights(topk_weights, num_recv, self.device_id) or 1
         biases = validate.check_bias(bias, num_tokens, hidden, self.device_id)
         hidden_int4 = hidden * 2 // 16
-        capacity = 0  # rows per source rank of a zero-copy combine; 0: the ring combine
-        if zero_copy:
-            capacity = _config.direct_combine_capacity(self.num_nvl_bytes, R, hidden * 2, num_topk)
-            if capacity < max(1, num_tokens):
-                raise ValueError(f"num_nvl_bytes: a zero-copy combine of {hidden * 2}-byte rows fits {capacity} rows per "
-                                 f"rank in this buffer ({self.num_nvl_bytes} bytes), this rank's {num_tokens} tokens "
-                                 "need as many (Buffer.get_zero_copy_nvl_size_hint sizes it)")
-        else:
-            batch = _warps(R) * _COMBINE_TOKENS_PER_WARP
-            if cfg.num_max_nvl_chunked_recv_tokens - cfg.num_max_nvl_chunked_send_tokens < batch:
-                raise ValueError(f"config: combine needs num_max_nvl_chunked_recv_tokens - "
-                                 f"num_max_nvl_chunked_send_tokens >= {batch} (the receiver's batch), got "
-                                 f"{cfg.num_max_nvl_chunked_recv_tokens} - {cfg.num_max_nvl_chunked_send_tokens}")
-            self._check_nvl_bytes(_config.NOTIFY_BYTES + _config.combine_channel_bytes(
-                C, R, cfg.num_max_nvl_chunked_recv_tokens, hidden * 2, num_topk), "combine")
+        # rows per source rank of a zero-copy combine; 0: the ring combine
+        capacity = validate.check_intranode_combine_fits(cfg, R, self.num_nvl_bytes, hidden, num_topk, num_tokens,
+                                                         zero_copy)
 
         kind = interop.kind_of(x)
         with self._device:
@@ -686,17 +659,11 @@ class CudaBuffer(Buffer):
                               np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_send_tokens),
                               np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx),
                              shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
-            event = self._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, src_idx, send_head))
+            event = self._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, src_idx, send_head),
+                                 kind)
         return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
 
     # ---- low-latency mode (the logic lives in cuda_low_latency.LowLatencyState) ----------------------
-    @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
-        """``num_rdma_bytes`` for low-latency mode (:func:`cupy_ep.config.low_latency_rdma_size_hint`)."""
-        return _config.low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                                  num_experts)
-
     def _low_latency(self):
         self._check_usable()
         if self._ll is None:
@@ -726,7 +693,7 @@ class CudaBuffer(Buffer):
             ``(recv_x | (recv_x, recv_x_scales), recv_count, handle, EventOverlap, hook)``: ``recv_x``
             ``[L, R*M, H]`` bf16 or float8_e4m3fn (CuPy: uint8); scales ``[L, R*M, H/128]`` float32 or
             ``[L, R*M, H/512]`` int32 (UE8M0), column-major in the last two dims; ``recv_count [L] int32``;
-            ``handle``: a :class:`~cupy_ep.ll_handle.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32,
+            ``handle``: a :class:`~cupy_ep.handles.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32,
             layout_range [L, R] int64, M, H, E)`` with ``.topk_slots [T, K] int32`` (each top-k entry's slot, which
             the combine finds its rows by; -1: not sent); ``hook`` launches the
             receive phase when ``return_recv_hook`` (outputs are final only after it). Rows of a local expert:
@@ -766,9 +733,7 @@ class CudaBuffer(Buffer):
     # ---- shrink mode (low-latency fault tolerance, as DeepEP's; cuda_low_latency.LowLatencyState) --------
     def _shrink(self):
         self._check_usable()
-        if self._ll is None or not self.enable_shrink:
-            raise ValueError("enable_shrink: the mask buffer exists only in a Buffer created with "
-                             "low_latency_mode=True and enable_shrink=True")
+        validate.check_shrink_enabled(self._ll is not None and self.enable_shrink)
         return self._ll
 
     @_on_device
@@ -785,11 +750,8 @@ class CudaBuffer(Buffer):
             mask: bool; True masks, False unmasks.
         """
         ll = self._shrink()
-        if not isinstance(rank_to_mask, (int, np.integer)) or isinstance(rank_to_mask, (bool, np.bool_)):
-            raise TypeError(f"rank_to_mask: must be an int, got {type(rank_to_mask).__name__}")
-        if not 0 <= rank_to_mask < self.num_ranks:
-            raise ValueError(f"rank_to_mask: must be in [0, {self.num_ranks}), got {rank_to_mask}")
-        ll.update_mask(int(rank_to_mask), validate.check_flag(mask, "mask"))
+        rank = validate.check_rank_to_mask(rank_to_mask, self.num_ranks)
+        ll.update_mask(rank, validate.check_flag(mask, "mask"))
 
     @_on_device
     def low_latency_query_mask_buffer(self, mask_status) -> None:
@@ -800,7 +762,7 @@ class CudaBuffer(Buffer):
             mask_status: ``[num_ranks]`` int32, contiguous, a CuPy array or CUDA torch tensor on this buffer's GPU.
         """
         ll = self._shrink()
-        validate.check_vector(mask_status, "mask_status", "int32", self.num_ranks, self.device_id)
+        validate.check_mask_status(mask_status, self.num_ranks, self.device_id)
         ll.query_mask(mask_status)
 
     @_on_device

@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from . import bootstrap, interop, jit, validate
+from . import bootstrap, handles, interop, jit, validate
 from . import config as _config
 from .errors import CommTimeoutError
 
@@ -131,13 +131,15 @@ def check_buffer_sizes(lay: dict, what: str, num_nvl_bytes: int, num_rdma_bytes:
 
 
 def check_handle(handle, num_ranks: int, num_nodes: int, gpus_per_node: int, num_channels: int | None,
-                 device: int | None = None) -> dict:
-    """Kinds, dtypes and shapes of an internode handle; returns ``{field: array}`` (arrays unchanged).
+                 device: int | None = None, buffer_id: int | None = None) -> dict:
+    """Kinds, dtypes and shapes of an internode handle, and that it is ``buffer_id``'s (when it says); returns
+    ``{field: array}`` (arrays unchanged).
 
     ``num_channels`` None takes it from the handle (combine); otherwise it must match (cached dispatch)."""
     if not isinstance(handle, (tuple, list)) or len(handle) != len(HANDLE_FIELDS):
         raise ValueError(f"handle: must be the {len(HANDLE_FIELDS)}-tuple returned by an internode dispatch "
                          f"({', '.join(HANDLE_FIELDS)})")
+    handles.check_origin(handle, buffer_id)
     fields = {}
     for name, dt, a in zip(HANDLE_FIELDS, _HANDLE_DTYPES, handle):
         validate.check_array(a, f"handle.{name}", (dt,), ndim=1 if name.endswith("prefix_sum") else 2, device=device)
@@ -291,7 +293,7 @@ class InternodeState:
                 raise ValueError("topk_idx/topk_weights: must be None in a cached dispatch (handle given)")
             if num_worst_tokens:
                 raise ValueError("num_worst_tokens: must be 0 in a cached dispatch (the handle fixes the sizes)")
-            h = check_handle(handle, R, N, G, C, dev)
+            h = check_handle(handle, R, N, G, C, dev, getattr(buf, "buffer_id", None))
             if int(h["is_token_in_rank"].shape[0]) != T:
                 raise ValueError(f"x: has {T} rows but the handle was made for {h['is_token_in_rank'].shape[0]} tokens")
         else:
@@ -378,14 +380,16 @@ class InternodeState:
                        buf._ctx))
         keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, in_rank, rdma_cpm, gbl_cpm,
                 rrps, rgps, src_meta, rrcpm, rgcpm, send_rdma_head, send_nvl_head)
-        event = buf._finish(compute, async_finish, keep)
+        event = buf._finish(compute, async_finish, keep, kind)
 
         out_x = interop.wrap_recv_x(recv_x, recv_scales, kind, info)
         if cached:
             return out_x, None, None, None, None, event
         w = lambda a, name="int32": interop.wrap(a, kind, name)  # noqa: E731
-        out_handle = (is_token_in_rank, w(rdma_cpm), w(gbl_cpm), w(rrcpm), w(rrps), w(rgcpm), w(rgps),
-                      w(src_meta.view(cupy.uint8), "uint8"), w(send_rdma_head), w(send_nvl_head))
+        out_handle = handles.InternodeHandle((
+            is_token_in_rank, w(rdma_cpm), w(gbl_cpm), w(rrcpm), w(rrps), w(rgcpm), w(rgps),
+            w(src_meta.view(cupy.uint8), "uint8"), w(send_rdma_head), w(send_nvl_head)),
+            getattr(buf, "buffer_id", None), buf.next_dispatch_epoch())
         return (out_x, interop.wrap(recv_idx, kind, idx_name), interop.wrap(recv_w, kind, "float32"),
                 per_expert_list if per_expert_list is not None else [], out_handle, event)
 
@@ -397,7 +401,7 @@ class InternodeState:
         buf = self.buf
         R, N, G, dev = buf.num_ranks, self.num_nodes, self.gpus_per_node, buf.device_id
         num_recv, hidden = validate.check_combine_x(x, dev)
-        h = check_handle(handle, R, N, G, None, dev)
+        h = check_handle(handle, R, N, G, None, dev, getattr(buf, "buffer_id", None))
         C = int(h["rdma_channel_prefix_matrix"].shape[1])
         cfg = config_getter(C)
         if cfg.num_channels != C:
@@ -436,7 +440,7 @@ class InternodeState:
                     + (np.int32(cfg.num_max_rdma_chunked_send_tokens), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
                        np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
                        buf._ctx))
-        event = buf._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, *raw.values()))
+        event = buf._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, *raw.values()), kind)
         return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
 
     # ---- tests / tools ------------------------------------------------------------------------------

@@ -67,9 +67,9 @@ import os
 import numpy as np
 
 from . import config as _config
-from . import bootstrap, interop, jit, validate
+from . import bootstrap, handles, interop, jit, validate
 from .event import EventOverlap, RecvHooks
-from .ll_handle import LowLatencyHandle
+from .handles import LowLatencyHandle
 from .reference import LOW_LATENCY_MAX_TOPK
 
 _FILE = "low_latency.cu"
@@ -161,11 +161,7 @@ def phase_breakdown(stamps, stat=np.median) -> dict:
     return out
 
 
-def check_num_rdma_bytes(num_rdma_bytes: int) -> None:
-    """low_latency_mode needs a symmetric buffer (an argument error: checked before what the machine allows)."""
-    if num_rdma_bytes <= 0:
-        raise ValueError("num_rdma_bytes: low_latency_mode needs a symmetric buffer; size it with "
-                         "Buffer.get_low_latency_rdma_size_hint(...)")
+check_num_rdma_bytes = validate.check_num_rdma_bytes  # (shared with the host backend)
 
 
 def resolve_transport(transport: str | None) -> str:
@@ -238,13 +234,12 @@ class LowLatencyState:
     shrink_mask = None   # shrink mode: CudaBuffer's [R] int32 mask (the kernels' shrink_mask); None: off
     _shrink_comm = None  # shrink mode: clean's barrier communicator (a duplicate of the buffer's)
     _shrink_sends = ()   # shrink mode: that barrier's sends not known complete yet
+    handle_epoch = 0     # dispatches made so far: the epoch of the next handle, less one (cupy_ep.handles)
 
     def __init__(self, buf, num_rdma_bytes: int, single_node: bool, transport: str = "nvshmem"):
         import cupy
         check_num_rdma_bytes(num_rdma_bytes)
-        if buf.num_ranks > _config.LL_MAX_RANKS:
-            raise ValueError(f"comm: the low-latency kernels support up to {_config.LL_MAX_RANKS} ranks, "
-                             f"got {buf.num_ranks}")
+        validate.check_low_latency_ranks(buf.num_ranks)
         self.transport = transport
         self._force_put = resolve_force_put(transport)
         # One resident block per SM this rank may hold (blocks wait for each other): the whole GPU, or under
@@ -376,12 +371,7 @@ class LowLatencyState:
         last = self._last_layout
         if last is not None and last[0] == key:
             return last[1]
-        lay = _config.low_latency_layout(max_tokens, hidden, self.buf.num_ranks, num_experts)
-        if lay["total_bytes"] > self.num_bytes:
-            raise ValueError(f"num_rdma_bytes: {self.num_bytes} bytes are too few for "
-                             f"num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, "
-                             f"num_experts={num_experts} (needs {lay['total_bytes']}; use "
-                             "Buffer.get_low_latency_rdma_size_hint)")
+        lay = validate.check_low_latency_rdma_bytes(self.num_bytes, max_tokens, hidden, self.buf.num_ranks, num_experts)
         self._last_layout = (key, lay)
         return lay
 
@@ -422,7 +412,7 @@ class LowLatencyState:
         compute = self.buf._begin(kind, None)
         self.follow_last(self.buf.comm_stream, also_skip=compute)
         self.launch(name, args_for_phases(phases), self.buf.comm_stream, shared_mem)
-        return self.buf._finish(compute, async_finish, keep)
+        return self.buf._finish(compute, async_finish, keep, kind)
 
     def follow_last(self, stream, also_skip=None) -> None:
         """Make ``stream`` wait for the previous low-latency kernel when it was launched on another stream
@@ -478,41 +468,9 @@ class LowLatencyState:
 
     def _check_dispatch(self, x, topk_idx, max_tokens, num_experts, stats, wait_stats, use_fp8, round_scale,
                         use_ue8m0, async_finish, return_recv_hook, check_values: bool):
-        dev, R = self.buf.device_id, self.buf.num_ranks
-        flags = [validate.check_flag(v, n) for v, n in (
-            (use_fp8, "use_fp8"), (round_scale, "round_scale"), (use_ue8m0, "use_ue8m0"),
-            (async_finish, "async_finish"), (return_recv_hook, "return_recv_hook"))]
-        max_tokens = validate.check_positive_int(max_tokens, "num_max_dispatch_tokens_per_rank")
-        if max_tokens > _config.LL_MAX_TOKENS:
-            raise ValueError(f"num_max_dispatch_tokens_per_rank: the low-latency kernels support up to "
-                             f"{_config.LL_MAX_TOKENS}, got {max_tokens}")
-        if (R * max_tokens) % 4:
-            raise ValueError(f"num_max_dispatch_tokens_per_rank: num_ranks * num_max_dispatch_tokens_per_rank "
-                             f"must be a multiple of 4 (DeepEP's TMA requirement), got {R} * {max_tokens}")
-        validate.check_num_experts(num_experts, R)
-        check_ll_experts(num_experts)
-        validate.check_array(x, "x", ("bfloat16",), ndim=2, device=dev, aligned=True)
-        num_tokens, hidden = x.shape
-        if hidden <= 0 or hidden % 128:
-            raise ValueError(f"x: hidden (shape[1]) must be a positive multiple of 128 in low-latency mode, "
-                             f"got {hidden}")
-        if flags[0] and hidden % 512:
-            raise ValueError(f"x: FP8 low-latency dispatch needs hidden % 512 == 0 (as DeepEP), got {hidden}")
-        if num_tokens > max_tokens:
-            raise ValueError(f"x: has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
-                             f"{max_tokens}")
-        if flags[2] and not flags[1]:
-            raise ValueError("use_ue8m0: UE8M0 scales need round_scale=True")
-        validate.check_low_latency_topk(topk_idx, num_experts, check_values, device=dev)
-        if topk_idx.shape[0] != num_tokens:
-            raise ValueError(f"topk_idx: must have {num_tokens} rows (as x), got {topk_idx.shape[0]}")
-        if stats is not None:
-            validate.check_vector(stats, "cumulative_local_expert_recv_stats", "int32", num_experts // R, dev)
-        if wait_stats is not None:
-            validate.check_vector(wait_stats, "dispatch_wait_recv_cost_stats", "int64", R, dev)
-        if flags[3] and flags[4]:
-            raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
-        return max_tokens, num_tokens, hidden, tuple(flags)
+        return validate.check_low_latency_dispatch_args(
+            x, topk_idx, max_tokens, num_experts, stats, wait_stats, use_fp8, round_scale, use_ue8m0, async_finish,
+            return_recv_hook, self.buf.num_ranks, check_values, self.buf.device_id)
 
     def check_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                       return_recv_hook, out, wait_stats, bf16_partials, check_values: bool):
@@ -537,37 +495,19 @@ class LowLatencyState:
 
     def _check_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                        return_recv_hook, out, wait_stats, bf16_partials, check_values: bool):
-        dev, R = self.buf.device_id, self.buf.num_ranks
-        flags = [validate.check_flag(v, n) for v, n in (
-            (use_logfmt, "use_logfmt"), (zero_copy, "zero_copy"), (async_finish, "async_finish"),
-            (return_recv_hook, "return_recv_hook"), (bf16_partials, "bf16_partials"))]
-        use_logfmt, zero_copy, async_finish, return_recv_hook, _ = flags
-        _, layout_range, max_tokens, hidden, num_experts = self.check_handle(handle, check_values)
-        shape = (num_experts // R, R * max_tokens, hidden)
-        if use_logfmt and zero_copy:
-            raise ValueError("use_logfmt: cannot be used together with zero_copy=True (as in DeepEP)")
-        if use_logfmt and flags[4]:
-            raise ValueError("use_logfmt: cannot be used together with bf16_partials=True (one wire format)")
-        if x is not None or not zero_copy:
-            validate.check_array(x, "x", ("bfloat16",), ndim=3, device=dev, aligned=True)
-            if tuple(x.shape) != shape:
-                raise ValueError(f"x: must have shape {shape} ([L, R*M, H] from the handle), got {tuple(x.shape)}")
-        validate.check_low_latency_topk(topk_idx, num_experts, check_values, device=dev)
-        num_tokens, num_topk = topk_idx.shape
-        if num_tokens > max_tokens:
-            raise ValueError(f"topk_idx: has {num_tokens} rows, more than num_max_dispatch_tokens_per_rank="
-                             f"{max_tokens} (from the handle)")
-        slots = validate.check_low_latency_slots(handle, topk_idx, max_tokens, check_values, device=dev)
-        validate.check_topk_weights(topk_weights, num_tokens, num_topk, device=dev)
-        if out is not None:
-            validate.check_array(out, "out", ("bfloat16",), ndim=2, device=dev, aligned=True)
-            if tuple(out.shape) != (num_tokens, hidden):
-                raise ValueError(f"out: must have shape {(num_tokens, hidden)}, got {tuple(out.shape)}")
-        if wait_stats is not None:
-            validate.check_vector(wait_stats, "combine_wait_recv_cost_stats", "int64", R, dev)
-        if async_finish and return_recv_hook:
-            raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
-        return layout_range, slots, max_tokens, hidden, num_experts, num_tokens, num_topk, tuple(flags)
+        try:
+            checked = validate.check_low_latency_combine_args(
+                x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+                wait_stats, bf16_partials, self.buf.num_ranks, check_values, self.buf.device_id,
+                getattr(self.buf, "buffer_id", None))
+        except ValueError as e:
+            # The values were read back (a sync): if the dispatch that wrote them stopped at a device wait's
+            # timeout they are garbage, and the timeout is what to report (a ValueError about them would hide it).
+            if check_values and str(e).startswith("handle"):
+                self.buf.check_health()
+            raise
+        _, layout_range, slots, max_tokens, hidden, num_experts, num_tokens, num_topk, flags = checked
+        return layout_range, slots, max_tokens, hidden, num_experts, num_tokens, num_topk, flags
 
     def check_handle(self, handle, check_values: bool):
         """``(src_info raw, layout_range raw, M, H, E)`` of a low-latency dispatch handle (validate.py)."""
@@ -589,6 +529,8 @@ class LowLatencyState:
             use_ue8m0, async_finish, return_recv_hook, check_values)
         use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook = flags
         self.hooks.check_next_call("low_latency_dispatch")
+        # before the launch (a read of topk_idx on the host; check_values read it already)
+        routing = handles.routing_digest(topk_idx) if check_values else None
         self.prepare(max_tokens, hidden, num_experts)
         R = self.buf.num_ranks
         L, rows = num_experts // R, R * max_tokens
@@ -627,8 +569,11 @@ class LowLatencyState:
         if scales is not None:
             out_x = (out_x, validate.last_two_transposed(
                 interop.wrap(scales, kind, "int32" if use_ue8m0 else "float32"), kind))
+        self.handle_epoch += 1
         handle = LowLatencyHandle((interop.wrap(src_info, kind, "int32"), interop.wrap(layout_range, kind, "int64"),
-                                   max_tokens, hidden, num_experts), interop.wrap(slots, kind, "int32"))
+                                   max_tokens, hidden, num_experts), interop.wrap(slots, kind, "int32"),
+                                  getattr(self.buf, "buffer_id", None), self.handle_epoch,
+                                  routing)
         return out_x, interop.wrap(count, kind, "int32"), handle, event, hook
 
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook,
@@ -672,6 +617,7 @@ class LowLatencyState:
         """bf16 ``[L, R*M, H]`` view of the send region of the buffer the next call uses."""
         import cupy
         _, _, max_tokens, hidden, num_experts = self.check_handle(handle, False)
+        handles.check_origin(handle, getattr(self.buf, "buffer_id", None))
         lay = self.layout(max_tokens, hidden, num_experts)
         R = self.buf.num_ranks
         shape = (num_experts // R, R * max_tokens, hidden)
@@ -689,13 +635,9 @@ class LowLatencyState:
         Shrink mode: the barriers meet the unmasked ranks only and mask a rank that does not come in time
         (:meth:`shrink_barrier`); the workspace (epochs, the previous send's buffer, the meta readers' counts) is
         zeroed too and the next call uses buffer 0, on every rank that takes part."""
-        validate.check_positive_int(max_tokens, "num_max_dispatch_tokens_per_rank")
-        validate.check_positive_int(hidden, "hidden")
+        max_tokens, hidden, num_experts = validate.check_low_latency_shape(max_tokens, hidden, num_experts,
+                                                                           self.buf.num_ranks)
         self.hooks.check_next_call("clean_low_latency_buffer")
-        if hidden % 128:
-            raise ValueError(f"hidden: must be a multiple of 128 in low-latency mode, got {hidden}")
-        validate.check_num_experts(num_experts, self.buf.num_ranks)
-        check_ll_experts(num_experts)
         lay = self.layout(max_tokens, hidden, num_experts)
         if self.last_stream is not None:
             self.last_stream.synchronize()  # this rank's last low-latency kernel (the earlier ones before it)
@@ -731,10 +673,10 @@ class LowLatencyState:
 
     # ---- shrink mode (CudaBuffer.low_latency_*_mask_buffer; clean's barrier) -------------------------
     def mask_stream(self):
-        """CuPy's current stream, after the previous low-latency kernel; the next one follows it (follow_last):
-        the mask's readers and writers are ordered with the kernels, also inside a CUDA-graph capture."""
-        import cupy
-        stream = cupy.cuda.get_current_stream()
+        """The caller's current stream (no array names its framework: ``interop.caller_kind``), after the previous
+        low-latency kernel; the next one follows it (follow_last): the mask's readers and writers are ordered with
+        the kernels, also inside a CUDA-graph capture."""
+        stream = interop.current_stream(interop.caller_kind(), self.buf.device_id)
         self.follow_last(stream)
         self.last_stream = stream
         return stream
@@ -865,11 +807,5 @@ def direct_launch_enabled() -> bool:
 _LEGACY_STREAMS = (0, 1)  # the legacy default stream's handles (0, cudaStreamLegacy)
 
 
-def check_ll_experts(num_experts: int) -> None:
-    if num_experts > _config.LL_MAX_EXPERTS:
-        raise ValueError(f"num_experts: the low-latency kernels support up to {_config.LL_MAX_EXPERTS} experts, "
-                         f"got {num_experts}")
-
-
 __all__ = ["LowLatencyState", "STAMP_NAMES", "phase_breakdown", "check_num_rdma_bytes", "TRANSPORTS",
-           "resolve_transport", "resolve_force_put", "set_nvshmem_env", "check_ll_experts", "LOW_LATENCY_MAX_TOPK", "EventOverlap"]
+           "resolve_transport", "resolve_force_put", "set_nvshmem_env", "LOW_LATENCY_MAX_TOPK", "EventOverlap"]

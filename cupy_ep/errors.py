@@ -34,9 +34,13 @@ class CommTimeoutError(CommError):
 
 class CallMismatchError(CommError):
     """The ranks disagreed about a collective call (another ``num_sms``/config, hidden size or top-k, or a
-    cached dispatch on one rank and a normal one on another). Every rank raises it; no data moved.
+    cached dispatch on one rank and a normal one on another; on the host backend: another call altogether, such as a
+    rank a call ahead of the others). Every rank raises it; no data moved.
 
-    ``record``: ``peer`` (a rank that disagrees), ``word`` (what differs), ``mine`` and ``theirs``."""
+    ``record``: ``peer`` (a rank that disagrees), ``word`` (what differs), ``mine`` and ``theirs``. The host backend
+    numbers each Buffer's calls and adds ``in_step``: True when the ranks disagreed only about which call this one is
+    (the same number of calls made), and the Buffer then stays usable; False when they are out of step (a rank missed
+    a call), and the Buffer is unusable."""
 
 
 class BufferUnusableError(CupyEpError):

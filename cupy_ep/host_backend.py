@@ -5,12 +5,20 @@ Every call is synchronous (the returned ``EventOverlap`` carries no event) and c
 raw bytes). Arguments go through the same :mod:`cupy_ep.validate` checks as the CUDA path, so errors read
 the same.
 
-Collective calls (``dispatch``, ``combine``) first agree on the argument checks with one all-gather: if
-any rank's checks fail, or the ranks disagree on what must match (hidden size, dtypes, top-k, channels,
-cached mode), every rank raises (a failing rank its own error, the others the same message tagged with
-that rank), so a bad argument on one rank never leaves the others waiting in a collective. In non-cached
-dispatch the same all-gather carries the counts DeepEP's ``notify_dispatch`` exchanges (tokens per rank,
-per expert, per channel).
+Collective calls first agree on the argument checks with one exchange of headers
+(:class:`cupy_ep.host_exchange.HostExchange`, over a private duplicate of ``comm``): if any rank's checks fail, or
+the ranks disagree on what must match (hidden size, dtypes, top-k, channels, cached mode, the dispatch a handle
+came from), every rank raises (a failing rank its own error, the others the same message tagged with that rank),
+so a bad argument on one rank never leaves the others waiting in a collective. A rank making another call (a call
+ahead) makes the others raise ``CallMismatchError``; a rank that does not come within ``timeout_s`` makes them
+raise ``CommTimeoutError`` (the Buffer is then unusable). In non-cached dispatch the same exchange carries the
+counts DeepEP's ``notify_dispatch`` exchanges (tokens per rank, per expert, per channel).
+
+The host refuses what the CUDA backend refuses (the checks of :mod:`cupy_ep.validate`, shared): a call whose
+rings or zero-copy rows do not fit ``num_nvl_bytes`` (so ``num_nvl_bytes=0`` allows no normal-mode call), a
+config below the kernels' limits, a low-latency shape that does not fit ``num_rdma_bytes``, the GPU's rank and
+expert limits. ``num_nvl_bytes`` / ``num_rdma_bytes`` are not allocated here (only
+``get_local_buffer_tensor`` makes host memory of that size).
 
 Decisions where DeepEP is silent or GPU-specific:
 
@@ -20,8 +28,8 @@ Decisions where DeepEP is silent or GPU-specific:
   a later cached dispatch or combine with that handle also has ``num_worst_tokens`` rows (the real ones
   first, counted by ``rank_prefix_matrix``); a cached dispatch ignores ``num_worst_tokens`` (as DeepEP:
   the handle fixes the row count);
-* ``num_tokens_per_rdma_rank`` is ignored (intranode only); ``previous_event``, ``async_finish`` and
-  ``allocate_on_comm_stream`` are only checked;
+* ``num_tokens_per_rdma_rank`` is ignored (intranode only); ``previous_event`` and ``allocate_on_comm_stream``
+  are only checked; with ``async_finish`` the event is a complete ``HostEvent`` (so ``current_stream_wait`` works);
 * with ``check_values`` the layout arguments are checked against each other (and against ``topk_idx``).
 
 Low-latency mode (``low_latency_mode=True``): ``low_latency_dispatch`` /
@@ -36,9 +44,8 @@ expert row back to its token owner, which reduces with the weights. Decisions:
   before it;
 * DeepEP's host asserts are kept: H % 128 (H % 512 with FP8), ``T <= M``, ``R*M % 4 == 0``, K <= 11,
   ``use_ue8m0`` needs ``round_scale``, not ``async_finish`` with ``return_recv_hook``, and the stats
-  shapes (``[L] int32``, wait-cost ``[R] int64``, as DeepEP's C++ asserts). Not kept: the GPU's set of
-  supported hidden sizes, the NVSHMEM QP-depth bound on M, and ``num_rdma_bytes`` >= the size hint (the
-  host needs no RDMA buffer); ``topk_idx`` may also be int32;
+  shapes (``[L] int32``, wait-cost ``[R] int64``, as DeepEP's C++ asserts); so is the GPU backend's
+  ``num_rdma_bytes`` >= the (M, H, E) layout; ``topk_idx`` may also be int32;
 * ``return_recv_hook=True`` returns a hook that does nothing (the data arrived during the call), under the GPU
   backend's rule (``event.RecvHooks``: it runs once, before the next low-latency call);
   ``async_finish`` and the wait-cost stats are only checked (stats are left unchanged);
@@ -47,7 +54,13 @@ expert row back to its token owner, which reduces with the weights. Decisions:
   slot (t, k) is then found by order, so a top-k row that names one expert twice uses two rows (DeepEP
   keys its combine slots by (expert, token), so there the later arrival wins);
 * ``get_next_low_latency_combine_buffer`` hands out one array owned by the buffer (re-made when the shape
-  changes) instead of DeepEP's two alternating RDMA buffers.
+  changes) instead of DeepEP's two alternating RDMA buffers;
+* shrink mode (``enable_shrink=True``, low-latency only), as the GPU backend's: this rank's mask (``[R]``, 1 =
+  masked) leaves masked ranks out of every low-latency call (their experts' top-k entries count as not selected,
+  they send no tokens, nothing is awaited from them), and a rank that does not enter a low-latency call within the
+  timeout is masked instead of failing the call. The result is then :func:`reference.mask_ranks` applied to every
+  rank's ``topk_idx``, with no tokens from masked ranks. A rank masked after missing calls is out of step with the
+  others (its next call would raise ``CallMismatchError``): on the host it does not come back into this Buffer.
 """
 from __future__ import annotations
 
@@ -57,11 +70,13 @@ import numpy as np
 
 from . import buffer as _buffer
 from . import config as _config
-from . import interop, reference, validate
+from . import handles, interop, reference, validate
 from .buffer import Buffer
 from .config import Config
-from .event import EventOverlap, RecvHooks
-from .ll_handle import LowLatencyHandle
+from .errors import CallMismatchError
+from .event import HOST_EVENT, EventOverlap, RecvHooks, host_event
+from .handles import DispatchHandle, LowLatencyHandle
+from .host_exchange import HostExchange, PeersTimedOut
 
 _HANDLE_FIELDS = (("rank_prefix_matrix", "int32", 2), ("channel_prefix_matrix", "int32", 2),
                   ("recv_channel_prefix_matrix", "int32", 2), ("recv_src_idx", "int32", 1),
@@ -117,14 +132,16 @@ class _LowLatencyArgs:
     y: np.ndarray | None = None              # combine: [L, R*M, H] raw bf16 expert outputs
     weights: np.ndarray | None = None        # combine: [T, K] float32
     layout_range: np.ndarray | None = None   # combine: [L, R] int64
+    routing: str | None = None               # dispatch: handles.routing_digest of topk_idx (check_values)
 
 
-# Shared with the GPU low-latency path (cupy_ep/cuda_low_latency.py): the checks live in validate.py.
-_flag = validate.check_flag
-_positive_int = validate.check_positive_int
-_check_vector = validate.check_vector
-_check_low_latency_topk = validate.check_low_latency_topk
 _last_two_transposed = validate.last_two_transposed
+
+
+def _handle_origin(handle) -> str:
+    """What must agree across ranks about a handle: the dispatch call it came from (when it says)."""
+    epoch = getattr(handle, "epoch", None)
+    return "given" if epoch is None else f"the handle of dispatch call #{epoch}"
 
 
 def _ready() -> None:
@@ -134,9 +151,10 @@ def _ready() -> None:
 class HostBuffer(Buffer):
     """numpy + mpi4py implementation of :class:`cupy_ep.Buffer` (see the module docstring).
 
-    Arguments as for :class:`cupy_ep.Buffer`; ``num_nvl_bytes``/``num_rdma_bytes``, ``device`` and
-    ``timeout_s`` are checked and stored but not used. Inputs are numpy arrays (bf16 as
-    ``ml_dtypes.bfloat16``, fp8 as ``ml_dtypes.float8_e4m3fn`` or ``uint8``) or CPU torch tensors.
+    Arguments as for :class:`cupy_ep.Buffer`; ``num_nvl_bytes``/``num_rdma_bytes`` bound the calls as on the GPU
+    (nothing of that size is allocated), ``timeout_s`` bounds every wait for another rank, ``device`` is checked
+    and stored but not used, ``enable_shrink`` turns on shrink mode (the module docstring). Inputs are numpy
+    arrays (bf16 as ``ml_dtypes.bfloat16``, fp8 as ``ml_dtypes.float8_e4m3fn`` or ``uint8``) or CPU torch tensors.
     """
 
     backend = "host"
@@ -164,10 +182,28 @@ class HostBuffer(Buffer):
             raise ValueError(f"num_ranks_per_node: must be a positive divisor of the rank count "
                              f"{self.num_ranks}, got {num_ranks_per_node!r}")
         self.num_ranks_per_node = num_ranks_per_node
+        # what the CUDA backend refuses at construction (every rank alike, before anything collective)
+        if num_ranks_per_node in (None, self.num_ranks):
+            validate.check_intranode_ranks(self.num_ranks)
+            if num_rdma_bytes and not low_latency_mode:
+                raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain (unless low_latency_mode)")
+        if low_latency_mode:
+            validate.check_num_rdma_bytes(num_rdma_bytes)
+            validate.check_low_latency_ranks(self.num_ranks)
+        self.enable_shrink = validate.check_flag(enable_shrink, "enable_shrink")
+        # shrink mode: this rank's view of the failed ranks, [R] int32, 1 = masked (low-latency calls only)
+        self._shrink_mask = np.zeros(self.num_ranks, dtype=np.int32) if low_latency_mode and enable_shrink else None
+        self.buffer_id = handles.new_buffer_id(self.comm)   # collective
+        self._exchange = HostExchange(self.comm, self.timeout_s)  # collective
         self._ll_combine_buffer: np.ndarray | None = None   # raw bf16 [L, R*M, H] (zero-copy combine)
         self._ll_hooks = RecvHooks()  # the GPU backend's rule: a hook runs once, before the next low-latency call
         if backend is None:
             _buffer._warn_host_backend(self.rank)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An ``EventOverlap`` holding a complete :class:`~cupy_ep.event.HostEvent` (every call is synchronous)."""
+        return EventOverlap(HOST_EVENT)
 
     # ---- layout -------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None, async_finish: bool = False,
@@ -190,7 +226,7 @@ class HostBuffer(Buffer):
         outs = reference.get_dispatch_layout(interop.unwrap(topk_idx), num_experts, self.num_ranks,
                                              self.num_ranks_per_node)
         names = ("int32", "int32", "int32", "bool")
-        return tuple(interop.wrap(a, kind, n) for a, n in zip(outs, names)) + (EventOverlap(),)
+        return tuple(interop.wrap(a, kind, n) for a, n in zip(outs, names)) + (host_event(async_finish),)
 
     # ---- dispatch -----------------------------------------------------------------------------------
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -220,10 +256,10 @@ class HostBuffer(Buffer):
             recv_src_idx [N], is_token_in_rank [T, R] bool, send_head [T, R])``, all int32 but the bool.
         """
         self._check_usable()
-        validate.check_flag(zero_copy, "zero_copy")
-        args, notes = self._agree(lambda: self._check_dispatch(
+        args, notes = self._agree("dispatch", lambda: self._check_dispatch(
             x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-            expert_alignment, num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream))
+            expert_alignment, num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream,
+            zero_copy))
         me, num_ranks = self.rank, self.num_ranks
         counts_list = []
         if args.handle is not None:
@@ -260,7 +296,7 @@ class HostBuffer(Buffer):
         if args.scales is not None:
             recv_x = (recv_x, wrap(exchange(args.scales, 0), "float32"))
         if args.handle is not None:
-            return recv_x, None, None, None, None, EventOverlap()
+            return recv_x, None, None, None, None, host_event(async_finish)
 
         recv_topk_idx = recv_topk_weights = None
         if args.topk_idx is not None:
@@ -269,77 +305,59 @@ class HostBuffer(Buffer):
             recv_topk_idx, recv_topk_weights = wrap(got_idx, args.topk_name), wrap(got_w, "float32")
         recv_src_idx = exchange(np.arange(itr.shape[0], dtype=np.int32), -1)
         channels = args.config.intranode_dispatch_channels(self.num_ranks)
-        new_handle = (
+        new_handle = DispatchHandle((
             wrap(rank_prefix, "int32"),
             wrap(reference.local_channel_prefix_matrix(itr, channels), "int32"),
             wrap(reference.recv_channel_prefix_matrix([n["channel_counts"][me] for n in notes]), "int32"),
             wrap(recv_src_idx, "int32"),
             args.user_is_token_in_rank,
             wrap(reference.local_send_head(itr), "int32"),
-        )
-        return recv_x, recv_topk_idx, recv_topk_weights, counts_list, new_handle, EventOverlap()
+        ), self.buffer_id, self._exchange.seq)
+        return recv_x, recv_topk_idx, recv_topk_weights, counts_list, new_handle, host_event(async_finish)
 
     def _check_dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                         topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
-                        async_finish, allocate_on_comm_stream):
+                        async_finish, allocate_on_comm_stream, zero_copy):
         """All of dispatch's argument checks (no communication): returns ``(_DispatchArgs, same, notify)``
-        (see :meth:`_agree`); ``notify`` holds this rank's counts for the others (None in cached mode)."""
+        (see :meth:`_agree`); ``notify`` holds this rank's counts for the others (None in cached mode). The
+        checks and their order are the CUDA backend's (validate.py)."""
         info = validate.check_x(x)
         num_tokens, num_ranks = info.num_tokens, self.num_ranks
-        validate.check_expert_alignment(expert_alignment)
-        validate.check_num_worst_tokens(num_worst_tokens, num_ranks, num_tokens)
         # FP8 rows are sized as BF16 for the config lookup (DeepEP's hidden_bytes convention), as the GPU path
         config = self._resolve_config(config, "dispatch", max(info.hidden_bytes, 2 * info.hidden))
-        channels = config.intranode_dispatch_channels(num_ranks)
+        validate.check_expert_alignment(expert_alignment)
+        validate.check_num_worst_tokens(num_worst_tokens, num_ranks, num_tokens)
         validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        if (topk_idx is None) != (topk_weights is None):
-            raise ValueError("topk_idx, topk_weights: give both or neither")
+        zero_copy = validate.check_flag(zero_copy, "zero_copy")
+        channels = config.intranode_dispatch_channels(num_ranks)
         args = _DispatchArgs(
             kind=interop.kind_of(info.x), x_name=interop.dtype_name(info.x), x=interop.unwrap(info.x),
             scales=None if info.scales is None else np.ascontiguousarray(interop.unwrap(info.scales)),
             topk_idx=None, topk_name=None, topk_weights=None, is_token_in_rank=None, config=config)
         scales = "" if info.scales is None else f" + scales [*, {info.num_scales}]"
-        same = {"handle": "given" if handle is not None else "None",
-                "x": f"{args.x_name} [*, {info.hidden}]{scales}",
+        same = {"handle": None, "x": f"{args.x_name} [*, {info.hidden}]{scales}",
                 "config": f"{channels} channels", "topk_idx": None}
 
         if handle is not None:
-            if topk_idx is not None:
+            if topk_idx is not None or topk_weights is not None:
                 raise ValueError("topk_idx, topk_weights: must be None in cached mode (a handle was given)")
             args.handle = self._check_handle(handle, config, num_tokens, channels)
+            same["handle"] = _handle_origin(handle)
+            validate.check_intranode_dispatch_fits(config, num_ranks, self.num_nvl_bytes, info.hidden_bytes, 1,
+                                                   info.num_scales, zero_copy, 0, args.handle[3].shape[0])
             args.is_token_in_rank = args.handle[4]
             return args, same, None
 
-        for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                            ("num_tokens_per_expert", num_tokens_per_expert)):
-            if value is None:
-                raise ValueError(f"{name}: required unless a handle is given")
-        validate.check_array(num_tokens_per_rank, "num_tokens_per_rank", ("int32",), ndim=1)
-        if tuple(num_tokens_per_rank.shape) != (num_ranks,):
-            raise ValueError(f"num_tokens_per_rank: must have shape ({num_ranks},), "
-                             f"got {tuple(num_tokens_per_rank.shape)}")
-        validate.check_array(is_token_in_rank, "is_token_in_rank", ("bool",), ndim=2)
-        if tuple(is_token_in_rank.shape) != (num_tokens, num_ranks):
-            raise ValueError(f"is_token_in_rank: must have shape {(num_tokens, num_ranks)}, "
-                             f"got {tuple(is_token_in_rank.shape)}")
-        validate.check_array(num_tokens_per_expert, "num_tokens_per_expert", ("int32",), ndim=1)
-        num_experts = int(num_tokens_per_expert.shape[0])
-        try:
-            validate.check_num_experts(num_experts, num_ranks)
-        except ValueError as e:
-            raise ValueError(f"num_tokens_per_expert: its length {num_experts} is not a valid expert count "
-                             f"({e})") from None
+        num_experts, num_topk, _ = validate.check_dispatch_layout_args(
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, num_worst_tokens,
+            num_ranks, num_tokens, None, self.check_values)
+        validate.check_intranode_dispatch_fits(config, num_ranks, self.num_nvl_bytes, info.hidden_bytes, num_topk,
+                                               info.num_scales, zero_copy, num_worst_tokens)
         same["num_tokens_per_expert"] = f"{num_experts} experts"
         if topk_idx is not None:
-            validate.check_topk_idx(topk_idx, num_experts, check_values=self.check_values)
-            if topk_idx.shape[0] != num_tokens:
-                raise ValueError(f"topk_idx: must have {num_tokens} rows (as x), got {topk_idx.shape[0]}")
-            validate.check_topk_weights(topk_weights, num_tokens, topk_idx.shape[1])
             args.topk_idx, args.topk_name = interop.unwrap(topk_idx), interop.dtype_name(topk_idx)
             args.topk_weights = interop.unwrap(topk_weights)
             same["topk_idx"] = f"{args.topk_name} [*, {topk_idx.shape[1]}]"
-        elif num_worst_tokens:
-            raise ValueError("num_worst_tokens: needs topk_idx and topk_weights")
         args.is_token_in_rank = interop.unwrap(is_token_in_rank)
         args.user_is_token_in_rank = is_token_in_rank
         per_rank, per_expert = interop.unwrap(num_tokens_per_rank), interop.unwrap(num_tokens_per_expert)
@@ -379,9 +397,8 @@ class HostBuffer(Buffer):
             fp32 ``0 + bias0 + bias1 + contributions in ascending source-rank order``, rounded to bf16 once.
         """
         self._check_usable()
-        validate.check_flag(zero_copy, "zero_copy")
-        (kind, x_raw, w_raw, biases, raw_handle), _ = self._agree(lambda: self._check_combine(
-            x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream))
+        (kind, x_raw, w_raw, biases, raw_handle), _ = self._agree("combine", lambda: self._check_combine(
+            x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream, zero_copy))
         rank_prefix, itr = raw_handle[0], raw_handle[4]
         num_real = int(rank_prefix[-1, self.rank])
         send_counts = np.diff(rank_prefix[:, self.rank].astype(np.int64), prepend=0)
@@ -405,43 +422,36 @@ class HostBuffer(Buffer):
         if w_raw is not None:
             combined_w = reduce(w_raw, np.float32, np.zeros((num_tokens, w_raw.shape[1]), dtype=np.float32))
         return (interop.wrap(combined, kind, "bfloat16"), interop.wrap(combined_w, kind, "float32"),
-                EventOverlap())
+                host_event(async_finish))
 
     def _check_combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
-                       allocate_on_comm_stream):
+                       allocate_on_comm_stream, zero_copy):
         """All of combine's argument checks: ``((kind, x raw, weights raw, [bias0, bias1] bf16, raw handle),
         same, None)`` (see :meth:`_agree`)."""
-        if isinstance(x, (tuple, list)):
+        if isinstance(x, (tuple, list)) and validate.is_array_pair(x):
             raise TypeError("x: combine takes one bf16 [N, H] array, not an FP8 pair")
-        info = validate.check_x(x)
+        num_recv_x, hidden = validate.check_combine_x(x, None)
+        zero_copy = validate.check_flag(zero_copy, "zero_copy")
         # a combine cuts the tokens into its own channels (send_head does not depend on the dispatch's)
-        config = self._resolve_config(config, "combine", info.hidden_bytes)
+        config = self._resolve_config(config, "combine", hidden * 2)
+        validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         raw_handle = self._check_handle(handle, config, None)
         num_recv, num_tokens = raw_handle[3].shape[0], raw_handle[4].shape[0]
-        if info.num_tokens != num_recv:
+        if num_recv_x != num_recv:
             raise ValueError(f"x: must have {num_recv} rows (one per row of the dispatch output, as the "
-                             f"handle's recv_src_idx), got {info.num_tokens}")
-        w_raw = None
-        if topk_weights is not None:
-            validate.check_array(topk_weights, "topk_weights", ("float32",), ndim=2)
-            validate.check_topk_weights(topk_weights, num_recv, topk_weights.shape[1])
-            w_raw = interop.unwrap(topk_weights)
-        biases = validate.check_bias(bias, num_tokens, info.hidden)
+                             f"handle's recv_src_idx), got {num_recv_x}")
+        num_topk = validate.check_combine_topk_weights(topk_weights, num_recv, None)
+        w_raw = None if topk_weights is None else interop.unwrap(topk_weights)
+        biases = validate.check_bias(bias, num_tokens, hidden)
         biases = [None if b is None else interop.unwrap(b).view(interop.BF16) for b in biases]
-        validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        same = {"x": f"bfloat16 [*, {info.hidden}]", "config": f"{config.num_channels} channels",
+        validate.check_intranode_combine_fits(config, self.num_ranks, self.num_nvl_bytes, hidden, num_topk or 1,
+                                              num_tokens, zero_copy)
+        same = {"handle": _handle_origin(handle), "x": f"bfloat16 [*, {hidden}]",
+                "config": f"{config.num_channels} channels",
                 "topk_weights": None if w_raw is None else f"float32 [*, {w_raw.shape[1]}]"}
         return (interop.kind_of(x), interop.unwrap(x), w_raw, biases, raw_handle), same, None
 
     # ---- low-latency mode ---------------------------------------------------------------------------
-    @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
-        """``num_rdma_bytes`` DeepEP's low-latency kernels need (:func:`cupy_ep.config.low_latency_rdma_size_hint`).
-        The host backend itself needs no RDMA buffer."""
-        return _config.low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                                  num_experts)
-
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Collective (DeepEP: a barrier, zero both signal areas, a barrier). The host keeps no signals, so
@@ -450,17 +460,15 @@ class HostBuffer(Buffer):
 
         def check():
             self._require_low_latency_mode()
-            _positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
-            _positive_int(hidden, "hidden")
-            if hidden % 128:
-                raise ValueError(f"hidden: must be a multiple of 128 in low-latency mode, got {hidden}")
-            validate.check_num_experts(num_experts, self.num_ranks)
+            shape = validate.check_low_latency_shape(num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                                                     self.num_ranks)
+            validate.check_low_latency_rdma_bytes(self.num_rdma_bytes, *shape[:2], self.num_ranks, shape[2])
             self._ll_hooks.check_next_call("clean_low_latency_buffer")
             same = {"num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank, "hidden": hidden,
                     "num_experts": num_experts}
             return None, same, None
 
-        self._agree(check)
+        self._agree("clean_low_latency_buffer", check, low_latency=True)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
@@ -490,17 +498,20 @@ class HostBuffer(Buffer):
             ``[L, R*M, H]`` bf16 (or float8_e4m3fn with ``use_fp8``); ``recv_x_scales`` ``[L, R*M, H/128]``
             float32 or (UE8M0) ``[L, R*M, H/512]`` int32, column-major in the last two dims (a transposed
             view of a ``[L, S, R*M]`` array, as DeepEP); ``recv_count [L] int32``; ``handle``: a
-            :class:`~cupy_ep.ll_handle.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32, layout_range
+            :class:`~cupy_ep.handles.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32, layout_range
             [L, R] int64, M, H, E)`` with ``.topk_slots [T, K] int32``; ``hook`` None unless
             ``return_recv_hook``. Rows of local expert e: by source rank, then token, then k (see
             :func:`reference.low_latency_dispatch`); rows past ``recv_count[e]`` are zero here but
             undefined on the GPU.
         """
         self._check_usable()
-        args, notes = self._agree(lambda: self._check_low_latency_dispatch(
+        args, notes = self._agree("low_latency_dispatch", lambda: self._check_low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook))
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook),
+            low_latency=True)
         me, num_ranks, num_local = self.rank, self.num_ranks, args.num_local
+        routing = args.routing
+        args.topk_idx = self._masked_topk(args.topk_idx, args.num_experts)
         rows_per_expert = num_ranks * args.max_tokens
 
         # Sender: cast each token once, then one message per (t, k) that selects an expert, grouped by
@@ -521,8 +532,9 @@ class HostBuffer(Buffer):
         messages = np.concatenate(parts, axis=1)
         send_counts = np.bincount(experts // num_local, minlength=num_ranks)
         mine = slice(me * num_local, (me + 1) * num_local)
-        counts = np.stack([n["per_expert"][mine] for n in notes], axis=1)          # [L, src]
-        got = self._alltoallv_rows(messages, send_counts, counts.sum(axis=0))
+        counts = np.stack([n["per_expert"][mine] if n is not None else np.zeros(num_local, np.int64)
+                           for n in notes], axis=1)                                  # [L, src]
+        got = self._alltoallv_rows(messages, send_counts, counts.sum(axis=0), low_latency=True)
 
         # Receiver: rows of expert e from source s land at begin[e, s] + (their order inside s's block).
         recv_count = counts.sum(axis=1).astype(np.int32)
@@ -555,9 +567,10 @@ class HostBuffer(Buffer):
             args.stats += recv_count
         slots = reference.low_latency_slots(args.topk_idx, args.max_tokens, args.num_experts)
         handle = LowLatencyHandle((wrap(src_info, "int32"), wrap(layout_range, "int64"), args.max_tokens,
-                                   args.hidden, args.num_experts), wrap(slots, "int32"))
+                                   args.hidden, args.num_experts), wrap(slots, "int32"), self.buffer_id,
+                                  self._exchange.seq, routing)
         hook = self._ll_hooks.make(_ready, "low_latency_dispatch") if args.return_recv_hook else None
-        return out_x, wrap(recv_count, "int32"), handle, EventOverlap(), hook
+        return out_x, wrap(recv_count, "int32"), handle, host_event(async_finish), hook
 
     def _check_low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
@@ -565,51 +578,29 @@ class HostBuffer(Buffer):
         """All of low_latency_dispatch's argument checks: ``(_LowLatencyArgs, same, {"per_expert": [E]})``
         (see :meth:`_agree`); ``per_expert`` counts this rank's top-k slots per global expert."""
         self._require_low_latency_mode()
-        flags = [_flag(v, n) for v, n in ((use_fp8, "use_fp8"), (round_scale, "round_scale"),
-                                          (use_ue8m0, "use_ue8m0"), (async_finish, "async_finish"),
-                                          (return_recv_hook, "return_recv_hook"))]
-        use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook = flags
-        max_tokens = _positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
         num_ranks = self.num_ranks
-        if (num_ranks * max_tokens) % 4:
-            raise ValueError(f"num_max_dispatch_tokens_per_rank: num_ranks * num_max_dispatch_tokens_per_rank "
-                             f"must be a multiple of 4 (DeepEP's TMA requirement), got {num_ranks} * {max_tokens}")
-        validate.check_num_experts(num_experts, num_ranks)
+        max_tokens, num_tokens, hidden, flags = validate.check_low_latency_dispatch_args(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook, num_ranks,
+            self.check_values)
+        use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook = flags
+        validate.check_low_latency_rdma_bytes(self.num_rdma_bytes, max_tokens, hidden, num_ranks, num_experts)
         num_local = num_experts // num_ranks
-        validate.check_array(x, "x", ("bfloat16",), ndim=2)
-        num_tokens, hidden = x.shape
-        if hidden <= 0 or hidden % 128:
-            raise ValueError(f"x: hidden (shape[1]) must be a positive multiple of 128 in low-latency mode, "
-                             f"got {hidden}")
-        if use_fp8 and hidden % 512:
-            raise ValueError(f"x: FP8 low-latency dispatch needs hidden % 512 == 0 (as DeepEP), got {hidden}")
-        if num_tokens > max_tokens:
-            raise ValueError(f"x: has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
-                             f"{max_tokens}")
-        if use_ue8m0 and not round_scale:
-            raise ValueError("use_ue8m0: UE8M0 scales need round_scale=True")
-        _check_low_latency_topk(topk_idx, num_experts, self.check_values)
-        if topk_idx.shape[0] != num_tokens:
-            raise ValueError(f"topk_idx: must have {num_tokens} rows (as x), got {topk_idx.shape[0]}")
         stats = None
         if cumulative_local_expert_recv_stats is not None:
-            _check_vector(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", "int32",
-                          num_local)
             stats = interop.unwrap(cumulative_local_expert_recv_stats)
-        if dispatch_wait_recv_cost_stats is not None:
-            _check_vector(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", "int64", num_ranks)
-        if async_finish and return_recv_hook:
-            raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
         self._ll_hooks.check_next_call("low_latency_dispatch")
         idx = interop.unwrap(topk_idx).astype(np.int64)
         args = _LowLatencyArgs(kind=interop.kind_of(x), x=interop.unwrap(x), topk_idx=idx, hidden=hidden,
                                max_tokens=max_tokens, num_experts=num_experts, num_local=num_local,
                                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                               return_recv_hook=return_recv_hook, stats=stats)
+                               return_recv_hook=return_recv_hook, stats=stats,
+                               routing=handles.routing_digest(idx) if self.check_values else None)
         same = {"num_max_dispatch_tokens_per_rank": max_tokens, "num_experts": num_experts,
                 "x": f"bfloat16 [*, {hidden}]", "use_fp8": use_fp8,
                 "round_scale": round_scale if use_fp8 else None, "use_ue8m0": use_ue8m0 if use_fp8 else None}
-        return args, same, {"per_expert": np.bincount(idx[idx >= 0], minlength=num_experts).astype(np.int64)}
+        masked = self._masked_topk(idx, num_experts)
+        return args, same, {"per_expert": np.bincount(masked[masked >= 0], minlength=num_experts).astype(np.int64)}
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
@@ -621,7 +612,7 @@ class HostBuffer(Buffer):
                 ``zero_copy`` (may be None then; checked when given).
             topk_idx, topk_weights: ``[T, K]`` int32/int64 and float32: the routing this rank gave to the
                 dispatch that made ``handle`` (``T <= M``), and the weights.
-            handle: the dispatch's :class:`~cupy_ep.ll_handle.LowLatencyHandle` (``(src_info, layout_range, M,
+            handle: the dispatch's :class:`~cupy_ep.handles.LowLatencyHandle` (``(src_info, layout_range, M,
                 H, E)`` and ``.topk_slots``; not modified). ``topk_idx`` must have its ``topk_slots``' shape.
             use_logfmt: this rank's tokens' partial sums cross as LogFMT-10 (:mod:`cupy_ep.logfmt`: 10 bits per
                 value and 8 bytes per 128, under half the 24-bit bytes; a relative error of at most
@@ -644,15 +635,24 @@ class HostBuffer(Buffer):
             ascending, rounded to bf16 once (:func:`reference.low_latency_combine`).
         """
         self._check_usable()
-        args, notes = self._agree(lambda: self._check_low_latency_combine(
+        args, notes = self._agree("low_latency_combine", lambda: self._check_low_latency_combine(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
-            combine_wait_recv_cost_stats, bf16_partials))
+            combine_wait_recv_cost_stats, bf16_partials), low_latency=True)
         me, num_ranks, num_local = self.rank, self.num_ranks, args.num_local
+        taking_part = np.array([n is not None for n in notes])
+        args.topk_idx = self._masked_topk(args.topk_idx, args.num_experts)
         # The routing must be the dispatch's: what each owner's handle holds for each token owner equals
         # what that token owner's topk_idx selects (checked identically on every rank, before any transfer).
+        # (between ranks that both take part: a rank left out sends and receives nothing)
+        none = {"layout_counts": np.zeros((num_local, num_ranks), np.int64),
+                "per_expert": np.zeros(num_ranks * num_local, np.int64)}
+        notes = [n if n is not None else none for n in notes]
         held = np.stack([n["layout_counts"] for n in notes])                                  # [owner, L, s]
         wanted = np.stack([n["per_expert"] for n in notes]).reshape(num_ranks, num_ranks, num_local)
         wanted = wanted.transpose(1, 2, 0)                                                    # [owner, L, s]
+        both = taking_part[:, None, None] & taking_part[None, None, :]
+        held, wanted = held * both, wanted * both
+        count_mask = taking_part[None, :]
         if not np.array_equal(held, wanted):
             owner, e, src = (int(v[0]) for v in np.nonzero(held != wanted))
             raise ValueError(f"topk_idx: rank {src} selects local expert {e} of rank {owner} "
@@ -662,14 +662,16 @@ class HostBuffer(Buffer):
 
         # Owner side: for each token owner s, the rows of every local expert's block from s, experts ascending.
         begin, count = reference.low_latency_unpack_range(args.layout_range)
+        count = count * count_mask  # nothing to a rank left out
         experts, rows = [], []
         for s in range(num_ranks):
             for e in range(num_local):
                 rows.append(np.arange(begin[e, s], begin[e, s] + count[e, s], dtype=np.int64))
                 experts.append(np.full(count[e, s], e, dtype=np.int64))
         send = args.y[np.concatenate(experts), np.concatenate(rows)]
-        per_owner = notes[me]["per_expert"].reshape(num_ranks, num_local).sum(axis=1)
-        got = self._alltoallv_rows(send, count.sum(axis=0), per_owner).view(interop.BF16)
+        live = args.topk_idx[args.topk_idx >= 0]  # (masked again: a rank masked during this call sends nothing)
+        per_owner = np.bincount(live // num_local, minlength=num_ranks)
+        got = self._alltoallv_rows(send, count.sum(axis=0), per_owner, low_latency=True).view(interop.BF16)
 
         # Token-owner side: the block from owner r lists r's experts ascending, each in (t, k) order, so
         # sorting my (t, k) slots by expert id gives the received row of each.
@@ -697,30 +699,22 @@ class HostBuffer(Buffer):
         hook = self._ll_hooks.make(_ready, "low_latency_combine") if args.return_recv_hook else None
         if out is not None:
             interop.unwrap(out)[...] = combined
-            return out, EventOverlap(), hook
-        return interop.wrap(combined, args.kind, "bfloat16"), EventOverlap(), hook
+            return out, host_event(async_finish), hook
+        return interop.wrap(combined, args.kind, "bfloat16"), host_event(async_finish), hook
 
     def _check_low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                    return_recv_hook, out, combine_wait_recv_cost_stats, bf16_partials):
         """All of low_latency_combine's argument checks: ``(_LowLatencyArgs, same, {"layout_counts": [L, R],
         "per_expert": [E]})`` (see :meth:`_agree`)."""
         self._require_low_latency_mode()
-        flags = [_flag(v, n) for v, n in ((use_logfmt, "use_logfmt"), (zero_copy, "zero_copy"),
-                                          (async_finish, "async_finish"), (return_recv_hook, "return_recv_hook"),
-                                          (bf16_partials, "bf16_partials"))]
-        use_logfmt, zero_copy, async_finish, return_recv_hook, bf16_partials = flags
-        _, layout_range, max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
         num_ranks = self.num_ranks
+        (_, layout_range, _, max_tokens, hidden, num_experts, num_tokens, num_topk,
+         flags) = validate.check_low_latency_combine_args(
+            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+            combine_wait_recv_cost_stats, bf16_partials, num_ranks, self.check_values, None, self.buffer_id)
+        use_logfmt, zero_copy, async_finish, return_recv_hook, bf16_partials = flags
         num_local = num_experts // num_ranks
         shape = (num_local, num_ranks * max_tokens, hidden)
-        if use_logfmt and zero_copy:
-            raise ValueError("use_logfmt: cannot be used together with zero_copy=True (as in DeepEP)")
-        if use_logfmt and bf16_partials:
-            raise ValueError("use_logfmt: cannot be used together with bf16_partials=True (one wire format)")
-        if x is not None or not zero_copy:
-            validate.check_array(x, "x", ("bfloat16",), ndim=3)
-            if tuple(x.shape) != shape:
-                raise ValueError(f"x: must have shape {shape} ([L, R*M, H] from the handle), got {tuple(x.shape)}")
         if zero_copy:
             buffer = self._ll_combine_buffer
             if buffer is None or buffer.shape != shape:
@@ -729,21 +723,6 @@ class HostBuffer(Buffer):
             y = buffer
         else:
             y = interop.unwrap(x)
-        _check_low_latency_topk(topk_idx, num_experts, self.check_values)
-        num_tokens, num_topk = topk_idx.shape
-        if num_tokens > max_tokens:
-            raise ValueError(f"topk_idx: has {num_tokens} rows, more than num_max_dispatch_tokens_per_rank="
-                             f"{max_tokens} (from the handle)")
-        validate.check_low_latency_slots(handle, topk_idx, max_tokens, self.check_values)
-        validate.check_topk_weights(topk_weights, num_tokens, num_topk)
-        if out is not None:
-            validate.check_array(out, "out", ("bfloat16",), ndim=2)
-            if tuple(out.shape) != (num_tokens, hidden):
-                raise ValueError(f"out: must have shape {(num_tokens, hidden)}, got {tuple(out.shape)}")
-        if combine_wait_recv_cost_stats is not None:
-            _check_vector(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", "int64", num_ranks)
-        if async_finish and return_recv_hook:
-            raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
         self._ll_hooks.check_next_call("low_latency_combine")
         idx = interop.unwrap(topk_idx).astype(np.int64)
         args = _LowLatencyArgs(kind=interop.kind_of(topk_idx), x=None, topk_idx=idx, hidden=hidden,
@@ -752,9 +731,10 @@ class HostBuffer(Buffer):
                                bf16_partials=bf16_partials, y=y,
                                weights=interop.unwrap(topk_weights), layout_range=layout_range)
         same = {"handle": f"num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, "
-                          f"num_experts={num_experts}"}
+                          f"num_experts={num_experts}, {_handle_origin(handle)}"}
+        masked = self._masked_topk(idx, num_experts)
         notify = {"layout_counts": reference.low_latency_unpack_range(layout_range)[1],
-                  "per_expert": np.bincount(idx[idx >= 0], minlength=num_experts).astype(np.int64)}
+                  "per_expert": np.bincount(masked[masked >= 0], minlength=num_experts).astype(np.int64)}
         return args, same, notify
 
     def get_next_low_latency_combine_buffer(self, handle):
@@ -766,6 +746,7 @@ class HostBuffer(Buffer):
         self._check_usable()
         self._require_low_latency_mode()
         _, _, max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
+        handles.check_origin(handle, self.buffer_id)
         shape = (num_experts // self.num_ranks, self.num_ranks * max_tokens, hidden)
         if self._ll_combine_buffer is None or self._ll_combine_buffer.shape != shape:
             self._ll_combine_buffer = np.zeros(shape, dtype=np.uint16)
@@ -789,6 +770,7 @@ class HostBuffer(Buffer):
         if not isinstance(handle, (tuple, list)) or len(handle) != len(_HANDLE_FIELDS):
             got = type(handle).__name__ + (f" of {len(handle)}" if isinstance(handle, (tuple, list)) else "")
             raise ValueError(f"handle: must be the 6-tuple an intranode dispatch returned, got {got}")
+        handles.check_origin(handle, self.buffer_id)
         for i, (a, (name, dtype, ndim)) in enumerate(zip(handle, _HANDLE_FIELDS)):
             validate.check_array(a, f"handle.{name}", (dtype,), ndim=ndim)
         raw = tuple(interop.unwrap(a) for a in handle)
@@ -810,41 +792,101 @@ class HostBuffer(Buffer):
                              f"at {num_ranks} ranks, but the handle was made with {channels}")
         return raw
 
-    def _agree(self, check):
-        """Run this rank's argument checks ``check() -> (result, same, payload)`` and all-gather their
-        outcome: if any rank's checks raised ValueError/TypeError, or the ``same`` dicts (argument name ->
-        what must match on every rank) differ, every rank raises. Returns ``(result, [every payload])``."""
+    def _agree(self, op: str, check, low_latency: bool = False):
+        """Start collective call ``op``: run this rank's argument checks ``check() -> (result, same, payload)`` and
+        exchange their outcome with the ranks taking part (:class:`~cupy_ep.host_exchange.HostExchange`). If a rank
+        is in another call, every rank that sees it raises CallMismatchError; if any rank's checks raised
+        ValueError/TypeError/RuntimeError, or the ``same`` dicts (argument name -> what must match on every rank)
+        differ, every rank raises. ``low_latency``: in shrink mode only the ranks unmasked here take part, and a rank
+        that does not come in time is masked. Returns ``(result, [payload of each rank, None for a rank left out])``."""
+        exchange = self._exchange
+        exchange.begin(op)
         try:
             result, same, payload = check()
             error = None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RuntimeError) as e:  # (RuntimeError: a recv hook not called yet)
             result, same, payload, error = None, None, None, e
-        gathered = self.comm.allgather((None if error is None else (type(error), str(error)), same, payload))
+        shrink = low_latency and self._shrink_mask is not None
+        peers = self._taking_part(low_latency)
+        try:
+            got = exchange.agree((None if error is None else (type(error), str(error)), same, payload), peers)
+        except PeersTimedOut as e:
+            if not shrink:
+                self._unusable_reason = f"rank(s) {e.peers} did not enter {op}"
+                raise exchange.timeout_error(e.peers, "enter") from None
+            self._shrink_mask[e.peers] = 1  # masked: the call goes on without them
+            got = e.partial
+        except CallMismatchError as e:
+            if not e.record.get("in_step"):
+                self._unusable_reason = f"the ranks are out of step: {e.record}"
+            raise
         if error is not None:
             raise error
-        for r, (err, _, _) in enumerate(gathered):
-            if err is not None:
-                raise err[0](f"{err[1]} (raised on rank {r})")
+        gathered = [got.get(r) for r in range(self.num_ranks)]
+        for r, g in enumerate(gathered):
+            if g is not None and g[0] is not None:
+                raise g[0][0](f"{g[0][1]} (raised on rank {r})")
+        present = [g for g in gathered if g is not None]
         for name in same:
-            values = [g[1].get(name) for g in gathered]
+            values = [g[1].get(name) for g in present]
             if any(v != values[0] for v in values):
                 raise ValueError(f"{name}: must agree across ranks, got {values} (by rank)")
-        return result, [g[2] for g in gathered]
+        return result, [None if g is None else g[2] for g in gathered]
 
-    def _alltoallv_rows(self, send: np.ndarray, send_counts, recv_counts) -> np.ndarray:
-        """All-to-all of rows: ``send_counts[r]`` consecutive rows of ``send`` go to rank r; the rows from
-        rank r arrive as block r (of ``recv_counts[r]`` rows) of the result."""
-        from mpi4py import MPI
-        send = np.ascontiguousarray(send)
-        row_shape = send.shape[1:]
-        recv = np.empty((int(np.sum(recv_counts)),) + row_shape, dtype=send.dtype)
-        row_type = MPI.BYTE.Create_contiguous(send.dtype.itemsize * int(np.prod(row_shape))).Commit()
+    def _taking_part(self, low_latency: bool) -> list[int]:
+        """The ranks a call meets: every rank, or in a low-latency call in shrink mode the ones unmasked here."""
+        if not low_latency or self._shrink_mask is None:
+            return list(range(self.num_ranks))
+        return [r for r in range(self.num_ranks) if r == self.rank or not self._shrink_mask[r]]
+
+    def _masked_topk(self, topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
+        """``topk_idx`` with the entries of masked ranks' experts set to -1 (shrink mode; unchanged otherwise)."""
+        if self._shrink_mask is None or not self._shrink_mask.any():
+            return topk_idx
+        return reference.mask_ranks(topk_idx, np.flatnonzero(self._shrink_mask), num_experts, self.num_ranks)
+
+    def _alltoallv_rows(self, send: np.ndarray, send_counts, recv_counts, low_latency: bool = False) -> np.ndarray:
+        """All-to-all of rows among the ranks taking part: ``send_counts[r]`` consecutive rows of ``send`` go to rank
+        r; the rows from rank r arrive as block r (of ``recv_counts[r]`` rows) of the result."""
         try:
-            self.comm.Alltoallv([send, ([int(c) for c in send_counts], _displs(send_counts)), row_type],
-                                [recv, ([int(c) for c in recv_counts], _displs(recv_counts)), row_type])
-        finally:
-            row_type.Free()
-        return recv
+            return self._exchange.alltoallv(send, send_counts, recv_counts, self._taking_part(low_latency))
+        except PeersTimedOut as e:
+            self._unusable_reason = f"rank(s) {e.peers} did not send the rows of {self._exchange.op}"
+            raise self._exchange.timeout_error(e.peers, "send the rows of") from None
+
+    # ---- shrink mode (low-latency fault tolerance, as the CUDA backend's) ----------------------------------
+    def _shrink(self) -> np.ndarray:
+        self._check_usable()
+        validate.check_shrink_enabled(self._shrink_mask is not None)
+        return self._shrink_mask
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask a rank in this rank's view, from the next low-latency call on (not
+        collective). A masked rank is neither sent to nor waited for: its experts' top-k entries count as not
+        selected, it contributes no tokens, its combine partials are absent. A rank that does not enter a
+        low-latency call within the timeout is masked by itself.
+
+        Args:
+            rank_to_mask: int in ``[0, num_ranks)``.
+            mask: bool; True masks, False unmasks.
+        """
+        shrink_mask = self._shrink()
+        rank = validate.check_rank_to_mask(rank_to_mask, self.num_ranks)
+        shrink_mask[rank] = 1 if validate.check_flag(mask, "mask") else 0
+
+    def low_latency_query_mask_buffer(self, mask_status) -> None:
+        """Fill ``mask_status`` with this rank's mask (1 = masked, 0 = not; not collective).
+
+        Args:
+            mask_status: ``[num_ranks]`` int32, contiguous, a numpy array or CPU torch tensor.
+        """
+        shrink_mask = self._shrink()
+        validate.check_mask_status(mask_status, self.num_ranks)
+        interop.unwrap(mask_status)[...] = shrink_mask
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank in this rank's view (not collective)."""
+        self._shrink()[...] = 0
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def _buffer_bytes(self, offset: int, nbytes: int, rdma: bool):
@@ -854,8 +896,11 @@ class HostBuffer(Buffer):
         return self._host_regions[rdma][offset:offset + nbytes]
 
     def destroy(self) -> None:
-        """Collective: a barrier, then the buffer is unusable. Calling it again does nothing."""
+        """Collective: a barrier (``CommTimeoutError`` when a rank does not come within the timeout), then the buffer
+        is unusable. Calling it again does nothing."""
         if self._destroyed:
             return
-        self.comm.Barrier()
-        super().destroy()
+        try:
+            self._exchange.close()
+        finally:
+            super().destroy()

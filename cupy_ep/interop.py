@@ -7,6 +7,7 @@ back as the user's kind with the logical dtype restored. bf16/fp8 on the host us
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -212,13 +213,51 @@ def wrap_recv_x(recv_x, recv_scales, kind: Kind, info):
 
 
 def current_stream(kind: Kind, device_id: int | None = None):
-    """The stream the caller's framework considers current (on ``device_id``), as a CuPy stream object."""
-    import cupy
+    """The stream the caller's framework considers current (on ``device_id``; default that framework's current
+    device), as a CuPy stream object: torch's current stream for torch CUDA tensors, else CuPy's."""
+    if kind.lib == "torch" and kind.on_gpu:
+        import cupy
+        import torch
+        if device_id is None:
+            device_id = torch.cuda.current_device()
+        stream = torch.cuda.current_stream(device_id)
+        return cupy.cuda.ExternalStream(stream.cuda_stream, device_id)
+    return _cupy_current_stream()
+
+
+def current_device(kind: Kind) -> int:
+    """The current CUDA device of the framework ``kind`` names (torch's for torch CUDA tensors, else CuPy's)."""
     if kind.lib == "torch" and kind.on_gpu:
         import torch
-        stream = torch.cuda.current_stream(device_id)
-        return cupy.cuda.ExternalStream(stream.cuda_stream, device_id if device_id is not None else -1)
+        return torch.cuda.current_device()
+    import cupy
+    return cupy.cuda.runtime.getDevice()
+
+
+def _cupy_current_stream():
+    import cupy
     return cupy.cuda.get_current_stream()
+
+
+_TORCH_GPU_KIND = Kind("torch", True)
+# CuPy's default streams: the legacy null stream (0, or cudaStreamLegacy = 1) and the per-thread one (2).
+_DEFAULT_STREAMS = (0, 1, 2)
+
+
+def caller_kind() -> Kind:
+    """The framework a call without arrays serves (``Buffer.capture()``, ``get_comm_stream()``, the mask-buffer
+    calls): CuPy when the caller entered a CuPy stream (CuPy's current stream is not a default stream); else torch
+    when torch is imported and has initialized CUDA in this process; else CuPy. Never imports torch.
+
+    Why this order: torch users are told apart by torch having touched the GPU; a CuPy user who also uses torch
+    either runs on the default streams, which both frameworks share, or has entered a CuPy stream, which names
+    the stream meant."""
+    if _cupy_current_stream().ptr not in _DEFAULT_STREAMS:
+        return _CUPY_KIND
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return _TORCH_GPU_KIND
+    return _CUPY_KIND
 
 
 def requested_dtype(dtype):

@@ -426,6 +426,28 @@ def low_latency_slots(topk_idx, num_max_dispatch_tokens_per_rank: int, num_exper
     return slots.reshape(idx.shape)
 
 
+def mask_ranks(topk_idx, masked, num_experts: int, num_ranks: int) -> np.ndarray:
+    """Shrink mode's routing: ``topk_idx`` with every entry naming an expert of a masked rank set to -1 (rank r owns
+    experts ``[r*L, (r+1)*L)``, L = E/R). A low-latency call of a Buffer with ``enable_shrink=True`` gives the
+    reference's answer on these inputs, a masked rank contributing no tokens.
+
+    Args:
+        topk_idx: ``[T, K]`` int32/int64, -1 = none.
+        masked: the masked ranks: their numbers (ints), or a ``[R]`` bool mask.
+        num_experts, num_ranks: E and R.
+
+    Returns:
+        a new ``[T, K]`` array of ``topk_idx``'s dtype.
+    """
+    idx = np.array(topk_idx, copy=True)
+    masked = np.asarray(masked)
+    if masked.dtype == np.bool_:
+        masked = np.flatnonzero(masked)
+    owner = np.where(idx >= 0, idx.astype(np.int64) // (num_experts // num_ranks), -1)
+    idx[np.isin(owner, masked.astype(np.int64)) & (idx >= 0)] = -1
+    return idx
+
+
 def low_latency_pack_range(begin, count):
     """``layout_range`` entries: ``(begin << 32) | count`` as int64 (begin/count broadcast)."""
     return (np.asarray(begin, dtype=np.int64) << 32) | np.asarray(count, dtype=np.int64)

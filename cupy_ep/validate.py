@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 
+from . import config as _config
 from . import interop
 from .config import MAX_HIDDEN_BYTES, MAX_LOCAL_EXPERTS, MAX_TOPK
 
@@ -28,6 +29,9 @@ def check_array(x, name: str, dtypes: tuple, ndim: int | None = None, device: in
     offset would otherwise fail inside a kernel with a misaligned address, which poisons the CUDA context)."""
     if x is None:
         _fail(name, "must not be None", TypeError)
+    if isinstance(x, (list, tuple)):
+        _fail(name, f"must be an array (numpy, CuPy or torch), got a Python {type(x).__name__} of {len(x)} "
+                    f"{_item_kind(x)}; convert it first (e.g. numpy.asarray)", TypeError)
     try:
         kind = interop.kind_of(x)
     except TypeError as e:
@@ -78,6 +82,25 @@ def check_topk_idx(topk_idx, num_experts: int | None, device=None, check_values:
     return num_tokens, num_topk
 
 
+def _is_array(a) -> bool:
+    try:
+        interop.kind_of(a)
+        return True
+    except TypeError:
+        return False
+
+
+def is_array_pair(x) -> bool:
+    """True when ``x`` looks like an FP8 pair: a 2-sequence whose first item is an array (the scales may be
+    missing or wrong: check_x names them then) or any sequence of arrays (a pair of the wrong length)."""
+    return bool(x) and all(_is_array(a) or a is None for a in x) and _is_array(x[0])
+
+
+def _item_kind(x) -> str:
+    kinds = sorted({type(a).__name__ for a in x})
+    return "items" if not kinds else f"{'/'.join(kinds)} items"
+
+
 @dataclasses.dataclass
 class XInfo:
     """What dispatch needs to know of ``x``."""
@@ -92,6 +115,11 @@ class XInfo:
 
 def check_x(x, device=None, name: str = "x") -> XInfo:
     """BF16 ``[T, H]`` or the FP8 pair ``(x_e4m3 [T, H], scales [T, ceil(H/128)] float32, any strides)``."""
+    if isinstance(x, (tuple, list)) and not is_array_pair(x):
+        # nested Python lists of numbers are data, not an FP8 pair: name what was passed
+        _fail(name, f"must be an array (numpy, CuPy or torch) or the FP8 pair (x_e4m3, scales), got a Python "
+                    f"{type(x).__name__} of {len(x)} {_item_kind(x)}; convert it first (e.g. numpy.asarray(..., "
+                    "dtype=ml_dtypes.bfloat16))", TypeError)
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
             _fail(name, f"an FP8 input must be the pair (x_e4m3, scales), got {len(x)} items")
@@ -138,6 +166,11 @@ def check_dispatch_layout_args(num_tokens_per_rank, is_token_in_rank, num_tokens
         if value is None:
             raise ValueError(f"{name}: required for {what} (from get_dispatch_layout)")
     R, T = num_ranks, num_tokens
+    if (topk_idx is None) != (topk_weights is None):
+        raise ValueError("topk_idx/topk_weights: give both or neither")
+    if topk_idx is not None and getattr(topk_idx, "ndim", None) == 2 and topk_idx.shape[0] != T:
+        # before the layout arrays: they were made from topk_idx, so a row count unlike x's is topk_idx's
+        raise ValueError(f"topk_idx: has {topk_idx.shape[0]} rows but x has {T} (one top-k row per token)")
     check_array(num_tokens_per_rank, "num_tokens_per_rank", ("int32",), ndim=1, device=device)
     if tuple(num_tokens_per_rank.shape) != (R,):
         raise ValueError(f"num_tokens_per_rank: expected shape ({R},), got {tuple(num_tokens_per_rank.shape)}")
@@ -146,9 +179,10 @@ def check_dispatch_layout_args(num_tokens_per_rank, is_token_in_rank, num_tokens
         raise ValueError(f"is_token_in_rank: expected shape {(T, R)}, got {tuple(is_token_in_rank.shape)}")
     check_array(num_tokens_per_expert, "num_tokens_per_expert", ("int32",), ndim=1, device=device)
     num_experts = int(num_tokens_per_expert.shape[0])
-    check_num_experts(num_experts, R)
-    if (topk_idx is None) != (topk_weights is None):
-        raise ValueError("topk_idx/topk_weights: give both or neither")
+    try:
+        check_num_experts(num_experts, R)
+    except ValueError as e:
+        raise ValueError(f"num_tokens_per_expert: its length {num_experts} is not a valid expert count ({e})") from None
     num_topk, idx_name = 0, "int64"
     if topk_idx is not None:
         t2, num_topk = check_topk_idx(topk_idx, num_experts, device, check_values)
@@ -210,6 +244,14 @@ def check_bias(bias, num_tokens: int, hidden: int, device=None):
 
 
 def check_stream_args(previous_event, async_finish: bool, allocate_on_comm_stream: bool):
+    """``previous_event`` None or an :class:`~cupy_ep.event.EventOverlap`; the two flags bools; and
+    ``allocate_on_comm_stream`` only with both of the others (as DeepEP)."""
+    from .event import EventOverlap
+    if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        _fail("previous_event", f"must be None or the EventOverlap a cupy_ep call returned "
+                                f"(buffer.capture() makes one), got {type(previous_event).__name__}", TypeError)
+    check_flag(async_finish, "async_finish")
+    check_flag(allocate_on_comm_stream, "allocate_on_comm_stream")
     if allocate_on_comm_stream and (previous_event is None or not async_finish):
         _fail("allocate_on_comm_stream", "needs previous_event and async_finish=True")
 
@@ -281,7 +323,7 @@ def check_low_latency_handle(handle, num_ranks: int, check_values: bool, device=
 
 def check_low_latency_slots(handle, topk_idx, max_tokens: int, check_values: bool, device=None):
     """The raw ``topk_slots`` ``[T, K] int32`` a low-latency combine finds its rows by (the dispatch's slot of each
-    top-k entry of this rank: :class:`cupy_ep.ll_handle.LowLatencyHandle`), after checking that ``handle``
+    top-k entry of this rank: :class:`cupy_ep.handles.LowLatencyHandle`), after checking that ``handle``
     carries them, that ``topk_idx`` (already checked) has the dispatch's shape, and, with ``check_values``, that
     every slot is -1 or below ``max_tokens`` (that reads them on the host)."""
     slots = getattr(handle, "topk_slots", None)
@@ -325,3 +367,238 @@ def check_buffer_view(nbytes: int, itemsize: int, size, offset, region: str) -> 
         raise ValueError(f"size: {shape} elements of {itemsize} bytes at offset {offset} need {need} bytes, the "
                          f"buffer has {region}={nbytes}")
     return shape
+
+
+# ---- what the buffer and the kernels can hold (the host backend refuses the same calls as the GPU) ---------------
+def intranode_warps(num_ranks: int) -> int:
+    """Warps of an intranode dispatch/combine block (mirrors Groups<kNumRanks> in cuda_src/intranode/groups.cuh)."""
+    return (24 // num_ranks) * num_ranks
+
+
+def intranode_remote_warps(num_ranks: int) -> int:
+    """Sender warps per remote peer (mirrors RemoteGroups<kNumRanks>::kWarpsPerPeer, cuda_src/intranode/groups.cuh)."""
+    per_rank, remote = 24 // num_ranks, max(num_ranks - 1, 1)
+    return max(intranode_warps(num_ranks) // remote, per_rank)
+
+
+def intranode_dispatch_batch(num_ranks: int) -> int:
+    """Ring slots a dispatch sender claims at once (mirrors RemoteGroups<kNumRanks>::kBatchTokens)."""
+    return -(-intranode_remote_warps(num_ranks) * 4 // 32) * 32
+
+
+COMBINE_TOKENS_PER_WARP = 2  # mirrors kCombineTokensPerWarp in cuda_src/intranode/combine.cuh
+
+
+def check_nvl_bytes(needed: int, num_nvl_bytes: int, what: str) -> None:
+    if needed > num_nvl_bytes:
+        raise ValueError(f"num_nvl_bytes: this {what} needs at least {needed} bytes of NVLink buffer, the "
+                         f"buffer has {num_nvl_bytes} (use Buffer.get_nvl_buffer_size_hint)")
+
+
+def check_intranode_dispatch_fits(cfg, num_ranks: int, num_nvl_bytes: int, hidden_bytes: int, num_topk: int,
+                                  num_scales: int, zero_copy: bool, num_worst_tokens: int,
+                                  cached_rows: int | None = None) -> int:
+    """An intranode dispatch of ``cfg`` with these rows fits the buffer and the kernels' limits (``num_topk``: 0
+    without top-k; ``cached_rows``: the rows a cached dispatch's handle received). Returns the zero-copy capacity in
+    rows (0: the ring dispatch)."""
+    channels, _ = cfg.intranode_dispatch_split(num_ranks)
+    if zero_copy:
+        capacity = _config.direct_dispatch_capacity(num_nvl_bytes, channels, hidden_bytes, max(num_topk, 1),
+                                                    num_scales)
+        if capacity < max(1, num_worst_tokens):
+            raise ValueError(f"num_nvl_bytes: a zero-copy dispatch of {hidden_bytes}-byte rows fits {capacity} rows "
+                             f"in this buffer ({num_nvl_bytes} bytes), it needs {max(1, num_worst_tokens)} "
+                             "(Buffer.get_zero_copy_nvl_size_hint sizes it)")
+        if cached_rows is not None and cached_rows > capacity:
+            raise ValueError(f"handle: its dispatch received {cached_rows} rows, more than the {capacity} a "
+                             f"zero-copy dispatch fits in num_nvl_bytes={num_nvl_bytes}")
+        return capacity
+    batch = intranode_dispatch_batch(num_ranks)
+    if cfg.num_max_nvl_chunked_recv_tokens < batch:
+        raise ValueError(f"config: dispatch at {num_ranks} ranks needs num_max_nvl_chunked_recv_tokens >= {batch} "
+                         f"(the slots a sender claims at once), got {cfg.num_max_nvl_chunked_recv_tokens}")
+    check_nvl_bytes(_config.NOTIFY_BYTES + _config.dispatch_channel_bytes(
+        channels, num_ranks, cfg.num_max_nvl_chunked_recv_tokens, hidden_bytes, max(num_topk, 1), num_scales),
+        num_nvl_bytes, "dispatch")
+    return 0
+
+
+def check_intranode_combine_fits(cfg, num_ranks: int, num_nvl_bytes: int, hidden: int, num_topk: int,
+                                 num_tokens: int, zero_copy: bool) -> int:
+    """An intranode combine of ``cfg`` (bf16 rows of ``hidden``; ``num_topk``: the weights' K, 1 without) fits the
+    buffer and the kernels' limits. Returns the zero-copy capacity in rows per rank (0: the ring combine)."""
+    if zero_copy:
+        capacity = _config.direct_combine_capacity(num_nvl_bytes, num_ranks, hidden * 2, num_topk)
+        if capacity < max(1, num_tokens):
+            raise ValueError(f"num_nvl_bytes: a zero-copy combine of {hidden * 2}-byte rows fits {capacity} rows per "
+                             f"rank in this buffer ({num_nvl_bytes} bytes), this rank's {num_tokens} tokens need as "
+                             "many (Buffer.get_zero_copy_nvl_size_hint sizes it)")
+        return capacity
+    batch = intranode_warps(num_ranks) * COMBINE_TOKENS_PER_WARP
+    if cfg.num_max_nvl_chunked_recv_tokens - cfg.num_max_nvl_chunked_send_tokens < batch:
+        raise ValueError(f"config: combine needs num_max_nvl_chunked_recv_tokens - num_max_nvl_chunked_send_tokens "
+                         f">= {batch} (the receiver's batch), got {cfg.num_max_nvl_chunked_recv_tokens} - "
+                         f"{cfg.num_max_nvl_chunked_send_tokens}")
+    check_nvl_bytes(_config.NOTIFY_BYTES + _config.combine_channel_bytes(
+        cfg.num_channels, num_ranks, cfg.num_max_nvl_chunked_recv_tokens, hidden * 2, num_topk),
+        num_nvl_bytes, "combine")
+    return 0
+
+
+def check_intranode_ranks(num_ranks: int) -> None:
+    if not 1 <= num_ranks <= _config.MAX_NVL_RANKS:
+        raise ValueError(f"comm: intranode supports 1..{_config.MAX_NVL_RANKS} ranks, got {num_ranks}")
+
+
+def check_num_rdma_bytes(num_rdma_bytes: int) -> None:
+    """low_latency_mode needs a symmetric buffer (an argument error: checked before what the machine allows)."""
+    if num_rdma_bytes <= 0:
+        raise ValueError("num_rdma_bytes: low_latency_mode needs a symmetric buffer; size it with "
+                         "Buffer.get_low_latency_rdma_size_hint(...)")
+
+
+def check_low_latency_rdma_bytes(num_rdma_bytes: int, max_tokens: int, hidden: int, num_ranks: int,
+                                 num_experts: int) -> dict:
+    """The (M, H, E) low-latency layout (:func:`cupy_ep.config.low_latency_layout`), after checking that it fits
+    ``num_rdma_bytes``."""
+    lay = _config.low_latency_layout(max_tokens, hidden, num_ranks, num_experts)
+    if lay["total_bytes"] > num_rdma_bytes:
+        raise ValueError(f"num_rdma_bytes: {num_rdma_bytes} bytes are too few for num_max_dispatch_tokens_per_rank="
+                         f"{max_tokens}, hidden={hidden}, num_experts={num_experts} (needs {lay['total_bytes']}; use "
+                         "Buffer.get_low_latency_rdma_size_hint)")
+    return lay
+
+
+def check_low_latency_experts(num_experts, num_ranks: int) -> int:
+    check_num_experts(num_experts, num_ranks)
+    if num_experts > _config.LL_MAX_EXPERTS:
+        raise ValueError(f"num_experts: the low-latency kernels support up to {_config.LL_MAX_EXPERTS} experts, "
+                         f"got {num_experts}")
+    return num_experts
+
+
+def check_low_latency_shape(max_tokens, hidden, num_experts, num_ranks: int) -> tuple[int, int, int]:
+    """``(M, H, E)`` of clean_low_latency_buffer (and of every low-latency call)."""
+    max_tokens = check_low_latency_max_tokens(max_tokens, num_ranks)
+    hidden = check_positive_int(hidden, "hidden")
+    if hidden % 128:
+        raise ValueError(f"hidden: must be a multiple of 128 in low-latency mode, got {hidden}")
+    return max_tokens, hidden, check_low_latency_experts(num_experts, num_ranks)
+
+
+def check_low_latency_max_tokens(max_tokens, num_ranks: int) -> int:
+    max_tokens = check_positive_int(max_tokens, "num_max_dispatch_tokens_per_rank")
+    if max_tokens > _config.LL_MAX_TOKENS:
+        raise ValueError(f"num_max_dispatch_tokens_per_rank: the low-latency kernels support up to "
+                         f"{_config.LL_MAX_TOKENS}, got {max_tokens}")
+    if (num_ranks * max_tokens) % 4:
+        raise ValueError(f"num_max_dispatch_tokens_per_rank: num_ranks * num_max_dispatch_tokens_per_rank "
+                         f"must be a multiple of 4 (DeepEP's TMA requirement), got {num_ranks} * {max_tokens}")
+    return max_tokens
+
+
+def check_low_latency_dispatch_args(x, topk_idx, max_tokens, num_experts, stats, wait_stats, use_fp8, round_scale,
+                                    use_ue8m0, async_finish, return_recv_hook, num_ranks: int, check_values: bool,
+                                    device=None):
+    """Every argument of a low-latency dispatch, in the order both backends report them. Returns
+    ``(M, T, H, (use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook))``."""
+    flags = tuple(check_flag(v, n) for v, n in (
+        (use_fp8, "use_fp8"), (round_scale, "round_scale"), (use_ue8m0, "use_ue8m0"),
+        (async_finish, "async_finish"), (return_recv_hook, "return_recv_hook")))
+    max_tokens = check_low_latency_max_tokens(max_tokens, num_ranks)
+    check_low_latency_experts(num_experts, num_ranks)
+    check_array(x, "x", ("bfloat16",), ndim=2, device=device, aligned=True)
+    num_tokens, hidden = x.shape
+    if hidden <= 0 or hidden % 128:
+        raise ValueError(f"x: hidden (shape[1]) must be a positive multiple of 128 in low-latency mode, got {hidden}")
+    if flags[0] and hidden % 512:
+        raise ValueError(f"x: FP8 low-latency dispatch needs hidden % 512 == 0 (as DeepEP), got {hidden}")
+    if num_tokens > max_tokens:
+        raise ValueError(f"x: has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank={max_tokens}")
+    if flags[2] and not flags[1]:
+        raise ValueError("use_ue8m0: UE8M0 scales need round_scale=True")
+    if getattr(topk_idx, "ndim", None) == 2 and topk_idx.shape[0] != num_tokens:
+        raise ValueError(f"topk_idx: must have {num_tokens} rows (as x), got {topk_idx.shape[0]}")
+    check_low_latency_topk(topk_idx, num_experts, check_values, device=device)
+    if stats is not None:
+        check_vector(stats, "cumulative_local_expert_recv_stats", "int32", num_experts // num_ranks, device)
+    if wait_stats is not None:
+        check_vector(wait_stats, "dispatch_wait_recv_cost_stats", "int64", num_ranks, device)
+    if flags[3] and flags[4]:
+        raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
+    return max_tokens, num_tokens, hidden, flags
+
+
+def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                   return_recv_hook, out, wait_stats, bf16_partials, num_ranks: int,
+                                   check_values: bool, device=None, buffer_id=None):
+    """Every argument of a low-latency combine but the zero-copy buffer (the backends keep it differently).
+    Returns ``(src_info, layout_range, topk_slots (raw), M, H, E, T, K, (use_logfmt, zero_copy, async_finish,
+    return_recv_hook, bf16_partials))``."""
+    from . import handles
+    flags = tuple(check_flag(v, n) for v, n in (
+        (use_logfmt, "use_logfmt"), (zero_copy, "zero_copy"), (async_finish, "async_finish"),
+        (return_recv_hook, "return_recv_hook"), (bf16_partials, "bf16_partials")))
+    use_logfmt, zero_copy, async_finish, return_recv_hook, bf16_partials = flags
+    src_info, layout_range, max_tokens, hidden, num_experts = check_low_latency_handle(
+        handle, num_ranks, check_values, device)
+    handles.check_origin(handle, buffer_id)
+    shape = (num_experts // num_ranks, num_ranks * max_tokens, hidden)
+    if use_logfmt and zero_copy:
+        raise ValueError("use_logfmt: cannot be used together with zero_copy=True (as in DeepEP)")
+    if use_logfmt and bf16_partials:
+        raise ValueError("use_logfmt: cannot be used together with bf16_partials=True (one wire format)")
+    if x is not None or not zero_copy:
+        check_array(x, "x", ("bfloat16",), ndim=3, device=device, aligned=True)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"x: must have shape {shape} ([L, R*M, H] from the handle), got {tuple(x.shape)}")
+    check_low_latency_topk(topk_idx, num_experts, check_values, device=device)
+    num_tokens, num_topk = topk_idx.shape
+    if num_tokens > max_tokens:
+        raise ValueError(f"topk_idx: has {num_tokens} rows, more than num_max_dispatch_tokens_per_rank="
+                         f"{max_tokens} (from the handle)")
+    slots = check_low_latency_slots(handle, topk_idx, max_tokens, check_values, device=device)
+    if check_values:
+        handles.check_routing(handle, topk_idx)
+    check_topk_weights(topk_weights, num_tokens, num_topk, device=device)
+    if out is not None:
+        check_array(out, "out", ("bfloat16",), ndim=2, device=device, aligned=True)
+        if tuple(out.shape) != (num_tokens, hidden):
+            raise ValueError(f"out: must have shape {(num_tokens, hidden)}, got {tuple(out.shape)}")
+    if wait_stats is not None:
+        check_vector(wait_stats, "combine_wait_recv_cost_stats", "int64", num_ranks, device)
+    if async_finish and return_recv_hook:
+        raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
+    return src_info, layout_range, slots, max_tokens, hidden, num_experts, num_tokens, num_topk, flags
+
+
+# ---- shrink mode's mask methods (both backends) ------------------------------------------------------------
+def check_shrink_enabled(enabled: bool) -> None:
+    if not enabled:
+        raise ValueError("enable_shrink: the mask buffer exists only in a Buffer created with "
+                         "low_latency_mode=True and enable_shrink=True")
+
+
+def check_rank_to_mask(rank_to_mask, num_ranks: int) -> int:
+    if not isinstance(rank_to_mask, (int, np.integer)) or isinstance(rank_to_mask, (bool, np.bool_)):
+        raise TypeError(f"rank_to_mask: must be an int, got {type(rank_to_mask).__name__}")
+    if not 0 <= rank_to_mask < num_ranks:
+        raise ValueError(f"rank_to_mask: must be in [0, {num_ranks}), got {rank_to_mask}")
+    return int(rank_to_mask)
+
+
+def check_mask_status(mask_status, num_ranks: int, device=None) -> None:
+    check_vector(mask_status, "mask_status", "int32", num_ranks, device)
+
+
+def check_low_latency_ranks(num_ranks: int) -> None:
+    if num_ranks > _config.LL_MAX_RANKS:
+        raise ValueError(f"comm: the low-latency kernels support up to {_config.LL_MAX_RANKS} ranks, got {num_ranks}")
+
+
+def check_comm(comm) -> None:
+    """``comm`` must be a communicator (mpi4py's, or anything with its Get_rank / Get_size / allgather)."""
+    missing = [m for m in ("Get_rank", "Get_size", "allgather", "Barrier") if not callable(getattr(comm, m, None))]
+    if missing:
+        raise TypeError(f"comm: must be an mpi4py communicator (e.g. MPI.COMM_WORLD), got {type(comm).__name__} "
+                        f"(no {', '.join(missing)})")

@@ -4,11 +4,15 @@
 #   scripts/test.sh
 #
 # 1. creates or reuses a venv (${CUPY_EP_VENV:-.venv}) and installs the package with its test extras from
-#    wheels (CUPY_EP_SKIP_INSTALL=1 skips this and uses python/mpiexec from PATH);
+#    wheels (CUPY_EP_SKIP_INSTALL=1 skips this and uses python/mpiexec from PATH), and torch's CPU build
+#    (torch==2.13.0) when the venv has no torch (the autograd tests and the MoE example need it; without torch
+#    they are skipped);
 # 2. runs the single-process tests, then the MPI tests at 2 and 4 ranks (tests/gpu excluded), then the README's
-#    quick start (examples/quickstart.py) at 2 ranks on the host backend;
+#    quick start (examples/quickstart.py) at 2 ranks and the MoE example (examples/moe_layer.py) at 2 and 4 ranks,
+#    on the host backend;
 # 3. when a GPU is visible, runs tests/gpu with one rank per GPU, then the low-latency files at 2 ranks over the
-#    CUDA-IPC transport (ranks share the GPU on a one-GPU machine).
+#    CUDA-IPC transport (ranks share the GPU on a one-GPU machine), then the MoE example (one rank per GPU, 2
+#    at least).
 # Fails when a step fails or a step ran no test; ends with the line "N passed, N failed, N skipped".
 set -euo pipefail
 
@@ -17,6 +21,25 @@ exec 2>&1  # one stream, so the closing summary line is really the last line
 # shellcheck source=scripts/_env.sh
 source scripts/_env.sh
 ep_setup_python
+has_torch() { "$EP_PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; }
+if [[ -n "$EP_VENV" ]] && ! has_torch; then
+    # Pinned: pip takes this CPU build from the machine's wheels; an unpinned torch pulls a CUDA build of several GB.
+    ep_log "[env] pip install torch==2.13.0 (CPU) into $EP_VENV"
+    "$EP_PYTHON" -m pip install --disable-pip-version-check --no-input -q --only-binary=:all: torch==2.13.0
+fi
+
+# moe_step NAME NRANKS [ENV...]: examples/moe_layer.py under the launcher (it exits non-zero on a mismatch).
+moe_step() {
+    local name="$1" n="$2"
+    shift 2
+    if ! has_torch; then
+        ep_record "$name" - 0 0 1 ok "torch is not installed: skipped"
+    elif ep_mpirun_argv "$n" "$EP_PYTHON" examples/moe_layer.py; then
+        ep_plain_step "$name" timeout -k 10 300 env "$@" "${EP_ARGV[@]}"
+    else
+        ep_record "$name" - - - - FAILED "no MPI launcher"
+    fi
+}
 
 common=(-q -p no:cacheprovider --timeout=600 --timeout-method=thread)
 
@@ -30,6 +53,10 @@ if ep_mpirun_argv 2 "$EP_PYTHON" examples/quickstart.py; then
 else
     ep_record quickstart - - - - FAILED "no MPI launcher"
 fi
+# The MoE example: cupy_ep.torch's autograd through a small MoE block, against the same model computed densely.
+for n in 2 4; do
+    moe_step "moe$n" "$n" CUPY_EP_BACKEND=host
+done
 
 gpu_rc=0
 "$EP_PYTHON" -c '
@@ -54,6 +81,11 @@ if [[ "$gpu_rc" == 0 ]]; then
     ep_pytest_step gpu-ll-ipc 2 --with-mpi "${common[@]}" --color=no -rs \
         tests/gpu/test_low_latency.py tests/gpu/test_zz_low_latency_timeout.py
     unset CUPY_EP_LL_TRANSPORT
+    if "$EP_PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1; then
+        moe_step moe-gpu "$((ngpus >= 2 ? ngpus : 2))" CUPY_EP_BACKEND=cuda  # 2 ranks share a lone GPU
+    else
+        ep_record moe-gpu - 0 0 1 ok "torch has no CUDA here: skipped"
+    fi
 elif [[ "$gpu_rc" == 1 ]]; then
     echo ""
     echo "GPU tests skipped: no GPU is present (tests/gpu not run)"

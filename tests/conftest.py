@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import all_ok, gather_all, make_inputs  # noqa: F401  (re-exported for tests)
+from tests.helpers import HOST_NVL_BYTES, all_ok, gather_all, make_inputs  # noqa: F401  (re-exported for tests)
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +20,6 @@ def comm():
 def host_buffer(comm):
     """A fresh host-backend Buffer on COMM_WORLD, destroyed after the test."""
     from cupy_ep.host_backend import HostBuffer
-    buf = HostBuffer(comm, backend="host")
+    buf = HostBuffer(comm, HOST_NVL_BYTES, backend="host")
     yield buf
     buf.destroy()

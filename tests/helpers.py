@@ -12,6 +12,10 @@ import numpy as np
 from cupy_ep import reference
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+# Buffer sizes of the host-backend tests: the host refuses a call whose rings do not fit num_nvl_bytes (or whose
+# low-latency layout does not fit num_rdma_bytes), as the GPU does, but allocates nothing of that size.
+HOST_NVL_BYTES = 1 << 30
+HOST_RDMA_BYTES = 1 << 36
 
 
 class Inputs(NamedTuple):

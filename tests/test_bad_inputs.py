@@ -11,8 +11,8 @@ import pytest
 
 from cupy_ep import Buffer, BufferUnusableError, Config, CupyEpError, gpu_available
 from cupy_ep.host_backend import HostBuffer
-from tests.helpers import (BF16, all_ok, bad_input_problem, make_inputs, reference_combine, reference_dispatch,
-                           same_bytes)
+from tests.helpers import (BF16, HOST_NVL_BYTES, all_ok, bad_input_problem, make_inputs, reference_combine,
+                           reference_dispatch, same_bytes)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -219,7 +219,7 @@ def test_bad_input_raises_everywhere_and_buffer_stays_usable(comm, host_buffer, 
 
 
 def test_calls_after_destroy_raise(comm):
-    buf = HostBuffer(comm, backend="host")
+    buf = HostBuffer(comm, HOST_NVL_BYTES, backend="host")
     ctx = _context(comm, buf)
     buf.destroy()
     calls = [lambda: buf.get_dispatch_layout(ctx.topk_idx, ctx.E),
@@ -236,7 +236,7 @@ def test_calls_after_destroy_raise(comm):
 
 
 def test_unusable_buffer_raises(comm):
-    buf = HostBuffer(comm, backend="host")
+    buf = HostBuffer(comm, HOST_NVL_BYTES, backend="host")
     ctx = _context(comm, buf)
     buf._unusable_reason = "a previous call timed out"
     with pytest.raises(BufferUnusableError, match="timed out"):

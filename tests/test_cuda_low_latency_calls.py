@@ -69,7 +69,7 @@ class FakeBuf:
     def _begin(self, kind, previous_event):
         return self.compute
 
-    def _finish(self, compute, async_finish, keep):
+    def _finish(self, compute, async_finish, keep, kind):
         from cupy_ep.event import EventOverlap
         return EventOverlap(None)
 

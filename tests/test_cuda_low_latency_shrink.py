@@ -252,12 +252,14 @@ class _Mask:
 
 
 def test_mask_updates_run_in_order_with_the_kernels(monkeypatch):
-    """update_mask / clean_mask write the mask on CuPy's current stream after the previous low-latency kernel (which
-    ran on another stream here: the current stream waits for it), and the next kernel follows them (last_stream)."""
+    """update_mask / clean_mask write the mask on the caller's current stream (a CuPy stream it entered, here) after
+    the previous low-latency kernel (which ran on another stream here: the current stream waits for it), and the
+    next kernel follows them (last_stream)."""
     log = []
     current = _OrderStream(log, "current", 5)
-    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: current)
+    monkeypatch.setattr(cll.interop, "_cupy_current_stream", lambda: current)
     state = cll.LowLatencyState.__new__(cll.LowLatencyState)
+    state.buf = types.SimpleNamespace(device_id=0)
     state.shrink_mask = _Mask(log, NUM_RANKS)
     state.last_stream = _OrderStream(log, "kernel", 6)
     state.update_mask(2, True)

@@ -42,7 +42,7 @@ class FakeBuffer:
         self.log.append(("begin", self.compute.name))
         return self.compute
 
-    def _finish(self, compute, async_finish, keep):
+    def _finish(self, compute, async_finish, keep, kind):
         self.log.append(("finish", async_finish))
         return EventOverlap("async-event" if async_finish else None)
 

@@ -16,7 +16,7 @@ import pytest
 
 from cupy_ep import Buffer, Config, gpu_available, reference
 from cupy_ep.host_backend import HostBuffer
-from tests.helpers import (all_ok, make_inputs, random_bf16, reference_combine, reference_dispatch,
+from tests.helpers import (HOST_NVL_BYTES, all_ok, make_inputs, random_bf16, reference_combine, reference_dispatch,
                            same_bytes, to_numpy)
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -192,7 +192,7 @@ def test_tuned_config_sets_the_channel_count(comm, host_buffer, monkeypatch):
 
 
 def test_check_values_off_gives_the_same_answers(comm):
-    buf = HostBuffer(comm, backend="host", check_values=False)
+    buf = HostBuffer(comm, HOST_NVL_BYTES, backend="host", check_values=False)
     try:
         bad = _run_case(comm, buf, 31, tokens=90, hidden=64, topk=4, experts=16, mask_prob=0.2, bias=2, worst=True)
     finally:

@@ -16,8 +16,8 @@ import pytest
 from cupy_ep import config, reference
 from cupy_ep.host_backend import HostBuffer
 from cupy_ep.ll_handle import LowLatencyHandle
-from tests.helpers import (BF16, all_ok, bad_input_problem, gather_all, make_inputs, random_bf16, reference_combine,
-                           reference_dispatch, same_bytes)
+from tests.helpers import (BF16, HOST_NVL_BYTES, HOST_RDMA_BYTES, all_ok, bad_input_problem, gather_all,
+                           make_inputs, random_bf16, reference_combine, reference_dispatch, same_bytes)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -27,7 +27,7 @@ FP8 = reference.float8_e4m3
 @pytest.fixture
 def ll_buffer(comm):
     """A fresh low-latency host Buffer on COMM_WORLD, destroyed after the test."""
-    buf = HostBuffer(comm, backend="host", low_latency_mode=True)
+    buf = HostBuffer(comm, HOST_NVL_BYTES, HOST_RDMA_BYTES, low_latency_mode=True, backend="host")
     yield buf
     buf.destroy()
 

@@ -71,11 +71,14 @@ class _FakeBuf:
     def _begin(self, kind, previous_event):
         return contextlib.nullcontext()
 
-    def _finish(self, compute, async_finish, keep):
+    def _finish(self, compute, async_finish, keep, kind):
         return None
 
     def check_health(self):
         pass
+
+    def next_dispatch_epoch(self):
+        return 1
 
 
 def _state(rank, N, G, transport, counters=None):

@@ -3,7 +3,7 @@ kernel added on one side only would surface as a bare number (or the wrong name)
 import re
 from pathlib import Path
 
-from cupy_ep import cuda_backend
+from cupy_ep import cuda_backend, validate
 
 SRC = Path(__file__).resolve().parent.parent / "cuda_src"
 
@@ -79,17 +79,18 @@ def test_phase_breakdown_is_relative_to_the_earliest_send_start():
 
 
 def test_dispatch_sender_groups_mirror_remote_groups():
-    """cuda_backend's sender-warp and batch sizes follow RemoteGroups in intranode/groups.cuh (a smaller Python value
-    would let through a ring the sender can never fill: a hang, not an error)."""
+    """validate's sender-warp and batch sizes (both backends refuse by them) follow RemoteGroups in
+    intranode/groups.cuh (a smaller Python value would let through a ring the sender can never fill: a hang, not an
+    error)."""
     text = source("intranode/groups.cuh")
     assert "kBatchWindows = (kWarpsPerPeer * 4 + kWarpSize - 1) / kWarpSize;" in text
     assert "kWarpsPerRank = 24 / kNumRanks;" in text
     # by hand from the C++: R-1 remote peers share Groups' warps where that gives each more than 24 / R
     warps = {1: 24, 2: 24, 3: 12, 4: 8, 5: 5, 6: 4, 7: 3, 8: 3}
     for r, w in warps.items():
-        assert cuda_backend._remote_warps(r) == w, r
-        assert cuda_backend._dispatch_batch(r) == -(-w * 4 // 32) * 32
-    assert [cuda_backend._dispatch_batch(r) for r in (2, 3, 4, 8)] == [96, 64, 32, 32]
+        assert validate.intranode_remote_warps(r) == w, r
+        assert validate.intranode_dispatch_batch(r) == -(-w * 4 // 32) * 32
+    assert [validate.intranode_dispatch_batch(r) for r in (2, 3, 4, 8)] == [96, 64, 32, 32]
 
 
 def test_low_latency_limits_mirror_the_cuda_constants():

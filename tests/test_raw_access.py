@@ -15,7 +15,7 @@ from cupy_ep.host_backend import HostBuffer
 
 @pytest.fixture
 def buf():
-    b = HostBuffer(MPI.COMM_SELF, num_nvl_bytes=4096, num_rdma_bytes=1024, backend="host")
+    b = HostBuffer(MPI.COMM_SELF, num_nvl_bytes=4096, num_rdma_bytes=1024, low_latency_mode=True, backend="host")
     yield b
     b.destroy()
 

@@ -330,3 +330,13 @@ def test_combine_sums_the_partials_as_the_wire_carries_them():
     w = [np.ones((1, 3), np.float32), np.zeros((0, 3), np.float32)]
     out = reference.low_latency_combine([y0.astype(BF16), y1.astype(BF16)], topk, w, Mx, E, rank=0)
     assert np.all(out.astype(np.float32) == np.float32(2.0 ** -15))
+
+
+def test_mask_ranks_reference():
+    idx = np.array([[0, 3, -1, 5], [7, 6, 1, 2]], np.int32)
+    got = reference.mask_ranks(idx, [1, 3], 8, 4)  # rank 1 owns experts 2, 3; rank 3 owns 6, 7
+    assert got.dtype == np.int32 and got.tolist() == [[0, -1, -1, 5], [-1, -1, 1, -1]]
+    assert reference.mask_ranks(idx, np.array([True, False, False, False]), 8, 4).tolist() == \
+        [[-1, 3, -1, 5], [7, 6, -1, 2]]
+    assert idx[0, 1] == 3  # the input is not changed
+    assert reference.mask_ranks(idx, [], 8, 4).tolist() == idx.tolist()

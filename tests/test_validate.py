@@ -17,7 +17,8 @@ def test_host_array_refused_where_a_gpu_array_is_needed():
     (np.zeros((4, 8), np.float32), r"^x: dtype"),
     (np.zeros((4, 8, 2), ml_dtypes.bfloat16), r"^x: must be 2-D"),
     (np.zeros((8, 8), ml_dtypes.bfloat16)[:, ::2], r"^x: must be contiguous"),
-    ([1, 2, 3], r"^x: expected a CuPy array"),
+    ([1, 2, 3], r"^x: must be an array \(numpy, CuPy or torch\), got a Python list of 3 int items"),
+    ("abc", r"^x: expected a CuPy array"),
 ])
 def test_check_array_names_the_argument(bad, pattern):
     with pytest.raises((TypeError, ValueError), match=pattern):

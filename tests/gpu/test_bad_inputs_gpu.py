@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from cupy_ep import Buffer, Config
+from cupy_ep import Buffer, Config, handles
 from tests.helpers import BF16, all_ok, make_inputs, reference_combine, reference_dispatch, same_bytes
 
 
@@ -105,6 +105,19 @@ CASES = {
                                                           topk_weights=c.cp.zeros((c.N + 1, 3), c.cp.float32)),
                                   "topk_weights:"),
     "combine/config-str": (lambda c: c.buf.combine(c.recv_x, c.handle, config="fast"), "config:"),
+    # the messages that name the real cause (validate.py, shared with the host backend)
+    "dispatch/x-python-list": (lambda c: c.buf.dispatch(c.x_np.tolist(), **c.layout, **c.topk), "x: must be an array"),
+    "dispatch/topk_idx-rows-unlike-x": (lambda c: c.buf.dispatch(c.x, **c.layout, topk_idx=c.idx[:-1],
+                                                                 topk_weights=c.w[:-1]), "topk_idx: has"),
+    "dispatch/previous_event-garbage": (lambda c: c.buf.dispatch(c.x, **c.layout, **c.topk, previous_event=object()),
+                                        "previous_event:"),
+    "combine/previous_event-garbage": (lambda c: c.buf.combine(c.recv_x, c.handle, previous_event="event"),
+                                       "previous_event:"),
+    "combine/handle-of-another-buffer": (lambda c: c.buf.combine(c.recv_x, handles.DispatchHandle(
+        tuple(c.handle), c.buf.buffer_id ^ 1, 1)), "handle: was made by another Buffer"),
+    "cached/handle-of-another-buffer": (lambda c: c.buf.dispatch(c.x, handle=handles.DispatchHandle(
+        tuple(c.handle), c.buf.buffer_id ^ 1, 1)), "handle: was made by another Buffer"),
+    "Buffer/comm-not-a-communicator": (lambda c: Buffer("COMM_WORLD", backend="cuda"), "comm:"),
     "Buffer/low_latency_mode_without_num_rdma_bytes": (lambda c: Buffer(c.comm, backend="cuda", low_latency_mode=True),
                                                        "num_rdma_bytes"),
     "Buffer/low_latency_transport-tcp": (lambda c: Buffer(c.comm, backend="cuda", low_latency_mode=True,

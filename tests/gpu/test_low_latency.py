@@ -625,8 +625,9 @@ def test_a_hook_runs_once_and_before_the_next_call(comm, ll_buf):
 
 
 def test_combine_checks_the_handles_topk_slots(comm, ll_buf):
-    """A combine whose handle lost its topk_slots (a plain tuple of its items) or whose topk_idx has another shape
-    than the dispatch's raises ValueError before launching anything; a valid round still matches the reference."""
+    """A combine whose handle lost its topk_slots (a plain tuple of its items), or whose topk_idx has another shape
+    than the dispatch's or (check_values) other values, raises ValueError before launching anything; a valid round
+    still matches the reference."""
     case = CASES[1]
     x, idx, w, E = _inputs(case, comm, 80)
     R = comm.Get_size()
@@ -637,6 +638,9 @@ def test_combine_checks_the_handles_topk_slots(comm, ll_buf):
                                   (ValueError,)),
                 bad_input_problem(lambda: ll_buf.low_latency_combine(y, idx_d[1:], w_d[1:], handle), "topk_idx:",
                                   (ValueError,))]
+    if ll_buf.check_values and len(idx) > 1 and not (idx == idx[0]).all():  # another routing of the same shape
+        problems.append(bad_input_problem(lambda: ll_buf.low_latency_combine(y, idx_d[::-1].copy(), w_d, handle),
+                                          "topk_idx: differs from the topk_idx of the dispatch", (ValueError,)))
     problems = [p for p in problems if p is not None]
     ll_buf.low_latency_combine(y, idx_d, w_d, handle)  # the dispatch's combine, so the buffers keep alternating
     errors = _round(ll_buf, comm, case, seed=81)

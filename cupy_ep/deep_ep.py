@@ -1,0 +1,82 @@
+"""DeepEP's public names over cupy_ep, so that DeepEP-style code switches with one import line::
+
+    import cupy_ep.deep_ep as deep_ep       # in place of: import deep_ep
+    from cupy_ep.deep_ep import Buffer, Config, EventOverlap, topk_idx_t
+
+``Buffer`` takes DeepEP's constructor (``group`` first, ``comm=`` for an mpi4py communicator) and is a
+:class:`cupy_ep.Buffer` (on the CUDA or the host backend, chosen as there); ``Config``, ``EventOverlap`` and the
+static helpers (``get_low_latency_rdma_size_hint``, ``get_dispatch_config``, ``get_combine_config``,
+``set_num_sms``, ``capture``, ``is_sm90_compiled``) are cupy_ep's. For now the group is an mpi4py communicator or
+None (``MPI.COMM_WORLD``); a ``torch.distributed`` process group is refused with ``NotImplementedError``. Every
+remaining difference from DeepEP is listed in docs/deepep_compatibility.md. Needs torch (``topk_idx_t`` is a torch
+dtype, as DeepEP's).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import buffer as _buffer
+from .config import Config
+from .event import EventOverlap
+from .host_backend import HostBuffer as _HostBuffer
+
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+
+#: The dtype of ``topk_idx`` (DeepEP's ``deep_ep.topk_idx_t``); int32 ids are accepted too.
+topk_idx_t = torch.int64
+
+
+def _communicator(group, comm):
+    """The mpi4py communicator behind DeepEP's ``group`` / ``comm`` arguments."""
+    if group is not None and type(group).__module__.startswith("torch"):
+        raise NotImplementedError(
+            f"group: a torch.distributed process group ({type(group).__name__}) is not supported yet; pass an mpi4py "
+            "communicator (as group or comm=), or group=None for MPI.COMM_WORLD")
+    if group is not None and comm is not None:
+        raise ValueError("group, comm: pass one communicator, not both")
+    comm = group if group is not None else comm
+    if comm is None:
+        from mpi4py import MPI
+        return MPI.COMM_WORLD
+    if not (hasattr(comm, "Get_rank") and hasattr(comm, "Get_size") and hasattr(comm, "allgather")):
+        raise TypeError(f"group: must be an mpi4py communicator or None, got {type(comm).__name__}")
+    return comm
+
+
+class Buffer(_buffer.Buffer):
+    """DeepEP's ``deep_ep.Buffer``: a :class:`cupy_ep.Buffer` made from DeepEP's constructor arguments.
+
+    Args:
+        group: the expert-parallel group: an mpi4py communicator, or None (``comm``, else ``MPI.COMM_WORLD``).
+            A ``torch.distributed.ProcessGroup`` raises ``NotImplementedError`` (not supported yet).
+        num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
+            allow_mnnvl, explicitly_destroy, enable_shrink: as :class:`cupy_ep.Buffer`.
+        comm: an mpi4py communicator, used when ``group`` is None (as DeepEP's).
+        **extensions: cupy_ep's keyword-only arguments (``backend=``, ``device=``, ``timeout_s=``, ...).
+
+    Attributes (DeepEP's): ``rank``, ``group_size``, ``group`` (the communicator), ``num_nvl_bytes``,
+    ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``; ``num_sms`` on the class.
+    """
+
+    def __new__(cls, *args, backend: str | None = None, **kwargs):
+        if cls is Buffer:
+            cls = _CudaDeepEPBuffer if _buffer._choose_backend(backend) == "cuda" else _HostDeepEPBuffer
+        return object.__new__(cls)
+
+    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm=None, **extensions):
+        comm = _communicator(group, comm)
+        super().__init__(comm, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+                         allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, enable_shrink,
+                         **extensions)
+        self.group, self.group_size = comm, self.num_ranks
+
+
+class _CudaDeepEPBuffer(Buffer, _buffer.CudaBuffer):
+    """``deep_ep.Buffer`` on the CUDA backend."""
+
+
+class _HostDeepEPBuffer(Buffer, _HostBuffer):
+    """``deep_ep.Buffer`` on the host backend."""

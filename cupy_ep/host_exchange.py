@@ -1,0 +1,164 @@
+"""The host backend's communication: point-to-point messages over a private duplicate of the Buffer's
+communicator, every wait polled against the Buffer's timeout.
+
+Every collective call of a ``HostBuffer`` is numbered (``seq``, the same on every rank when the ranks make the same
+calls) and starts with :meth:`HostExchange.agree`: each rank sends every peer taking part a header ``(seq, op)``
+with its payload (its argument checks' outcome and counts). The headers are compared before any data moves, so
+
+* a rank that never enters the call makes the others raise :class:`~cupy_ep.errors.CommTimeoutError` after the
+  timeout (never a hang); with ``on_timeout`` the caller may instead leave the late ranks out (shrink mode);
+* a rank making another call (a call ahead, a call missed) makes every rank that sees it raise
+  :class:`~cupy_ep.errors.CallMismatchError` naming both calls, instead of pairing one call's rows with another's.
+
+Then :meth:`HostExchange.alltoallv` moves the rows: one message per peer (empty ones too, so that every message
+pairs), received into place and polled against the timeout. Headers and data use two tags; MPI keeps the order of
+messages between two ranks on one tag, so a header always meets the header of the peer's call of the same number
+unless the peer is out of step.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .errors import CallMismatchError, CommTimeoutError
+
+_HEADER_TAG = 1
+_DATA_TAG = 2
+_POLL_S = 20e-6
+
+
+class PeersTimedOut(Exception):
+    """Raised by :meth:`HostExchange.agree` / :meth:`HostExchange.alltoallv` when peers did not answer in time;
+    ``peers``: their ranks; ``partial``: what :meth:`HostExchange.agree` received from the others."""
+
+    def __init__(self, peers, partial=None):
+        super().__init__(f"ranks {sorted(peers)}")
+        self.peers = sorted(peers)
+        self.partial = partial or {}
+
+
+class HostExchange:
+    """Messages of one HostBuffer (see the module docstring). Collective to create (duplicates ``comm``)."""
+
+    def __init__(self, comm, timeout_s: float):
+        self.comm = comm.Dup()
+        self.rank = comm.Get_rank()
+        self.num_ranks = comm.Get_size()
+        self.timeout_s = timeout_s
+        self.seq = 0
+        self.op = None
+        self._sends: list = []   # sends not known complete (a peer that never came has not received them)
+
+    # ---- one call ----------------------------------------------------------------------------------------
+    def begin(self, op: str) -> int:
+        """Number the next collective call ``op``; returns its number."""
+        self.seq += 1
+        self.op = op
+        return self.seq
+
+    def agree(self, payload, peers) -> dict:
+        """Send ``payload`` with this call's header to every rank of ``peers`` (not this rank) and receive theirs.
+        Returns ``{rank: payload}`` (this rank's included). Raises :class:`CallMismatchError` when a peer's header
+        is another call's, :class:`PeersTimedOut` when peers did not send within the timeout."""
+        peers = [r for r in peers if r != self.rank]
+        header = (self.seq, self.op)
+        self._keep([self.comm.isend((header, payload), dest=r, tag=_HEADER_TAG) for r in peers])
+        got = {self.rank: payload}
+        waiting = set(peers)
+        deadline = time.monotonic() + self.timeout_s
+        mismatched = []
+        while waiting:
+            for r in sorted(waiting):
+                if self.comm.Iprobe(source=r, tag=_HEADER_TAG):
+                    theirs, their_payload = self.comm.recv(source=r, tag=_HEADER_TAG)
+                    waiting.discard(r)
+                    if tuple(theirs) != header:
+                        mismatched.append((r, tuple(theirs)))
+                    got[r] = their_payload
+            if waiting:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(_POLL_S)
+        if mismatched:  # (before a timeout: a peer in another call is the cause to report)
+            r, (their_seq, their_op) = mismatched[0]
+            in_step = not waiting and all(s == self.seq for _, (s, _) in mismatched)
+            record = {"rank": self.rank, "peer": r, "word": "call", "mine": f"{self.op} #{self.seq}",
+                      "theirs": f"{their_op} #{their_seq}", "in_step": in_step}
+            raise CallMismatchError(
+                f"rank {self.rank}: rank {r} is in {their_op} (its call #{their_seq} on this Buffer) while this rank "
+                f"is in {self.op} (call #{self.seq}); every rank must make the same calls in the same order", record)
+        if waiting:
+            raise PeersTimedOut(waiting, got)
+        return got
+
+    def alltoallv(self, send: np.ndarray, send_counts, recv_counts, peers) -> np.ndarray:
+        """All-to-all of rows among ``peers`` (this rank included; the others' counts must be 0):
+        ``send_counts[r]`` consecutive rows of ``send`` go to rank r; the rows from rank r arrive as block r (of
+        ``recv_counts[r]`` rows) of the result. Raises :class:`PeersTimedOut` when rows did not come in time."""
+        send = np.ascontiguousarray(send)
+        row_shape = send.shape[1:]
+        row_bytes = send.dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+        send_counts = [int(c) for c in send_counts]
+        recv_counts = [int(c) for c in recv_counts]
+        recv = np.empty((sum(recv_counts),) + row_shape, dtype=send.dtype)
+        send_bytes = send.reshape(-1).view(np.uint8) if send.size else np.empty(0, np.uint8)
+        recv_bytes = recv.reshape(-1).view(np.uint8) if recv.size else np.empty(0, np.uint8)
+        send_at = np.concatenate([[0], np.cumsum(send_counts)]) * row_bytes
+        recv_at = np.concatenate([[0], np.cumsum(recv_counts)]) * row_bytes
+        me = self.rank
+        recv_bytes[recv_at[me]:recv_at[me + 1]] = send_bytes[send_at[me]:send_at[me + 1]]
+        others = [r for r in peers if r != me]
+        receives = {r: self.comm.Irecv([recv_bytes[recv_at[r]:recv_at[r + 1]], "B"], source=r, tag=_DATA_TAG)
+                    for r in others}
+        sends = [self.comm.Isend([send_bytes[send_at[r]:send_at[r + 1]], "B"], dest=r, tag=_DATA_TAG)
+                 for r in others]
+        deadline = time.monotonic() + self.timeout_s
+        while receives:
+            for r in [r for r, request in receives.items() if request.Test()]:
+                del receives[r]
+            if receives:
+                if time.monotonic() > deadline:
+                    for request in receives.values():
+                        request.Cancel()
+                        request.Wait()
+                    self._keep(sends)
+                    raise PeersTimedOut(list(receives))
+                time.sleep(_POLL_S)
+        self._keep(sends)
+        return recv
+
+    def timeout_error(self, peers, what: str) -> CommTimeoutError:
+        """The error of a wait for ``peers`` that ran past the timeout."""
+        record = {"rank": self.rank, "kernel": self.op, "role": "host", "peer": peers[0], "call": self.seq}
+        return CommTimeoutError(f"rank {self.rank}: rank(s) {peers} did not {what} {self.op} (call #{self.seq}) "
+                                f"within {self.timeout_s} s", record)
+
+    def _keep(self, sends) -> None:
+        self._sends = [request for request in (*self._sends, *sends) if not request.Test()]
+
+    # ---- lifetime ----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Collective: a barrier (timed), then every message no call took is received and dropped (a header sent
+        to a rank that never came, or that was left out), so that a later communicator that reuses this one's
+        context finds none; then the duplicate is freed. Raises CommTimeoutError when a rank does not come."""
+        from mpi4py import MPI
+        comm, self.comm = self.comm, None
+        if comm is None:
+            return
+        request = comm.Ibarrier()
+        deadline = time.monotonic() + self.timeout_s
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(f"rank {self.rank}: peers did not reach destroy within {self.timeout_s} s",
+                                       {"rank": self.rank, "kernel": "destroy", "role": "host"})
+            time.sleep(_POLL_S)
+        status = MPI.Status()
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+            sink = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+            comm.Recv([sink, "B"], source=status.Get_source(), tag=status.Get_tag())
+        for request in self._sends:  # received above or by a call: complete, or completing in the background
+            if not request.Test():
+                request.Free()
+        self._sends = []
+        comm.Free()
