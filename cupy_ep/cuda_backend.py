@@ -26,16 +26,16 @@ _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_noti
                  12: "internode_dispatch", 13: "internode_combine", 14: "dispatch_direct", 15: "combine_direct"}
 _ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check",
                6: "buffer_reuse", 7: "zero_copy_capacity", 8: "entry",
-               # internode.cu WarpRole
+               # internode/roles.cuh WarpRole
                10: "kRDMASender", 11: "kRDMASenderCoordinator", 12: "kRDMAAndNVLForwarder",
                13: "kForwarderCoordinator", 14: "kNVLReceivers", 15: "kNVLSender", 16: "kNVLAndRDMAForwarder",
                17: "kRDMAReceiver", 18: "kCoordinator", 19: "rdma_barrier", 20: "nvl_barrier", 22: "capacity"}
-# Mirror of the CallWords a notify kernel compares (intranode.cu): index -> name.
+# Mirror of the CallWords a notify kernel compares (intranode/handshake.cuh): index -> name.
 _CALL_WORDS = ("op", "num_channels", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
                "num_scales", "num_experts", "zero_copy_capacity")
 _CALL_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "zero-copy dispatch",
              5: "zero-copy cached dispatch", 6: "zero-copy combine"}
-# Mirror of cuda_src/common.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64).
+# Mirror of cuda_src/common/wait.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64).
 _RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), ("role", "<i4"),
                           ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
                           ("expected", "<i8"), ("elapsed_ns", "<i8")])
@@ -44,7 +44,7 @@ _CTX_DTYPE = np.dtype([("timeout_ns", "<u8"), ("record", "<u8"), ("abort_flag", 
                        ("rank", "<i4"), ("num_ranks", "<i4"), ("shrink_mask", "<u8")])
 _LAYOUT_THREADS = 256  # mirrors kLayoutThreads in layout.cu
 _NOTIFY_THREADS = 128
-_TMA_BYTES_PER_WARP = 8192  # mirrors kTmaChunkBytes in common.cuh (dispatch/combine receivers' bulk-copy buffers)
+_TMA_BYTES_PER_WARP = 8192  # mirrors kTmaChunkBytes in common/warp.cuh (dispatch/combine receivers' bulk-copy buffers)
 
 
 def _capturing() -> bool:
@@ -405,7 +405,7 @@ class CudaBuffer(Buffer):
 
     def _direct_recv_x(self, rows: int, hidden: int, dtype, num_channels: int):
         """The zero-copy dispatch's recv_x: ``[rows, hidden]`` of ``dtype``, a view of this rank's buffer at
-        DirectDispatchLayout's x (buffer.cuh); it keeps the buffer object alive, not the memory's contents."""
+        DirectDispatchLayout's x (cuda_src/common/layout.cuh); it keeps the buffer object alive, not the memory's contents."""
         import cupy
         if rows == 0:
             return cupy.empty((0, hidden), dtype=dtype)
