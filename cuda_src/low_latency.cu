@@ -1,13 +1,14 @@
 // low_latency.cu: the low-latency (decode) path on NVSHMEM symmetric memory, or on a CUDA-IPC buffer inside one node
 // (transport/ll.cuh says how the two builds differ).
 //
-//   dispatch<kUseFP8, TopkT>   every token -> once to each rank owning one of its experts ([my rank][token] of
+//   dispatch<kUseFP8, TopkT, kMaxTopk>
+//                              every token -> once to each rank owning one of its experts ([my rank][token] of
 //                              that rank's recv area); per expert its count (epoch << 32 | count); per (token,
 //                              top-k slot) an 8-byte index entry (expert, my rank, slot) -> epoch << 32 | token,
 //                              released after the message (the row's only signal); receive: every block reads all
 //                              counts and copies an even share of all rows into the packed outputs, each as soon
 //                              as its entry carries the epoch
-//   combine<TopkT>             owner's top-k + weights -> every rank; per (token, rank) one partial sum of that
+//   combine<TopkT, kMaxTopk>   owner's top-k + weights -> every rank; per (token, rank) one partial sum of that
 //                              rank's weighted expert rows (fp32, 24 bits or, as the owner asks, bf16 on the
 //                              wire) -> the owner, flag per token (sent by a flagger warp); receive: sum of
 //                              partials. One launch splits its blocks into an expert side and an owner side (its
@@ -53,7 +54,7 @@
 // before the block barrier that precedes the entries) / ll_put_longlong (index entries) / ll_put_int (combine
 // flags): NVSHMEM puts (transport/ll.cuh; the build with -DCUPY_EP_NVSHMEM).
 //
-// Combine signals: the meta flag arrives as W << 28 | K << 24 | T + 1 (W: the owner wants bf16 partials) and the
+// Combine signals: the meta flag arrives as W, K and T + 1 (meta_flag_value; W: the owner's wire format) and the
 // token flags as 1, so 0 means "not arrived".
 // Every one of them (the dispatch's counts and index entries carry epochs instead) is read in
 // that call and zeroed right after by its waiter (consumed on
@@ -93,7 +94,7 @@ using namespace low_latency;
 // (combine's too): the DeviceCtx's, passed by value: loading them from ctx sat on the prologue's critical path
 // (~0.25 us); ctx is read only by the waits and failure reports,
 // off that path. shrink_mask: ctx's, likewise (null without shrink mode).
-template <bool kUseFP8, typename TopkT>
+template <bool kUseFP8, typename TopkT, int kMaxTopk = kLLDefaultTopkBound>
 __global__ void __launch_bounds__(kLLThreads, 1)
 dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, int* packed_recv_src_info,
          long long* packed_recv_layout_range, int* cumulative_stats, long long* wait_stats, const int4* x,
@@ -103,7 +104,7 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
          const DeviceCtx* ctx) {
     __shared__ int hists[2 * kLLMaxExperts];  // send: the two histograms; receive: the counts' prefix
     __shared__ alignas(16) unsigned char topk_stage[kTopkStageBytes];  // send: topk_idx (stage_topk)
-    __shared__ DispatchShared sh;
+    __shared__ DispatchShared<kMaxTopk> sh;
     __shared__ DispatchRecvShared rs;
     const LowLatencyLayout L(max_tokens, hidden, num_ranks, num_experts);
     char* b = static_cast<char*>(base);
@@ -124,7 +125,7 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 // layout_range [L][R] and topk_slots [T][K] int32 from the dispatch handle; topk_idx [T][K] (the dispatch's),
 // topk_weights [T][K] float32; wait_stats [R] or null (add_wait_cost); wire: the Wire of this rank's tokens'
 // partials (bf16_partials / use_logfmt; the peers learn it from the meta flag).
-template <typename TopkT>
+template <typename TopkT, int kMaxTopk = kLLDefaultTopkBound>
 __global__ void __launch_bounds__(kLLCombineThreads, 1)
 combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx, const int* topk_slots,
         const float* topk_weights, long long* wait_stats, int num_tokens, int num_topk, int zero_copy,
@@ -133,7 +134,7 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
         long long* stamps, const DeviceCtx* ctx) {
     __shared__ int begin[kLLMaxExperts];  // stage_range_begins: the rows of one owner in each local expert
     extern __shared__ __align__(16) int4 ll_stage[];  // partial_sums' slots (combine_stage_bytes)
-    __shared__ CombineShared sh;
+    __shared__ CombineShared<kMaxTopk> sh;
     const LowLatencyLayout L(max_tokens, hidden, num_ranks, num_experts);
     char* b = static_cast<char*>(base);
     const OwnEntries<TopkT> own{topk_idx, topk_slots, num_experts};

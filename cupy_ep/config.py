@@ -347,9 +347,22 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
 LL_MAX_EXPERTS = 4096
 LL_MAX_RANKS = 64
 LL_MAX_TOPK = LOW_LATENCY_MAX_TOPK
+#: The top-k bounds the low-latency kernels are built for (kLLTopkBounds in cuda_src/low_latency/common.cuh): a call
+#: runs the instantiation of the smallest bound >= its top-k (:func:`low_latency_topk_bound`), so top-k up to 11
+#: runs the default one and a larger top-k compiles only its bound's kernels.
+LL_TOPK_BOUNDS = (11, 16, 32)
 #: Max num_max_dispatch_tokens_per_rank (kLLMaxTokens in low_latency/combine.cuh: a slot and an expert share one int32 in
 #: the combine's meta, the expert in the low 12 bits).
 LL_MAX_TOKENS = 1 << 19
+
+
+def low_latency_topk_bound(num_topk: int) -> int:
+    """The low-latency kernels' top-k bound (template parameter ``kMaxTopk``) for a call of top-k ``num_topk``
+    (1 <= num_topk <= ``LL_MAX_TOPK``): the smallest of ``LL_TOPK_BOUNDS`` at least ``num_topk``."""
+    for bound in LL_TOPK_BOUNDS:
+        if num_topk <= bound:
+            return bound
+    raise ValueError(f"num_topk: the low-latency kernels take at most {LL_MAX_TOPK}, got {num_topk}")
 
 
 def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -357,7 +370,8 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
     """Byte sizes and offsets of the GPU's ``LowLatencyLayout`` (cuda_src/common/layout.cuh), which it mirrors.
 
     Two buffers alternate, laid out ``[sig0][sig1][send0][send1][recv0][recv1]``; M tokens, E experts, R ranks,
-    K = 11 (``LOW_LATENCY_MAX_TOPK``)::
+    K = 32 (``LL_MAX_TOPK``: the meta blocks hold the largest top-k whatever a call's, so the layout, and with it
+    the buffer's size, depends on (M, H, R, E) alone)::
 
         msg    = 16 + 2H                         # dispatch message: header + bf16 row (>= e4m3 row + scales)
         row    = 2H                              # zero-copy combine input row (bf16)

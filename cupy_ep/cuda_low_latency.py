@@ -61,6 +61,7 @@ Decisions (DeepEP V1's low-latency path is the model):
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 
@@ -81,11 +82,27 @@ _COMBINE_THREADS = 512          # kLLCombineThreads
 _COMBINE_CHUNKS = 2             # kCombineChunks
 
 
+COMBINE_STAGE_ENTRIES = 11      # kCombineStageEntries
+
+
 def combine_stage_bytes(num_topk: int) -> int:
     """The combine's dynamic shared memory: partial_sums' cp.async slots, 16 bytes per (thread, chunk, top-k
-    entry): kLLCombineThreads x kCombineChunks x K x 16 (180 KB at K = 11, with the kernel's ~19 KB of static
-    shared memory under the 227 KB a block may have)."""
-    return _COMBINE_THREADS * _COMBINE_CHUNKS * num_topk * 16
+    entry) for at most COMBINE_STAGE_ENTRIES entries: kLLCombineThreads x kCombineChunks x min(K, 11) x 16 (176 KB
+    at K >= 11, with the kernel's 19-25 KB of static shared memory under the 227 KB a block may have; a larger
+    top-k stages its rows 11 at a time)."""
+    return _COMBINE_THREADS * _COMBINE_CHUNKS * min(num_topk, COMBINE_STAGE_ENTRIES) * 16
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_name(op: str, use_fp8: bool, ctype: str, num_topk: int) -> str:
+    """The name expression of the low-latency ``op`` ("dispatch" or "combine") for a top-k of ``num_topk``: its
+    top-k bound (config.low_latency_topk_bound) the kernels' default for top-k up to 11, else explicit. Cached:
+    built once per (op, use_fp8, index type, K), not per call."""
+    bound = _config.low_latency_topk_bound(num_topk)
+    tail = "" if bound == _config.LL_TOPK_BOUNDS[0] else f", {bound}"
+    if op == "dispatch":
+        return f"ep::dispatch<{'true' if use_fp8 else 'false'}, {ctype}{tail}>"
+    return f"ep::combine<{ctype}{tail}>"
 
 
 _UINT8, _UINT16, _INT32, _INT64, _FLOAT32 = map(np.dtype, (np.uint8, np.uint16, np.int32, np.int64, np.float32))
@@ -552,7 +569,7 @@ class LowLatencyState:
                 (raw_idx.shape, _INT32)))  # slots: written by the send phase
         index = self.next_index()
         ctype = "long long" if raw_idx.dtype == np.int64 else "int"
-        name = f"ep::dispatch<{'true' if use_fp8 else 'false'}, {ctype}>"
+        name = kernel_name("dispatch", use_fp8, ctype, raw_idx.shape[1])
         common = self.common_args(index, max_tokens, hidden, num_experts)
 
         def args(phases):
@@ -598,7 +615,7 @@ class LowLatencyState:
                 raw_out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
         index = self.next_index()
         ctype = "long long" if raw_idx.dtype == np.int64 else "int"
-        name = f"ep::combine<{ctype}>"
+        name = kernel_name("combine", False, ctype, num_topk)
         common = self.common_args(index, max_tokens, hidden, num_experts)
 
         def args(phases):

@@ -278,8 +278,8 @@ FP8_E4M3_MAX = np.float32(448.0)
 FP8_E4M3_MAX_INV = np.float32(1.0 / 448.0)
 #: Lower clamp of the per-128-channel amax (``kFP8Margin``).
 FP8_AMAX_MARGIN = np.float32(1e-4)
-#: DeepEP's low-latency kernels take at most this many top-k slots per token (``kNumMaxTopK``).
-LOW_LATENCY_MAX_TOPK = 11
+#: The low-latency kernels take at most this many top-k slots per token (DeepEP's take 11, ``kNumMaxTopK``).
+LOW_LATENCY_MAX_TOPK = 32
 
 
 def fp8_scales(amax: np.ndarray, round_scale: bool = False):

@@ -276,7 +276,7 @@ def check_vector(a, name: str, dtype: str, length: int, device=None) -> None:
 
 
 def check_low_latency_topk(topk_idx, num_experts: int, check_values: bool, device=None) -> None:
-    """``topk_idx [T, K]`` int32/int64 with ``K <= 11`` (DeepEP's low-latency ``kNumMaxTopK``)."""
+    """``topk_idx [T, K]`` int32/int64 with ``K <= LOW_LATENCY_MAX_TOPK`` (32; DeepEP's kernels take 11)."""
     from .reference import LOW_LATENCY_MAX_TOPK
     check_topk_idx(topk_idx, num_experts, device=device, check_values=check_values)
     if topk_idx.shape[1] > LOW_LATENCY_MAX_TOPK:

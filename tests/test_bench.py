@@ -734,6 +734,12 @@ def test_presets_and_their_limits():
         assert (models.skip_reason(shape, "normal", 8) is None) == (shape.topk <= MAX_TOPK)
     assert models.skip_reason(models.MODELS["deepseek-v4-pro"], "normal", 5) == \
         "384 experts do not split evenly over 5 ranks"
+    # every preset runs in every mode at the ranks the tests use
+    for shape in models.MODELS.values():
+        for mode in ("normal", "low-latency", "internode"):
+            assert [models.skip_reason(shape, mode, r) for r in (1, 2, 4, 8)] == [None] * 4, (shape, mode)
+    assert models.skip_reason(models.Shape("wide", 64, 33, 1024), "low-latency", 2) == \
+        f"top-33 is above the low-latency kernels' limit of {LOW_LATENCY_MAX_TOPK} experts per token"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -785,19 +791,18 @@ def test_low_latency_bytes_by_hand():
 
 
 def test_low_latency_skips_shapes_beyond_its_limits(capsys):
-    """Every shape beyond the low-latency kernels' top-k: each is named as skipped with the reason, no buffer is
-    made, nothing raises."""
+    """Every shape beyond the low-latency kernels' limits (top-k, hidden unit): each is named as skipped with the
+    reason, no buffer is made, nothing raises."""
     from mpi4py import MPI
     from cupy_ep.reference import LOW_LATENCY_MAX_TOPK
     from cupy_ep.tools import cli, models
-    args = cli.parse_args(["--mode", "low-latency", "--model", "kimi-k3,nemotron-super"], gpu=True)
-    assert all(s.topk > LOW_LATENCY_MAX_TOPK for s in args.shapes)
+    args = cli.parse_args(["--mode", "low-latency"], gpu=True)
+    args.shapes = [models.Shape("wide-topk", 64, LOW_LATENCY_MAX_TOPK + 1, 1024), models.Shape("odd-hidden", 64, 8, 1000)]
     bench_ll.main(args, MPI.COMM_SELF)
     out = capsys.readouterr().out
-    for name in ("kimi-k3", "nemotron-super"):
-        shape = models.MODELS[name]
-        assert (f"SKIPPED {name}: top-{shape.topk} is above the low-latency kernels' limit of "
-                f"{LOW_LATENCY_MAX_TOPK}") in out
+    assert (f"SKIPPED wide-topk: top-{LOW_LATENCY_MAX_TOPK + 1} is above the low-latency kernels' limit of "
+            f"{LOW_LATENCY_MAX_TOPK}") in out
+    assert "SKIPPED odd-hidden: hidden 1000 is not a multiple of 128 (low-latency mode)" in out
     assert "no model shape to run" in out
 
 
@@ -875,9 +880,8 @@ def test_host_run_of_every_preset(comm, tmp_path, routing):
 
 @pytest.mark.mpi(min_size=2)
 def test_host_run_of_low_latency_presets(comm, tmp_path):
-    """--mode low-latency on the host backend: a preset within the kernels' top-k runs (verified, call-timed, its
-    bytes and busiest-rank load what numpy gives), one beyond it is reported as skipped with the reason."""
-    from cupy_ep.reference import LOW_LATENCY_MAX_TOPK
+    """--mode low-latency on the host backend: presets run (verified, call-timed, their bytes and busiest-rank load
+    what numpy gives), top-16 (kimi-k3) too."""
     from cupy_ep.tools import models
     out = comm.bcast(tmp_path if comm.Get_rank() == 0 else None)
     R = comm.Get_size()
@@ -888,9 +892,10 @@ def test_host_run_of_low_latency_presets(comm, tmp_path):
     shape = models.MODELS["deepseek-v4-flash"]
     doc = json.loads((out / f"bench_ll_host_ep{R}.json").read_text())
     assert doc["backend"] == "host" and doc["gpu"] is None
-    assert [(s["model"], s["reason"]) for s in doc["skipped"]] == [
-        ("kimi-k3", f"top-16 is above the low-latency kernels' limit of {LOW_LATENCY_MAX_TOPK} experts per token")]
-    recs = {r["op"] + (f"/{r['partials']}" if r.get("partials") else ""): r for r in doc["results"]}
+    assert doc["skipped"] == []
+    assert {r["model"] for r in doc["results"]} == {"deepseek-v4-flash", "kimi-k3"}
+    recs = {r["op"] + (f"/{r['partials']}" if r.get("partials") else ""): r for r in doc["results"]
+            if r["model"] == "deepseek-v4-flash"}
     assert set(recs) == {"ll_dispatch", "ll_combine/24-bit", "ll_combine/bf16", "ll_combine/logfmt", "ll_round_trip"}
     idx = []
     for r in range(R):  # the benchmark's inputs: x first, then the routing, from seed + rank
@@ -907,5 +912,6 @@ def test_host_run_of_low_latency_presets(comm, tmp_path):
         assert (rec["logical_bytes"], rec["nvlink_bytes"]) == want[op.split("/")[0]]
     md = (out / f"bench_ll_host_ep{R}.md").read_text()
     assert md.startswith("# cupy_ep low-latency benchmark: host-backend results")
-    assert "## deepseek-v4-flash: 256 experts, top-6, hidden 4096" in md and "**Skipped** kimi-k3" in md
+    assert "## deepseek-v4-flash: 256 experts, top-6, hidden 4096" in md
+    assert "## kimi-k3: 896 experts, top-16, hidden 3584" in md and "**Skipped**" not in md
     assert "| ll_round_trip | bf16 | call |" in md

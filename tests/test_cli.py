@@ -271,8 +271,8 @@ def test_fail_once(capsys):
     (["--experts", "15"], 2, False, "argument --experts: must be a multiple of the rank count 2, got 15"),
     (["--mode", "low-latency"], 2, False, "argument --mode: low-latency needs a GPU, and this rank sees none"),
     (["--backend", "cuda"], 2, False, "argument --backend: cuda, but this rank sees no GPU"),
-    (["--mode", "low-latency", "--topk", "12", "--experts", "16"], 2, True,
-     "argument --topk: the low-latency kernels take at most 11, got 12"),
+    (["--mode", "low-latency", "--topk", "33", "--experts", "64"], 2, True,
+     "argument --topk: the low-latency kernels take at most 32, got 33"),
     (["--topk", "40", "--experts", "64"], 2, True, "argument --topk: must be at most 32, got 40"),
     (["--mode", "internode"], 1, True, "argument --mode: internode needs at least 2 ranks (2 nodes), got 1"),
     ([], 2, False, None), (["--mode", "internode"], 2, True, None)])

@@ -37,6 +37,9 @@ def internode_names(transport):
 
 LL_KERNELS = ["ep::ll_carve_probe", "ep::combine<long long>", "ep::combine<int>"] + [
     f"ep::dispatch<{fp8}, {t}>" for fp8 in ("true", "false") for t in ("long long", "int")]
+# the instantiations of the larger top-k bounds (config.LL_TOPK_BOUNDS; the first is the default, above)
+LL_BOUND_KERNELS = [f"ep::combine<{t}, {b}>" for b in (16, 32) for t in ("long long", "int")] + [
+    f"ep::dispatch<{fp8}, {t}, {b}>" for b in (16, 32) for fp8 in ("true", "false") for t in ("long long", "int")]
 
 KERNELS = {
     "layout.cu": ["ep::get_dispatch_layout<long long>", "ep::get_dispatch_layout<int>"],
@@ -46,8 +49,14 @@ KERNELS = {
     # the IPC transport: no NVSHMEM header, not relocatable (the NVSHMEM one is test_internode_nvshmem_...)
     "internode.cu": internode_names("ep::IpcRdma"),
     # the CUDA-IPC build: no NVSHMEM (the NVSHMEM build is test_low_latency_nvshmem_build_is_linked...)
-    "low_latency.cu": LL_KERNELS,
+    "low_latency.cu": LL_KERNELS + LL_BOUND_KERNELS,
 }
+
+
+def test_low_latency_bound_kernels_cover_every_bound():
+    """Every top-k bound but the default has its dispatch and combine instantiations in the compile list."""
+    from cupy_ep import config
+    assert {int(n.rsplit(",", 1)[1].rstrip(">")) for n in LL_BOUND_KERNELS} == set(config.LL_TOPK_BOUNDS[1:])
 
 
 @pytest.mark.parametrize("filename", sorted(KERNELS))
@@ -184,7 +193,8 @@ def test_low_latency_nvshmem_build_is_linked_without_spills():
     exists in this build only."""
     assert not jit.uses_nvshmem("low_latency.cu") and jit.uses_nvshmem("low_latency.cu", (jit.NVSHMEM_DEFINE,))
     assert not jit.uses_nvshmem("intranode.cu")
-    names = LL_KERNELS + ["ep::clean_low_latency_buffer"]
+    names = LL_KERNELS + ["ep::clean_low_latency_buffer", "ep::dispatch<true, long long, 32>",
+                          "ep::combine<long long, 32>"]
     _assert_nvshmem_linked_without_spills(jit.compile_only("low_latency.cu", names,
                                                            extra_options=(jit.NVSHMEM_DEFINE,)))
 

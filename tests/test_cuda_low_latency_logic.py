@@ -235,7 +235,7 @@ def test_dispatch_recv_region_is_smaller_than_one_message_per_expert_slot():
     # partial rows in and out (11 MB), no longer E*M bf16 rows (470 MB)
     assert lay["dispatch_index_offset"] + 8 * 256 * 128 < 4 << 20
     assert lay["recv_bytes"] == config.align_up(lay["combine_offset"] + 2 * 2 * 128 * 3 * 7168 +
-                                                2 * 2 * config.align_up(128 * 11 * 8, 16))
+                                                2 * 2 * config.align_up(128 * config.LL_MAX_TOPK * 8, 16))
 
 
 def _put64(region, at, value):

@@ -49,8 +49,9 @@ CASES = {
 
 def _run_case(comm, buf, seed, tokens, hidden, topk, experts, dtype="bf16", idx_dtype=np.int64, skew=None,
               mask_prob=0.0, duplicates=False, zero_tokens_rank=None, per_rank_extra=0, alignment=1,
-              with_topk=True, worst=False, bias=0, num_sms=None, colmajor_scales=False):
-    """Layout, dispatch, cached dispatch and combine; returns a list of what differed on this rank."""
+              with_topk=True, worst=False, bias=0, num_sms=None, colmajor_scales=False, zero_copy=False):
+    """Layout, dispatch, cached dispatch and combine (``zero_copy``: the dispatch's and the combine's flag); returns a
+    list of what differed on this rank."""
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
     num_experts = max(1, experts // num_ranks) * num_ranks
     num_tokens = 0 if rank == zero_tokens_rank else tokens + per_rank_extra * rank
@@ -72,7 +73,7 @@ def _run_case(comm, buf, seed, tokens, hidden, topk, experts, dtype="bf16", idx_
 
     # layout
     layout = buf.get_dispatch_layout(topk_idx, num_experts)
-    want_layout = reference.get_dispatch_layout(topk_idx, num_experts, num_ranks)
+    want_layout = reference.get_dispatch_layout(topk_idx, num_experts, num_ranks, buf.num_ranks_per_node)
     for name, got, want in zip(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
                                 "is_token_in_rank"), layout[:4], want_layout):
         check(f"layout.{name}", got, want)
@@ -84,7 +85,7 @@ def _run_case(comm, buf, seed, tokens, hidden, topk, experts, dtype="bf16", idx_
     recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
         x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
         num_tokens_per_expert=num_tokens_per_expert, expert_alignment=alignment, num_worst_tokens=worst,
-        config=config, **kwargs)
+        config=config, zero_copy=zero_copy, **kwargs)
     want = reference_dispatch(comm, x, topk_idx, inp.topk_weights if with_topk else None, num_experts,
                               alignment, num_channels)
     num_real = want.recv_src_idx.shape[0]
@@ -130,7 +131,8 @@ def _run_case(comm, buf, seed, tokens, hidden, topk, experts, dtype="bf16", idx_
     biases = tuple(random_bf16(rng, (num_tokens, hidden)) for _ in range(bias))
     bias_arg = None if bias == 0 else biases[0] if bias == 1 else biases
     handle_copy = [np.copy(a) for a in handle]
-    combined_x, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w, bias=bias_arg, config=config)
+    combined_x, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w, bias=bias_arg, config=config,
+                                            zero_copy=zero_copy)
     want_x, want_w = reference_combine(comm, y[:num_real], want.is_token_in_rank,
                                        None if recv_w is None else recv_w[:num_real], bias_arg)
     check("combined_x", combined_x, want_x)

@@ -333,7 +333,7 @@ BAD = {
     "dispatch/x-bad-on-rank-1-only": (lambda c: _dispatch(c, x=c.x.astype(np.float32) if _rank(c) == 1 else c.x),
                                       "x:"),
     "dispatch/topk_idx-rows": (lambda c: _dispatch(c, topk_idx=np.zeros((c.T + 1, K), np.int64)), "topk_idx:"),
-    "dispatch/topk_idx-k12": (lambda c: _dispatch(c, topk_idx=np.zeros((c.T, 12), np.int64)), "topk_idx:"),
+    "dispatch/topk_idx-k33": (lambda c: _dispatch(c, topk_idx=np.zeros((c.T, 33), np.int64)), "topk_idx:"),
     "dispatch/topk_idx-out-of-range": (lambda c: _dispatch(c, topk_idx=c.topk_idx + c.E), "topk_idx:"),
     "dispatch/topk_idx-float": (lambda c: _dispatch(c, topk_idx=c.topk_idx.astype(np.float32)), "topk_idx:"),
     "dispatch/num_experts-not-multiple": (lambda c: _dispatch(c, num_experts=c.E + 1), "num_experts:"),

@@ -3,6 +3,8 @@ kernel added on one side only would surface as a bare number (or the wrong name)
 import re
 from pathlib import Path
 
+import pytest
+
 from cupy_ep import cuda_backend, validate
 
 SRC = Path(__file__).resolve().parent.parent / "cuda_src"
@@ -107,9 +109,47 @@ def test_low_latency_limits_mirror_the_cuda_constants():
     assert config.LL_MAX_TOKENS == 1 << (31 - shift) and config.LL_MAX_EXPERTS <= 1 << shift
 
 
+def test_low_latency_topk_bounds_mirror_the_kernels():
+    """The kernels' top-k bounds are config's, ascending, the last the layout's kLLMaxTopk; every top-k up to it
+    gets the smallest bound at or above it (top-k up to 11: the default instantiation, named without a bound)."""
+    from cupy_ep import config
+    from cupy_ep import cuda_low_latency as cll
+    text = source(*LL)
+    bounds = re.search(r"constexpr int kLLTopkBounds\[\] = \{([\d, ]+)\};", text).group(1)
+    assert tuple(int(b) for b in bounds.split(",")) == config.LL_TOPK_BOUNDS
+    assert list(config.LL_TOPK_BOUNDS) == sorted(set(config.LL_TOPK_BOUNDS))
+    assert config.LL_TOPK_BOUNDS[-1] == config.LL_MAX_TOPK == 32
+    assert "constexpr int kLLDefaultTopkBound = kLLTopkBounds[0];" in text
+    for k in range(1, config.LL_MAX_TOPK + 1):
+        bound = config.low_latency_topk_bound(k)
+        assert bound >= k and not [b for b in config.LL_TOPK_BOUNDS if k <= b < bound]
+        tail = "" if k <= 11 else f", {bound}"
+        assert cll.kernel_name("dispatch", True, "int", k) == f"ep::dispatch<true, int{tail}>"
+        assert cll.kernel_name("combine", False, "long long", k) == f"ep::combine<long long{tail}>"
+    assert [config.low_latency_topk_bound(k) for k in (1, 8, 11, 12, 16, 17, 22, 32)] == [11] * 3 + [16] * 2 + [32] * 3
+    with pytest.raises(ValueError, match="num_topk"):
+        config.low_latency_topk_bound(33)
+
+
+def test_low_latency_meta_flag_fields_hold_the_limits():
+    """The combine's meta flag packs the owner's wire format, top-k and token count + 1 into a positive int32: the
+    fields must hold K = LL_MAX_TOPK and T = LL_MAX_TOKENS without overlapping."""
+    from cupy_ep import config
+    text = source(*LL)
+    m = re.search(r"constexpr int kMetaTopkShift = (\d+), kMetaWireShift = (\d+);", text)
+    topk_shift, wire_shift = int(m.group(1)), int(m.group(2))
+    assert config.LL_MAX_TOKENS + 1 < 1 << topk_shift
+    assert config.LL_MAX_TOPK < 1 << (wire_shift - topk_shift)
+    assert wire_shift + 2 <= 31  # wire < 4: the value stays positive
+    value = (2 << wire_shift) | (config.LL_MAX_TOPK << topk_shift) | (config.LL_MAX_TOKENS + 1)
+    assert value < 2 ** 31
+    assert (value >> topk_shift) & ((1 << (wire_shift - topk_shift)) - 1) == config.LL_MAX_TOPK
+    assert (value & ((1 << topk_shift) - 1)) - 1 == config.LL_MAX_TOKENS and (value >> wire_shift) & 3 == 2
+
+
 def test_low_latency_combine_shared_memory_mirrors_the_kernel():
     """combine_stage_bytes sizes the dynamic shared memory the kernel's stage_slot indexes: its constants are the
-    kernel's, and at the largest top-k it fits a block with the kernel's static shared memory (~19 KB)."""
+    kernel's, and at the largest top-k it fits a block with the kernel's static shared memory."""
     from cupy_ep import cuda_low_latency as cll
     from cupy_ep import reference
     text = source(*LL)
@@ -118,7 +158,12 @@ def test_low_latency_combine_shared_memory_mirrors_the_kernel():
     # the dispatch is launched with the block size its __launch_bounds__ and its warp roles assume
     assert f"constexpr int kLLThreads = {cll._THREADS};" in text
     assert "stage + (i * kCombineChunks + q) * kLLCombineThreads + threadIdx.x" in text
-    assert cll.combine_stage_bytes(reference.LOW_LATENCY_MAX_TOPK) + 20 * 1024 <= 227 * 1024
+    assert f"constexpr int kCombineStageEntries = {cll.COMBINE_STAGE_ENTRIES};" in text
+    # the stage holds min(K, kCombineStageEntries) entries: K up to 11 as many as K, above that 11
+    for k in range(1, reference.LOW_LATENCY_MAX_TOPK + 1):
+        assert cll.combine_stage_bytes(k) == 512 * 2 * 16 * min(k, 11)
+    # with the static shared memory of the largest bound's combine (25 KB; the default one has 19 KB)
+    assert cll.combine_stage_bytes(reference.LOW_LATENCY_MAX_TOPK) + 26 * 1024 <= 227 * 1024
 
 
 def test_low_latency_wire_formats_mirror_the_enum():

@@ -254,14 +254,15 @@ struct DirectCombineLayout {
 //                      token t, rounded to 24 bits: the bf16 high halves [H], then the next byte of each [H];
 //                      reference.low_latency_partial_wire),
 //                      partial_out [R][M] the same (the rows this rank computed for owner s: source of puts),
-//                      meta_in [R] (owner s's top-k: int32 experts [M][kLLMaxTopk], then float weights),
+//                      meta_in [R] (owner s's top-k: int32 experts [M][kLLMaxTopk], then float weights;
+//                      sized for the largest top-k whatever the call's, so the layout depends on (M, H, R, E) only),
 //                      meta_out [R] (this rank's meta for rank r: source of puts).
 // A dispatch message is a 16-byte header (int flag: the epoch of the dispatch that wrote it, written after the
 // row; 3 reserved ints), then the row
 // (bf16, or e4m3 followed by H/128 float scales). Its size is fixed at 16 + 2H (>= 16 + H + H/32), so
 // the layout does not depend on use_fp8. cupy_ep/config.py mirrors this (low_latency_layout).
 // ---------------------------------------------------------------------------------------------------
-constexpr int kLLMaxTopk = 11;  // mirrors reference.LOW_LATENCY_MAX_TOPK
+constexpr int kLLMaxTopk = 32;  // mirrors reference.LOW_LATENCY_MAX_TOPK
 
 struct LowLatencyLayout {
     long long msg_bytes, row_bytes, part_bytes, meta_bytes, signal_ints, signal_bytes, send_bytes, recv_bytes,

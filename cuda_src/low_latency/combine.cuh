@@ -13,8 +13,8 @@ namespace ep::low_latency {
 // weights live on the owner, so the owner first sends its top-k (experts and weights, a few KB: "meta") to every
 // rank; the meta flag also says which wire format the owner reads.
 //   send phase  (A) owner -> every other rank r: meta (int32 entry codes: the expert and its dispatch slot, or -1
-//                   (entry_code); float weights; [M][kLLMaxTopk] each), then the meta flag (W << 28 | K << 24 |
-//                   T + 1) at r's signal combine_meta_flag(me);
+//                   (entry_code); float weights; [M][kLLMaxTopk] each), then the meta flag (meta_flag_value:
+//                   W, K and T + 1) at r's signal combine_meta_flag(me);
 //               (B) expert rank, per owner s (itself first, from the call's own top-k: no wait; then the
 //                   others from their meta) and token t of s (blocks stride over t): the rows of t's entries
 //                   from their codes (prepare_batch), then
@@ -58,10 +58,13 @@ struct MetaEntries {
     __device__ __forceinline__ int operator()(long long f) const { return codes[f]; }
 };
 
+// kMaxTopk: the kernel's top-k bound (kLLTopkBounds), at least the call's K.
+template <int kMaxTopk>
 struct CombineShared {
+    static constexpr int kTopkBound = kMaxTopk;
     // prepare_batch, per token j of the batch: what the sums need
-    long long row[kCombineBatch][kLLMaxTopk];  // the kept entries on this rank, k order: rows in the expert input
-    float weight[kCombineBatch][kLLMaxTopk];   //   and their weights, num_kept[j] of them
+    long long row[kCombineBatch][kMaxTopk];  // the kept entries on this rank, k order: rows in the expert input
+    float weight[kCombineBatch][kMaxTopk];   //   and their weights, num_kept[j] of them
     int num_kept[kCombineBatch];
     unsigned long long has[kCombineBatch];     // bit r: rank r holds a kept entry of the token
     unsigned long long dropped[kCombineBatch]; // (C) shrink mode: bit r: rank r got masked waiting for its partial
@@ -95,10 +98,10 @@ __device__ __forceinline__ void stage_range_begins(const long long* layout_range
 // (the row in the expert input [local expert][R*M]: begin[local] + slot, begin from stage_range_begins),
 // sh.weight[j][i]; sh.num_kept[j]; sh.dropped[j] = 0. The caller syncs before reading them. Entries of a rank
 // masked when the launch started (sh.masked) are not kept.
-template <typename Entries, typename WeightT>
+template <typename Entries, typename WeightT, typename Shared>
 __device__ __forceinline__ void prepare_batch(Entries entries, const WeightT* weights, int K, int t0, int stride,
                                               int n, int rank, const LowLatencyLayout& L, const int* begin,
-                                              CombineShared& sh) {
+                                              Shared& sh) {
     const int j = warp_id(), k = lane_id();
     if (j >= n) return;  // uniform per warp
     const long long f = (long long)(t0 + j * stride) * K + k;
@@ -130,42 +133,73 @@ __device__ __forceinline__ int tokens_of_block(int T, int index, int count) {
 // Each thread works on kCombineChunks chunks of a row at once (c and c + the threads): all their expert rows are
 // copied at once into the thread's slots of the combine's dynamic shared memory by cp.async, which holds no
 // registers while they travel (in registers, 2 chunks x 4 rows spilled), so a token's rows cost one round of
-// loads per thread, not one per chunk and 4 rows. The slots: [entry i][chunk q][thread], 16 bytes each
-// (combine_stage_bytes on the host: kLLCombineThreads x kCombineChunks x K x 16).
+// loads per thread, not one per chunk and 4 rows. The slots: [entry i][chunk q][thread], 16 bytes each, for at
+// most kCombineStageEntries entries (combine_stage_bytes on the host: kLLCombineThreads x kCombineChunks x
+// min(K, kCombineStageEntries) x 16, 176 KB at 11); a kernel whose top-k bound is above that stages a token's rows
+// kCombineStageEntries at a time (partial_sums).
 constexpr int kCombineChunks = 2;
+constexpr int kCombineStageEntries = 11;  // mirrors cuda_low_latency.COMBINE_STAGE_ENTRIES
 __device__ __forceinline__ int4* stage_slot(int4* stage, int i, int q) {
     return stage + (i * kCombineChunks + q) * kLLCombineThreads + threadIdx.x;
 }
 
-// For the chunks q < kCombineChunks, c_q = c + q * kStride (those below row_int4): acc[q] = 0 + sum over the n
-// entries i (k order) of fp32(weight[i] * rows[row[i]][c_q]) (fp32 products, then fp32 sums, no FMA:
-// reference.low_latency_combine).
+// Entries [i0, i1) (at most kCombineStageEntries) into the stage: entry i's chunks at slot i - i0.
 template <int kStride>
-__device__ __forceinline__ void partial_sums(float (&acc)[kCombineChunks][8], const int4* rows, const long long* row,
-                                             const float* weight, int n, int c, int row_int4, int4* stage) {
-    for (int i = 0; i < n; ++i) {
+__device__ __forceinline__ void stage_rows(const int4* rows, const long long* row, int i0, int i1, int c,
+                                           int row_int4, int4* stage) {
+    for (int i = i0; i < i1; ++i) {
         const int4* src = rows + row[i] * row_int4 + c;
 #pragma unroll
         for (int q = 0; q < kCombineChunks; ++q)
-            if (c + q * kStride < row_int4) cp_async16(stage_slot(stage, i, q), src + q * kStride);
+            if (c + q * kStride < row_int4) cp_async16(stage_slot(stage, i - i0, q), src + q * kStride);
     }
-#pragma unroll
-    for (int q = 0; q < kCombineChunks; ++q)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[q][j] = 0.0f;
-    cp_async_wait_all();
-    for (int i = 0; i < n; ++i) {
+}
+// acc[q] += fp32(weight[i] * staged row of entry i) for entries [i0, i1), i ascending (stage_rows' slots).
+template <int kStride>
+__device__ __forceinline__ void add_staged_rows(float (&acc)[kCombineChunks][8], const float* weight, int i0,
+                                                int i1, int c, int row_int4, int4* stage) {
+    for (int i = i0; i < i1; ++i) {
         const float wt = weight[i];
 #pragma unroll
         for (int q = 0; q < kCombineChunks; ++q) {
             if (c + q * kStride >= row_int4) break;
-            const int4 v = *stage_slot(stage, i, q);
+            const int4 v = *stage_slot(stage, i - i0, q);
             const unsigned w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 acc[q][2 * j] = __fadd_rn(acc[q][2 * j], __fmul_rn(wt, bf16_lo(w[j])));
                 acc[q][2 * j + 1] = __fadd_rn(acc[q][2 * j + 1], __fmul_rn(wt, bf16_hi(w[j])));
             }
+        }
+    }
+}
+
+// For the chunks q < kCombineChunks, c_q = c + q * kStride (those below row_int4): acc[q] = 0 + sum over the n
+// entries i (k order) of fp32(weight[i] * rows[row[i]][c_q]) (fp32 products, then fp32 sums, no FMA:
+// reference.low_latency_combine). kMaxTopk (the kernel's top-k bound, n <= kMaxTopk) within the stage: all n rows in
+// one round of loads; above it, kCombineStageEntries rows per round (each thread reads back only its own slots, so
+// its next round may overwrite them).
+template <int kStride, int kMaxTopk>
+__device__ __forceinline__ void partial_sums(float (&acc)[kCombineChunks][8], const int4* rows, const long long* row,
+                                             const float* weight, int n, int c, int row_int4, int4* stage) {
+    if constexpr (kMaxTopk <= kCombineStageEntries) {
+        stage_rows<kStride>(rows, row, 0, n, c, row_int4, stage);
+#pragma unroll
+        for (int q = 0; q < kCombineChunks; ++q)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[q][j] = 0.0f;
+        cp_async_wait_all();
+        add_staged_rows<kStride>(acc, weight, 0, n, c, row_int4, stage);
+    } else {
+#pragma unroll
+        for (int q = 0; q < kCombineChunks; ++q)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[q][j] = 0.0f;
+        for (int i0 = 0; i0 < n; i0 += kCombineStageEntries) {
+            const int i1 = min(n, i0 + kCombineStageEntries);
+            stage_rows<kStride>(rows, row, i0, i1, c, row_int4, stage);
+            cp_async_wait_all();
+            add_staged_rows<kStride>(acc, weight, i0, i1, c, row_int4, stage);
         }
     }
 }
@@ -368,10 +402,17 @@ __device__ __forceinline__ long long partial_wire_bytes(const LowLatencyLayout& 
     return wire == kWireLogFmt ? (long long)L.hidden / 16 * 21 : wire == kWireBf16 ? 2LL * L.hidden : L.part_bytes;
 }
 
-// Meta flag: W << 28 | K << 24 | T + 1 (W the owner's Wire < 4, K <= kLLMaxTopk < 16, T < 2^24).
+// Meta flag: W << kMetaWireShift | K << kMetaTopkShift | T + 1 (W the owner's Wire < 4, K <= kLLMaxTopk < 64,
+// T + 1 <= kLLMaxTokens + 1 < 2^kMetaTopkShift): never 0 ("not arrived"), never negative.
+constexpr int kMetaTopkShift = 20, kMetaWireShift = 26;
+static_assert(kLLMaxTokens + 1 < (1 << kMetaTopkShift) && kLLMaxTopk < (1 << (kMetaWireShift - kMetaTopkShift)),
+              "the meta flag's fields overlap");
 __device__ __forceinline__ int meta_flag_value(int num_topk, int num_tokens, int wire) {
-    return (wire << 28) | (num_topk << 24) | (num_tokens + 1);
+    return (wire << kMetaWireShift) | (num_topk << kMetaTopkShift) | (num_tokens + 1);
 }
+__device__ __forceinline__ int meta_flag_topk(int v) { return (v >> kMetaTopkShift) & ((1 << (kMetaWireShift - kMetaTopkShift)) - 1); }
+__device__ __forceinline__ int meta_flag_tokens(int v) { return (v & ((1 << kMetaTopkShift) - 1)) - 1; }
+__device__ __forceinline__ int meta_flag_wire(int v) { return (v >> kMetaWireShift) & 3; }
 
 // The blocks that share one role of the combine: this block is number `index` of `count` (all blocks of the
 // launch, or one side of the split in combine()).
@@ -410,7 +451,8 @@ __device__ void combine_send_meta(OwnEntries<TopkT> own, const float* topk_weigh
 }
 
 // (B) compute side: publish token t (or -1, the end) to the flagger; its previous one must have been read.
-__device__ __forceinline__ void hand_to_flagger(int t, CombineShared& sh, HandoffPhases& ph) {
+template <typename Shared>
+__device__ __forceinline__ void hand_to_flagger(int t, Shared& sh, HandoffPhases& ph) {
     if (ph.handoff > 0) mbarrier_wait(&sh.empty, (ph.handoff - 1) & 1);
     if (threadIdx.x == 0) sh.flag_token[ph.handoff & 1] = t;
     group_mbarrier_sync(&sh.compute, ph.sync);  // flag_token written
@@ -432,12 +474,12 @@ __device__ __forceinline__ void hand_to_flagger(int t, CombineShared& sh, Handof
 // (group_mbarrier_sync), not a named barrier: with `bar.sync 1, n` racecheck reported a race across the next
 // __syncthreads, most likely counting the flagger warp, which skips the named barrier, as a warp behind on
 // block barriers; with the mbarrier it reports none.
-template <bool kLogFmt, typename Entries, typename WeightT>
+template <bool kLogFmt, typename Entries, typename WeightT, typename Shared>
 __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, const WeightT* weights, int T, int K,
                                                      int wire, const int4* rows, const int* begin, int4* stage,
                                                      char* base,
                                                      const unsigned long long* peer_bases, const LowLatencyLayout& L,
-                                                     int rank, int buffer_idx, CombineShared& sh,
+                                                     int rank, int buffer_idx, Shared& sh,
                                                      HandoffPhases& ph, Blocks blocks, long long* stamps) {
     const int row_int4 = L.hidden / 8;  // bf16 input row: chunks of 8 values
     constexpr int compute_threads = kLLCombineThreads - kWarpSize;
@@ -475,7 +517,7 @@ __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, con
                                               : recv + L.combine_partial_out(s, t);
                 for (int c = threadIdx.x; c < row_int4; c += kCombineChunks * compute_threads) {
                     float acc[kCombineChunks][8];
-                    partial_sums<compute_threads>(acc, rows, sh.row[j], sh.weight[j], sh.num_kept[j], c, row_int4,
+                    partial_sums<compute_threads, Shared::kTopkBound>(acc, rows, sh.row[j], sh.weight[j], sh.num_kept[j], c, row_int4,
                                                    stage);
 #pragma unroll
                     for (int q = 0; q < kCombineChunks; ++q)
@@ -501,8 +543,8 @@ __device__ __forceinline__ void reduce_owner_as(bool logfmt, Args&&... args) {
 
 // (B), thread 0: owner s's meta flag, acquired with value v, into sh.value; consumed once every block of this role
 // has read it (the readers' acquires precede their adds).
-__device__ __forceinline__ void take_meta(int* flag, int v, int s, int* meta_readers, Blocks blocks,
-                                          CombineShared& sh) {
+template <typename Shared>
+__device__ __forceinline__ void take_meta(int* flag, int v, int s, int* meta_readers, Blocks blocks, Shared& sh) {
     sh.value = v;
     if (atomicAdd(meta_readers + s, 1) == blocks.count - 1) {
         meta_readers[s] = 0;
@@ -559,14 +601,14 @@ __device__ __forceinline__ int next_ready_owner(const int* signals, const LowLat
 // rows go first); a hook's receive phase runs later, when the caller may already reuse x, so there they are sent
 // here like the others. begin: shared memory for stage_range_begins. The remote owners in the order
 // (rank + 1, rank + 2, ...), or in shrink mode as their meta comes in (next_ready_owner), the masked ones skipped.
-template <typename TopkT>
+template <typename TopkT, typename Shared>
 __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range,
                                                OwnEntries<TopkT> own, const float* topk_weights, int num_tokens,
                                                int num_topk, int wire, char* base,
                                                const unsigned long long* peer_bases,
                                                const LowLatencyLayout& L, int rank, int buffer_idx, int* meta_readers,
                                                const int* shrink_mask, const DeviceCtx* ctx, int* begin, int4* stage,
-                                               CombineShared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
+                                               Shared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
     const int R = L.num_ranks;
     int* signals = reinterpret_cast<int*>(base + L.signal_offset(buffer_idx));
     const char* recv = base + L.recv_offset(buffer_idx);
@@ -620,8 +662,8 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
         if (i == 1) stamp(stamps, kStampSendRouted);  // the first remote owner's meta is in
         if (sh.failed) return;  // uniform
         if (s < 0) break;       // (shrink mode) no owner left
-        const int K = (sh.value >> 24) & 0xf, T = (sh.value & 0xffffff) - 1;
-        const int owner_wire = (sh.value >> 28) & 3;  // the wire format owner s reads
+        const int K = meta_flag_topk(sh.value), T = meta_flag_tokens(sh.value);
+        const int owner_wire = meta_flag_wire(sh.value);  // the wire format owner s reads
         __syncthreads();  // sh.value is read by every thread before thread 0 waits for the next owner
         const char* meta = recv + L.combine_meta_in(s);
         reduce_owner_as(owner_wire == kWireLogFmt, s, MetaEntries{reinterpret_cast<const volatile int*>(meta)},
@@ -630,12 +672,12 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
     }
 }
 
-template <typename TopkT>
+template <typename TopkT, typename Shared>
 __device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, OwnEntries<TopkT> own,
                              const float* topk_weights, int num_tokens, int num_topk, int wire, char* base,
                              const unsigned long long* peer_bases, const LowLatencyLayout& L, int rank,
                              int buffer_idx, int* workspace, const int* shrink_mask, const DeviceCtx* ctx, int* begin,
-                             int4* stage, CombineShared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
+                             int4* stage, Shared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
     stamp(stamps, kStampSendStart);
     combine_send_meta(own, topk_weights, num_tokens, num_topk, wire, base, peer_bases, L, rank, buffer_idx, sh.masked,
                       blocks);
@@ -651,11 +693,11 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
 // peer's would carry); each thread reads back only the chunks it wrote. Then per token: wait for the peers'
 // flags, sum. wire: the format of this rank's partials (its own and the peers'), as its meta flag asked. Shrink
 // mode: a rank masked while this rank waits for its partial of a token (sh.dropped) is left out of the token's sum.
-template <bool kLogFmt, typename TopkT>
+template <bool kLogFmt, typename TopkT, typename Shared>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
                              OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
                              int wire, char* base, const LowLatencyLayout& L, int rank, int buffer_idx,
-                             const int* shrink_mask, const DeviceCtx* ctx, int* begin, int4* stage, CombineShared& sh,
+                             const int* shrink_mask, const DeviceCtx* ctx, int* begin, int4* stage, Shared& sh,
                              bool own_in_recv, Blocks blocks, long long* wait_stats, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
     long long waited = 0;  // thread r < R: the cycles spent waiting for rank r's flags (wait_stats)
@@ -678,7 +720,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                 // the same chunks per thread as the sums' reads below
                 for (int c = threadIdx.x; c < row_int4; c += kCombineChunks * threads) {
                     float p[kCombineChunks][8];
-                    partial_sums<threads>(p, rows, sh.row[j], sh.weight[j], sh.num_kept[j], c, row_int4, stage);
+                    partial_sums<threads, Shared::kTopkBound>(p, rows, sh.row[j], sh.weight[j], sh.num_kept[j], c, row_int4, stage);
 #pragma unroll
                     for (int q = 0; q < kCombineChunks; ++q)
                         if (c + q * threads < row_int4)

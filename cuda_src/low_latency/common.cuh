@@ -17,6 +17,11 @@ constexpr int kLLWarps = kLLThreads / kWarpSize;
 constexpr int kLLCombineThreads = 512;
 constexpr int kLLMaxExperts = 4096;  // mirrors config.LL_MAX_EXPERTS (two shared-memory histograms)
 constexpr int kLLMaxRanks = 64;      // mirrors config.LL_MAX_RANKS
+// The top-k bounds the dispatch and combine are built for (their template parameter kMaxTopk sizes the per-entry
+// shared-memory arrays: DispatchShared, CombineShared); a call runs the smallest bound >= its K
+// (config.low_latency_topk_bound), the first one by default. The last is kLLMaxTopk.
+constexpr int kLLTopkBounds[] = {11, 16, 32};  // mirrors config.LL_TOPK_BOUNDS
+constexpr int kLLDefaultTopkBound = kLLTopkBounds[0];
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
 // workspace (int32, zeroed once by the host): kWsLastSend = 1 + the buffer index of this rank's previous send
 // phase (0 = none yet); kWsEpoch + i: the dispatches on buffer i whose receive phase finished (a dispatch's epoch

@@ -74,11 +74,13 @@ __device__ void token_slots(const TopkT* topk_idx, int t, int num_topk, int num_
 }
 
 // What one block knows about its current token (dispatch send; written by warp 0, read after a block barrier).
+// kMaxTopk: the kernel's top-k bound (kLLTopkBounds), at least the call's K.
+template <int kMaxTopk>
 struct DispatchShared {
-    int expert[kLLMaxTopk];      // token_slots: global expert of entry k
-    int slot[kLLMaxTopk];        // token_slots: its slot, -1 = not kept
-    int put_dest[kLLMaxTopk];    // destination ranks reached by NVSHMEM puts (no NVLink mapping), num_put of them
-    char* target[kLLMaxTopk + 1];  // where the message bytes are stored: each mapped destination's recv slot
+    int expert[kMaxTopk];        // token_slots: global expert of entry k
+    int slot[kMaxTopk];          // token_slots: its slot, -1 = not kept
+    int put_dest[kMaxTopk];      // destination ranks reached by NVSHMEM puts (no NVLink mapping), num_put of them
+    char* target[kMaxTopk + 1];  // where the message bytes are stored: each mapped destination's recv slot
                                    // (num_store of them), then this rank's send slot when num_put > 0 (the puts'
                                    // symmetric source)
     int num_target, num_store, num_put;
@@ -94,8 +96,9 @@ struct DispatchShared {
 // can do that).
 // `e`: lane k's expert (TokenLoads::expert); `recv_msg`: the message's offset in a recv region; `send_msg`: this
 // rank's send slot of the token.
+template <typename Shared>
 __device__ __forceinline__ void token_targets(long long e, int num_experts, int num_local, long long recv_msg,
-                                              char* send_msg, DispatchShared& sh) {
+                                              char* send_msg, Shared& sh) {
     if (warp_id() != 0) return;
     const int lane = lane_id();
     const bool valid = e >= 0 && e < num_experts;
@@ -123,8 +126,9 @@ __device__ __forceinline__ void token_targets(long long e, int num_experts, int 
 // store, each after a system-scope release by its lane (covering the block's message stores, ordered before it by
 // the barrier). The entry is the row's only signal: a receiver that acquires it with the call's epoch may read the
 // message. Entries of destinations without an NVLink mapping are NVSHMEM puts, after the message's puts completed.
+template <typename Shared>
 __device__ __forceinline__ void send_index_entries(int t, int num_topk, char* base, const LowLatencyLayout& L,
-                                                   long long recv, int rank, const DispatchShared& sh) {
+                                                   long long recv, int rank, const Shared& sh) {
     const int lane = lane_id();
     if (warp_id() != 0 || lane >= num_topk || sh.slot[lane] < 0) return;
     const FastDiv by_local(L.num_local);
@@ -225,8 +229,9 @@ __device__ __forceinline__ void encode_token(const TokenLoads& in, const int4* x
 // The counts go out first (every block has them in hist_all): expert e's count from this rank is
 // min(hist_all[e], M), at its owner's dispatch_count(e % L, rank) as epoch << 32 | count in one 8-byte store.
 // They order nothing: a receiver waits for each row's index entry to carry the epoch too.
+template <typename Shared>
 __device__ __forceinline__ void send_counts(const int* hist_all, char* base, const LowLatencyLayout& L,
-                                            int buffer_idx, int rank, const DispatchShared& sh) {
+                                            int buffer_idx, int rank, const Shared& sh) {
     if (lane_id() != 0 || warp_id() == 0) return;  // (warp 0 goes on to the token's slots)
     const FastDiv by_local(L.num_local);
     for (int e = blockIdx.x + gridDim.x * (warp_id() - 1); e < L.num_experts; e += gridDim.x * (kLLWarps - 1)) {
@@ -255,10 +260,10 @@ struct StoreToTargets {
 // Dispatch, one token's message: its targets (warp 0), then every thread casts its part of the row and stores the
 // bytes straight from registers into every mapped destination (and the send slot for puts). The stores are issued,
 // not ordered: the caller's block barrier and the index entries' releases follow.
-template <bool kUseFP8>
+template <bool kUseFP8, typename Shared>
 __device__ __forceinline__ void send_message(const int4* x, const TokenLoads& in, int t, bool round_scale,
                                              char* send, long long recv, const LowLatencyLayout& L,
-                                             int rank, DispatchShared& sh, long long* stamps) {
+                                             int rank, Shared& sh, long long* stamps) {
     const int hidden_int4 = L.hidden / 8;
     // this thread's first x chunk is in flight while warp 0 works out where the token goes
     token_targets(in.expert, L.num_experts, L.num_local, recv + L.dispatch_recv_msg(rank, t),
@@ -271,26 +276,30 @@ __device__ __forceinline__ void send_message(const int4* x, const TokenLoads& in
 
 // Dispatch, the destinations without an NVLink mapping: the message from this rank's send slot by NVSHMEM puts,
 // the warps split evenly over them, each warp one part of the row after the 16-byte header (the entries follow
-// once the puts are complete: each warp quiets its own). Kept out of line: only the put path calls it, and
-// inlined its NVSHMEM code would take registers from the kernel's common path.
+// once the puts are complete: each warp quiets its own). More destinations than warps (a top-k above kLLWarps
+// over as many nodes): a warp puts the whole row to each of destinations warp, warp + kLLWarps, ... Kept out of
+// line: only the put path calls it, and inlined its NVSHMEM code would take registers from the kernel's common path.
+template <typename Shared>
 __device__ __noinline__ void put_message(char* base, const char* send_msg, long long recv_msg, int msg_int4,
-                                         const DispatchShared& sh) {
-    const int num_put = sh.num_put, warps_per_dest = kLLWarps / num_put, row_int4 = msg_int4 - 1;
-    const int d = warp_id() / warps_per_dest, part = warp_id() - d * warps_per_dest;
-    if (d >= num_put) return;
+                                         const Shared& sh) {
+    const int num_put = sh.num_put, warps_per_dest = max(1, kLLWarps / num_put), row_int4 = msg_int4 - 1;
+    const int groups = kLLWarps / warps_per_dest, part = warp_id() % warps_per_dest;
     const int part_int4 = (row_int4 + warps_per_dest - 1) / warps_per_dest;
     const int begin = 1 + part * part_int4, n = min(part_int4, msg_int4 - begin);
-    if (n > 0)
-        ll_put_warp(base + recv_msg + begin * 16LL, send_msg + begin * 16LL, (size_t)n * 16, sh.put_dest[d]);
+    for (int d = warp_id() / warps_per_dest; d < num_put; d += groups)
+        if (n > 0)
+            ll_put_warp(base + recv_msg + begin * 16LL, send_msg + begin * 16LL, (size_t)n * 16, sh.put_dest[d]);
+    if (warp_id() / warps_per_dest >= num_put) return;
     __syncwarp();
     if (lane_id() == 0) ll_quiet();
 }
 
 // Dispatch send, warp 0 first: peer_bases and the call's epoch into shared memory (token_targets reads them after
 // a __syncwarp, everyone else after a block barrier): one global load each per block instead of one per use.
+template <typename Shared>
 __device__ __forceinline__ void stage_send_shared(const unsigned long long* peer_bases, int num_ranks,
                                                   const int* workspace, int buffer_idx, const int* shrink_mask,
-                                                  DispatchShared& sh) {
+                                                  Shared& sh) {
     if (warp_id() != 0) return;
     for (int r = lane_id(); r < num_ranks; r += kWarpSize) sh.peer[r] = peer_bases[r];
     if (lane_id() == 0) sh.epoch = dispatch_epoch(workspace, buffer_idx);
@@ -299,12 +308,12 @@ __device__ __forceinline__ void stage_send_shared(const unsigned long long* peer
 
 // Dispatch send. The block's first token goes out before the histograms (its destinations do not depend on the
 // slots); then per token its slots, one block barrier, and its index entries, each after a system-scope release.
-template <bool kUseFP8, typename TopkT>
+template <bool kUseFP8, typename TopkT, typename Shared>
 __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_slots, int num_tokens, int num_topk,
                               bool round_scale,
                               char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L, int rank,
                               int buffer_idx, int* workspace, const int* shrink_mask, const DeviceCtx* ctx,
-                              int* hist, int* hist_all, TopkT* topk_stage, DispatchShared& sh, long long* stamps) {
+                              int* hist, int* hist_all, TopkT* topk_stage, Shared& sh, long long* stamps) {
     const int E = L.num_experts, hidden_int4 = L.hidden / 8;
     stamp(stamps, kStampSendStart);
     // the first token's loads go out before warp 0's staging waits on its own loads (which would hold back warp
