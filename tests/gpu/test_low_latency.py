@@ -69,6 +69,9 @@ CASES = [
     Case("duplicates", 40, 512, 8, 4, duplicates=True),
     Case("torch_fp8", 50, 2048, 8, 16, use_fp8=True, lib="torch"),
     Case("topk11", 33, 512, 11, 16),
+    # the larger top-k bounds' kernels (config.LL_TOPK_BOUNDS): 16 with FP8, 32 with repeated experts
+    Case("topk16_fp8", 40, 2048, 16, 16, use_fp8=True),
+    Case("topk32_duplicates", 40, 1024, 32, 16, duplicates=True),
 ]
 
 
