@@ -42,10 +42,10 @@ from . import config as _config
 from .errors import CommTimeoutError
 
 _FILE = "internode.cu"
-_NOTIFY_THREADS = 256            # kNotifyThreads
-_SENDER_WARPS = 6                # kDispatchSenderWarps
-_COMBINE_RECV_WARPS = 6          # kCombineRecvWarps
-_MAX_COMBINE_FORWARDER_WARPS = 16
+from .ids import INTERNODE_NOTIFY_THREADS as _NOTIFY_THREADS  # noqa: E402
+from .ids import INTERNODE_DISPATCH_SENDER_WARPS as _SENDER_WARPS  # noqa: E402
+from .ids import INTERNODE_COMBINE_RECV_WARPS as _COMBINE_RECV_WARPS  # noqa: E402
+from .ids import INTERNODE_MAX_COMBINE_FORWARDER_WARPS as _MAX_COMBINE_FORWARDER_WARPS  # noqa: E402
 _OP_CACHED_DISPATCH, _OP_COMBINE = 12, 13   # InternodeCallOp
 _FORCE_PUT_ENV = "CUPY_EP_INTERNODE_FORCE_PUT"
 TRANSPORTS = ("nvshmem", "ipc")

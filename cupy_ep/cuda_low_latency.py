@@ -76,9 +76,9 @@ _FILE = "low_latency.cu"
 TRANSPORTS = ("nvshmem", "ipc")
 _TRANSPORT_ENV = "CUPY_EP_LL_TRANSPORT"
 _FORCE_PUT_ENV = "CUPY_EP_LL_FORCE_PUT"
-_THREADS = 512                  # kLLThreads (dispatch)
-_COMBINE_THREADS = 512          # kLLCombineThreads
-_COMBINE_CHUNKS = 2             # kCombineChunks
+from .ids import LL_DISPATCH_THREADS as _THREADS  # noqa: E402
+from .ids import LL_COMBINE_THREADS as _COMBINE_THREADS  # noqa: E402
+from .ids import LL_COMBINE_CHUNKS as _COMBINE_CHUNKS  # noqa: E402
 
 
 def combine_stage_bytes(num_topk: int) -> int:
