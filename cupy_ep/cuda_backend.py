@@ -13,29 +13,28 @@ import time
 
 import numpy as np
 
-from . import bootstrap, cuda_internode, cuda_low_latency, handles, interop, jit, validate
+from . import bootstrap, cuda_internode, cuda_low_latency, handles, ids, interop, jit, validate
 from . import config as _config
 from .buffer import Buffer
 from .errors import CallMismatchError, CommError, CommTimeoutError
 from .event import EventOverlap, HostEvent
 from .validate import intranode_warps as _warps
 
-from .ids import KERNEL_NAMES as _KERNEL_NAMES, ROLE_NAMES as _ROLE_NAMES
-# Mirror of the CallWords a notify kernel compares (intranode/handshake.cuh): index -> name.
+_KERNEL_NAMES, _ROLE_NAMES = ids.KERNEL_NAMES, ids.ROLE_NAMES
+# The CallWords a notify kernel compares (intranode/handshake.cuh, kCallWords of them): index -> name.
 _CALL_WORDS = ("op", "num_channels", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
                "num_scales", "num_experts", "zero_copy_capacity")
-_CALL_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "zero-copy dispatch",
-             5: "zero-copy cached dispatch", 6: "zero-copy combine"}
-# Mirror of cuda_src/common/wait.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64).
+_CALL_OPS = ids.CALL_OP_NAMES
+# cuda_src/common/wait.cuh TimeoutRecord (tests/test_mirrors.py compares the offsets; int flag, rank, kernel, role, channel, peer; 4 x int64).
 _RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), ("role", "<i4"),
                           ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
                           ("expected", "<i8"), ("elapsed_ns", "<i8")])
-# Mirror of DeviceCtx (u64 timeout_ns, TimeoutRecord*, int* abort_flag, int rank, int num_ranks, int* shrink_mask).
+# DeviceCtx (tests/test_cuda_low_latency_shrink.py compares the offsets; u64 timeout_ns, TimeoutRecord*, int* abort_flag, int rank, int num_ranks, int* shrink_mask).
 _CTX_DTYPE = np.dtype([("timeout_ns", "<u8"), ("record", "<u8"), ("abort_flag", "<u8"),
                        ("rank", "<i4"), ("num_ranks", "<i4"), ("shrink_mask", "<u8")])
-from .ids import LAYOUT_THREADS as _LAYOUT_THREADS  # noqa: E402
+_LAYOUT_THREADS = ids.LAYOUT_THREADS  # kLayoutThreads
 _NOTIFY_THREADS = 128
-from .ids import TMA_CHUNK_BYTES as _TMA_BYTES_PER_WARP  # noqa: E402
+_TMA_BYTES_PER_WARP = ids.TMA_CHUNK_BYTES  # kTmaChunkBytes
 
 
 def _capturing() -> bool:

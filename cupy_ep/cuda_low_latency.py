@@ -67,7 +67,7 @@ import os
 import numpy as np
 
 from . import config as _config
-from . import bootstrap, handles, interop, jit, validate
+from . import bootstrap, handles, ids, interop, jit, validate
 from .event import EventOverlap, RecvHooks
 from .handles import LowLatencyHandle
 from .reference import LOW_LATENCY_MAX_TOPK
@@ -76,9 +76,9 @@ _FILE = "low_latency.cu"
 TRANSPORTS = ("nvshmem", "ipc")
 _TRANSPORT_ENV = "CUPY_EP_LL_TRANSPORT"
 _FORCE_PUT_ENV = "CUPY_EP_LL_FORCE_PUT"
-from .ids import LL_DISPATCH_THREADS as _THREADS  # noqa: E402
-from .ids import LL_COMBINE_THREADS as _COMBINE_THREADS  # noqa: E402
-from .ids import LL_COMBINE_CHUNKS as _COMBINE_CHUNKS  # noqa: E402
+_THREADS = ids.LL_DISPATCH_THREADS              # kLLThreads (dispatch)
+_COMBINE_THREADS = ids.LL_COMBINE_THREADS       # kLLCombineThreads
+_COMBINE_CHUNKS = ids.LL_COMBINE_CHUNKS         # kCombineChunks
 
 
 def combine_stage_bytes(num_topk: int) -> int:

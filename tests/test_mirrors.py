@@ -43,7 +43,8 @@ def snake(camel: str) -> str:
 def test_generated_header_defines_what_python_owns_and_cuda_src_does_not():
     header = jit.generated_headers()[ids.HEADER_NAME]
     text = source(".")
-    for enum, members in (("KernelId", ids.KERNELS), ("Role", ids.ROLES), ("WarpRole", ids.WARP_ROLES)):
+    for enum, members in (("KernelId", ids.KERNELS), ("Role", ids.ROLES), ("WarpRole", ids.WARP_ROLES),
+                          ("CallOp", ids.CALL_OPS), ("InternodeCallOp", ids.INTERNODE_CALL_OPS)):
         assert enum_values(header, enum) == {m: v for m, _, v in members}
         assert not re.search(r"enum\s+" + enum + r"\b", text), f"cuda_src/ defines {enum} again"
     for c in ids.constants():
@@ -80,6 +81,18 @@ def test_names_of_kernels_and_roles():
     assert len(set(roles)) == len(roles)
     assert cuda_backend._KERNEL_NAMES == ids.KERNEL_NAMES and cuda_backend._ROLE_NAMES == ids.ROLE_NAMES
     assert ids.ROLE_NAMES[22] == "capacity" and 21 not in ids.ROLE_NAMES  # kIdle never reports
+
+
+def test_failure_record_layout_matches_the_struct():
+    """cuda_backend._RECORD_DTYPE (how the host reads a failure record) has TimeoutRecord's offsets and size."""
+    dtype = cuda_backend._RECORD_DTYPE
+    lines = ['#include "common/wait.cuh"']
+    lines += [f"static_assert(__builtin_offsetof(ep::TimeoutRecord, {name}) == {dtype.fields[name][1]}, "
+              f'"TimeoutRecord::{name}");' for name in dtype.names]
+    lines += [f'static_assert(sizeof(ep::TimeoutRecord) == {dtype.itemsize}, "TimeoutRecord size");',
+              "__global__ void record_probe_kernel() {}"]
+    jit.compile_only("record_probe.cu", ["record_probe_kernel"], source="\n".join(lines))
+    assert len(cuda_backend._CALL_WORDS) == layout.CALL_WORDS
 
 
 # ---- layout sums: config.py against common/layout.cuh, at compile time ------------------------------------------
