@@ -25,7 +25,7 @@ _KERNEL_NAMES, _ROLE_NAMES = ids.KERNEL_NAMES, ids.ROLE_NAMES
 _CALL_WORDS = ("op", "num_channels", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
                "num_scales", "num_experts", "zero_copy_capacity")
 _CALL_OPS = ids.CALL_OP_NAMES
-# cuda_src/common/wait.cuh TimeoutRecord (tests/test_mirrors.py compares the offsets; int flag, rank, kernel, role, channel, peer; 4 x int64).
+# cuda_src/common/wait.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64; test_mirrors.py).
 _RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), ("role", "<i4"),
                           ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
                           ("expected", "<i8"), ("elapsed_ns", "<i8")])

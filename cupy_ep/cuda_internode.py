@@ -110,8 +110,8 @@ def check_config(cfg: _config.Config, num_nodes: int, kind: str) -> None:
 
 
 def threads(kind: str, num_nodes: int, gpus_per_node: int) -> int:
-    """Block size of the dispatch / combine kernel (DispatchShape / CombineShape in internode/roles.cuh; tests/test_mirrors.py
-    compares at compile time)."""
+    """Block size of the dispatch / combine kernel (DispatchShape / CombineShape in internode/roles.cuh;
+    tests/test_mirrors.py compares at compile time)."""
     if kind == "dispatch":
         return (_SENDER_WARPS + 1 + gpus_per_node) * 32
     even = gpus_per_node + _COMBINE_RECV_WARPS + 1

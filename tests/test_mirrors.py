@@ -128,9 +128,10 @@ def test_block_shapes_match_the_cuda_templates():
     (intranode/groups.cuh) and DispatchShape / CombineShape (internode/roles.cuh), at compile time."""
     lines = ['#include "intranode/groups.cuh"', '#include "internode/roles.cuh"', "using namespace ep;"]
     for r in range(1, 9):
+        remote = f"intranode::RemoteGroups<{r}>"
         lines += [f"static_assert(intranode::Groups<{r}>::kWarps == {validate.intranode_warps(r)});",
-                  f"static_assert(intranode::RemoteGroups<{r}>::kWarpsPerPeer == {validate.intranode_remote_warps(r)});",
-                  f"static_assert(intranode::RemoteGroups<{r}>::kBatchTokens == {validate.intranode_dispatch_batch(r)});"]
+                  f"static_assert({remote}::kWarpsPerPeer == {validate.intranode_remote_warps(r)});",
+                  f"static_assert({remote}::kBatchTokens == {validate.intranode_dispatch_batch(r)});"]
     for g in range(1, 9):
         lines.append(f"static_assert(internode::DispatchShape<{g}>::kThreads == "
                      f"{cuda_internode.threads('dispatch', 2, g)});")

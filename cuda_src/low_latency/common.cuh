@@ -83,7 +83,7 @@ __device__ __forceinline__ unsigned int cvt_e4m3x2(float lo, float hi) {
     return r;
 }
 
-// DeepEP's calculate_fp8_scales (mirrors reference.fp8_scales).
+// DeepEP's calculate_fp8_scales (as reference.fp8_scales).
 __device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float& scale, float& scale_inv) {
     const float ratio = amax * (1.0f / 448.0f);
     if (!round_scale) {
