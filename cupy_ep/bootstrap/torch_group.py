@@ -16,6 +16,8 @@ for ``Dup`` and ``Split`` (``n``: the collective's number on the parent).
   A receiver pulls a pair's messages in order into its inbox (and deletes their keys); ``Iprobe`` / ``Irecv``
   look there for the tag asked for, so messages of one tag keep their order and tags do not block each other.
   Sends complete at once (the store holds the message).
+* A value over 4 MiB is stored as chunks ``<key>#<i>`` set before ``<key>``, which then holds their count: a
+  reader that sees the key finds every chunk.
 
 Requires torch; never imports ``mpi4py.MPI`` (that would start MPI inside a torchrun job).
 """
@@ -35,6 +37,8 @@ from ..errors import CommTimeoutError
 _POLL_S = 50e-6
 _RAW, _OBJ = 0, 1
 _HEAD = struct.Struct("<iB")   # tag, kind
+_CHUNK = 4 << 20               # bytes per store value (the TCPStore refuses payloads over 8 MiB)
+_WHOLE, _SPLIT = b"w", b"s"    # a stored value's first byte: the value itself, or the count of its chunks
 _made: collections.Counter = collections.Counter()  # adapters made in this process, per tuple of global ranks
 ANY_SOURCE = -1
 ANY_TAG = -1
@@ -157,7 +161,7 @@ class TorchComm:
             self.name = f"cupy_ep/{digest}.{_made[ranks]}"
             self._store = dist.distributed_c10d._get_default_store()
         self._coll = 0                      # collectives made on this communicator
-        self._own: dict[int, str] = {}      # collective number -> this rank's key, until deleted
+        self._own: dict[int, tuple] = {}    # collective number -> this rank's (key, chunks), until deleted
         self._sent = collections.Counter()  # per destination: messages sent
         self._pulled = collections.Counter()  # per source: messages moved into the inbox
         self._inbox: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
@@ -176,6 +180,33 @@ class TorchComm:
     def __repr__(self) -> str:
         return f"TorchComm(rank={self._rank}, size={self._size}, name={self.name!r})"
 
+    # ---- the store ----------------------------------------------------------------------------------
+    def _put(self, key: str, data: bytes) -> int:
+        """Store ``data`` under ``key`` (chunked when large); returns the chunk count (0: one value)."""
+        if len(data) <= _CHUNK:
+            self._store.set(key, _WHOLE + data)
+            return 0
+        chunks = [data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK)]
+        self._store.multi_set([f"{key}#{i}" for i in range(len(chunks))], chunks)
+        self._store.set(key, _SPLIT + str(len(chunks)).encode())
+        return len(chunks)
+
+    def _values(self, keys: list[str]) -> list[tuple[bytes, int]]:
+        """``(data, chunk count)`` of every key (each set already)."""
+        out = []
+        for key, head in zip(keys, self._store.multi_get(keys)):
+            if head[:1] == _WHOLE:
+                out.append((head[1:], 0))
+            else:
+                n = int(head[1:])
+                out.append((b"".join(self._store.multi_get([f"{key}#{i}" for i in range(n)])), n))
+        return out
+
+    def _delete(self, key: str, chunks: int) -> None:
+        for i in range(chunks):
+            self._store.delete_key(f"{key}#{i}")
+        self._store.delete_key(key)
+
     # ---- collectives --------------------------------------------------------------------------------
     def _poll(self, ready, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -190,18 +221,18 @@ class TorchComm:
         n = self._coll
         self._coll += 1
         prefix = f"{self.name}/c{n}/"
-        self._store.set(prefix + str(self._rank), value)
-        self._own[n] = prefix + str(self._rank)
+        key = prefix + str(self._rank)
+        self._own[n] = (key, self._put(key, value))
         old = self._own.pop(n - 2, None)
         if old is not None:
-            self._store.delete_key(old)
+            self._delete(*old)
         return [prefix + str(r) for r in range(self._size)]
 
     def allgather(self, obj) -> list:
         """Every rank's ``obj``, by rank."""
         keys = self._contribute(pickle.dumps(obj))
         self._poll(lambda: self._store.check(keys), f"allgather #{self._coll - 1}")
-        return [pickle.loads(v) for v in self._store.multi_get(keys)]
+        return [pickle.loads(v) for v, _ in self._values(keys)]
 
     def bcast(self, obj, root: int = 0):
         """Rank ``root``'s ``obj`` on every rank."""
@@ -266,7 +297,7 @@ class TorchComm:
             raise ValueError(f"dest: must be a rank in [0, {self._size}), got {dest}")
         seq = self._sent[dest]
         self._sent[dest] += 1
-        self._store.set(f"{self.name}/m{self._rank}.{dest}/{seq}", _HEAD.pack(int(tag), kind) + bytes(data))
+        self._put(f"{self.name}/m{self._rank}.{dest}/{seq}", _HEAD.pack(int(tag), kind) + bytes(data))
         return _Done()
 
     def _pull(self, source: int) -> None:
@@ -275,8 +306,8 @@ class TorchComm:
             key = f"{self.name}/m{source}.{self._rank}/{self._pulled[source]}"
             if not self._store.check([key]):
                 return
-            value = self._store.get(key)
-            self._store.delete_key(key)
+            (value, chunks), = self._values([key])
+            self._delete(key, chunks)
             self._pulled[source] += 1
             tag, kind = _HEAD.unpack_from(value)
             self._inbox[(source, tag)].append((kind, value[_HEAD.size:]))
