@@ -62,7 +62,8 @@ done
 
 # torchrun: the MPI-marked tests with their comm fixture over torch.distributed (gloo), then the examples unchanged.
 torch_tests=(tests/test_torch_bootstrap.py tests/test_host_backend.py tests/test_host_low_latency.py
-             tests/test_host_faults.py tests/test_torch_layer.py)
+             tests/test_host_faults.py tests/test_torch_layer.py tests/test_topology.py
+             tests/test_cuda_low_latency_shrink.py tests/test_bad_inputs.py)
 torchrun_argv() { EP_ARGV=(env CUPY_EP_BACKEND=host "$EP_PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$@"); }
 for n in 2 4; do
     if ! has_torch; then
