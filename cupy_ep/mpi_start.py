@@ -97,6 +97,23 @@ def _run_preload(preload: Callable[[], bool | None], out: dict) -> None:
     out["s"] = time.perf_counter() - t0
 
 
+def _start_preload(preload, out: dict) -> threading.Thread | None:
+    """``preload`` running in a daemon thread (None without one); :func:`_join_preload` waits for it."""
+    if preload is None:
+        return None
+    thread = threading.Thread(target=_run_preload, args=(preload, out), name="cupy_ep-preload", daemon=True)
+    thread.start()
+    return thread
+
+
+def _join_preload(thread: threading.Thread | None, out: dict) -> None:
+    """Wait for the preload thread; ``out["wait"]``: how long this thread waited for it."""
+    if thread is not None:
+        t1 = time.perf_counter()
+        thread.join()
+        out["wait"] = time.perf_counter() - t1
+
+
 def _mpi_init_ctypes(MPI, level: int) -> bool:
     """MPI_Init_thread through ctypes (the GIL released meanwhile); False when libmpi is not found."""
     path = libmpi_path()
@@ -149,10 +166,7 @@ def start_mpi(preload: Callable[[], bool | None] | None = default_preload) -> St
             _run_preload(preload, out)
         init_s = 0.0
     else:
-        thread = threading.Thread(target=_run_preload, args=(preload, out), name="cupy_ep-preload", daemon=True) \
-            if preload is not None else None
-        if thread is not None:
-            thread.start()
+        thread = _start_preload(preload, out)
         level = getattr(MPI, _THREAD_LEVELS.get(str(mpi4py.rc.thread_level), "THREAD_MULTIPLE"))
         if _mpi_init_ctypes(MPI, level):
             how = "overlapped" if thread is not None else "ctypes"
@@ -164,10 +178,7 @@ def start_mpi(preload: Callable[[], bool | None] | None = default_preload) -> St
         # rc.finalize says), so this does; exit hooks registered later (a Buffer's) run before it
         atexit.register(_finalize_at_exit, MPI)
         init_s = time.perf_counter() - t0
-        if thread is not None:
-            t1 = time.perf_counter()
-            thread.join()
-            out["wait"] = time.perf_counter() - t1
+        _join_preload(thread, out)
         # The ranks' start-up skew, counted as MPI's; after the join, because a rank that waits here busy-polls a
         # core that its own preload (or a rank's sharing the host) would want.
         t2 = time.perf_counter()
@@ -200,23 +211,12 @@ def start_world(preload: Callable[[], bool | None] | None = default_preload, tor
 
     out: dict = {}
     t0 = time.perf_counter()
-    if dist.is_initialized():
-        how = "torchrun-already"
-        if preload is not None:
-            _run_preload(preload, out)
-        init_s = 0.0
-    else:
-        how = "torchrun"
-        thread = threading.Thread(target=_run_preload, args=(preload, out), name="cupy_ep-preload", daemon=True) \
-            if preload is not None else None
-        if thread is not None:
-            thread.start()
+    how = "torchrun-already" if dist.is_initialized() else "torchrun"
+    thread = _start_preload(preload, out)  # beside the rendezvous (or, already up, just run)
+    if how == "torchrun":
         dist.init_process_group(torch_backend or os.environ.get("CUPY_EP_TORCH_BACKEND") or "gloo")
-        init_s = time.perf_counter() - t0
-        if thread is not None:
-            t1 = time.perf_counter()
-            thread.join()
-            out["wait"] = time.perf_counter() - t1
+    init_s = time.perf_counter() - t0 if how == "torchrun" else 0.0
+    _join_preload(thread, out)
     if "error" in out:
         raise out["error"]
     comm = bootstrap.TorchComm(None)
