@@ -8,9 +8,9 @@ numpy, CuPy and mpi4py and starts MPI. CuPy (the runtime API) later finds the pr
 
 Which GPU: the one :func:`cupy_ep.bootstrap.choose_device` will pick for a ``Buffer`` over ``MPI.COMM_WORLD``:
 ``CUPY_EP_DEVICE`` if set, else the launcher's node-local rank (Open MPI, MPICH/Hydra, Slurm, MVAPICH,
-torchrun) modulo the visible GPUs. Without a local rank (a plain ``python``), only ``cuInit`` runs (no context on any GPU). A
-``Buffer`` over a sub-communicator may pick another GPU; the preinit context then just sits unused on the
-guessed one (about 0.5 GB). ``CUPY_EP_PREINIT=0`` turns all of this off; nothing changes without a driver.
+torchrun) modulo the visible GPUs. Without a local rank (a plain ``python``), only ``cuInit`` runs (no context on
+any GPU). A ``Buffer`` over a sub-communicator may pick another GPU; the preinit context then just sits unused on
+the guessed one (about 0.5 GB). ``CUPY_EP_PREINIT=0`` turns all of this off; nothing changes without a driver.
 """
 from __future__ import annotations
 

@@ -130,8 +130,8 @@ def main() -> int:
 
         with torch.no_grad():  # SGD: the router's summed gradient on every rank, each expert on its own rank
             params["router"] -= LR * router_grad
-            w1_all = torch.from_numpy(bootstrap.allreduce(comm, _scatter(d_w1.grad, w1.grad, local).cpu().numpy(), "sum"))
-            w2_all = torch.from_numpy(bootstrap.allreduce(comm, _scatter(d_w2.grad, w2.grad, local).cpu().numpy(), "sum"))
+            w1_all = torch.from_numpy(bootstrap.allreduce(comm, _scatter(d_w1.grad, w1.grad, local).cpu().numpy()))
+            w2_all = torch.from_numpy(bootstrap.allreduce(comm, _scatter(d_w2.grad, w2.grad, local).cpu().numpy()))
             params["w1"] -= LR * w1_all.to(device)
             params["w2"] -= LR * w2_all.to(device)
     if not losses[-1] < losses[0]:

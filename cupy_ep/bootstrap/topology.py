@@ -1,4 +1,5 @@
-"""Bootstrap over a communicator (:mod:`cupy_ep.bootstrap.comm`): ranks, node-local ranks, GPU choice, and the CUDA-IPC buffer every rank shares.
+"""Bootstrap over a communicator (:mod:`cupy_ep.bootstrap.comm`): ranks, node-local ranks, GPU choice, and the
+CUDA-IPC buffer every rank shares.
 
 Handles travel as bytes over the communicator (the pip MPIs are not CUDA-aware, so no device buffer ever goes to
 MPI).
