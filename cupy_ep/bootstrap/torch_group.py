@@ -45,8 +45,8 @@ ANY_TAG = -1
 
 
 def _default_timeout_s() -> float:
-    import os
-    return float(os.environ.get("CUPY_EP_TIMEOUT_S", "100"))  # cupy_ep.buffer.default_timeout_s
+    from ..buffer import default_timeout_s
+    return default_timeout_s()
 
 
 def _as_bytes(buf) -> memoryview:
