@@ -47,7 +47,10 @@ class Buffer:
     """Expert-parallel communication buffer of one rank (DeepEP V1 compatible).
 
     Args:
-        comm: mpi4py communicator of the expert-parallel group (default ``MPI.COMM_WORLD``).
+        comm: the expert-parallel group: an mpi4py communicator, a ``torch.distributed.ProcessGroup`` (NCCL or
+            gloo; the ranks then talk through torch.distributed's store, :mod:`cupy_ep.bootstrap.torch_group`),
+            or None: torch.distributed's default group when it is initialized and MPI is not started (nor
+            ``CUPY_EP_BOOTSTRAP=mpi`` set), else ``MPI.COMM_WORLD`` (:func:`cupy_ep.bootstrap.as_comm`).
         num_nvl_bytes: bytes of the NVLink (CUDA IPC) buffer; size it with
             ``Config.get_nvl_buffer_size_hint`` or :meth:`get_nvl_buffer_size_hint`.
         num_rdma_bytes: bytes of the NVSHMEM symmetric buffer; 0 for the intranode normal mode, and at
@@ -97,10 +100,15 @@ class Buffer:
                  explicitly_destroy: bool = False, enable_shrink: bool = False, *,
                  backend: str | None = None, device: int | None = None, timeout_s: float | None = None,
                  num_ranks_per_node: int | None = None, check_values: bool = True):
-        if comm is None:
-            from mpi4py import MPI
-            comm = MPI.COMM_WORLD
+        try:
+            self.timeout_s = float(timeout_s) if timeout_s is not None else default_timeout_s()
+        except (TypeError, ValueError):
+            raise TypeError(f"timeout_s: must be a number of seconds, got {timeout_s!r}") from None
+        if not self.timeout_s > 0:  # also refuses NaN
+            raise ValueError(f"timeout_s: must be positive, got {self.timeout_s}")
+        from .bootstrap import as_comm
         from .validate import check_comm
+        comm = as_comm(comm, timeout_s=self.timeout_s)
         check_comm(comm)
         self.comm = comm
         self.rank = comm.Get_rank()
@@ -112,12 +120,6 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
-        try:
-            self.timeout_s = float(timeout_s) if timeout_s is not None else default_timeout_s()
-        except (TypeError, ValueError):
-            raise TypeError(f"timeout_s: must be a number of seconds, got {timeout_s!r}") from None
-        if not self.timeout_s > 0:  # also refuses NaN
-            raise ValueError(f"timeout_s: must be positive, got {self.timeout_s}")
         self.check_values = check_values
         self._destroyed = False
         self._unusable_reason: str | None = None

@@ -68,7 +68,7 @@ import os
 import numpy as np
 
 from . import config as _config
-from . import bootstrap, handles, interop, jit, validate
+from . import bootstrap, handles, ids, interop, jit, validate
 from .event import EventOverlap, RecvHooks
 from .handles import LowLatencyHandle
 from .reference import LOW_LATENCY_MAX_TOPK
@@ -77,9 +77,9 @@ _FILE = "low_latency.cu"
 TRANSPORTS = ("nvshmem", "ipc")
 _TRANSPORT_ENV = "CUPY_EP_LL_TRANSPORT"
 _FORCE_PUT_ENV = "CUPY_EP_LL_FORCE_PUT"
-_THREADS = 512                  # kLLThreads (dispatch)
-_COMBINE_THREADS = 512          # kLLCombineThreads
-_COMBINE_CHUNKS = 2             # kCombineChunks
+_THREADS = ids.LL_DISPATCH_THREADS              # kLLThreads (dispatch)
+_COMBINE_THREADS = ids.LL_COMBINE_THREADS       # kLLCombineThreads
+_COMBINE_CHUNKS = ids.LL_COMBINE_CHUNKS         # kCombineChunks
 
 
 COMBINE_STAGE_ENTRIES = 11      # kCombineStageEntries
@@ -749,12 +749,9 @@ class LowLatencyState:
         reuse its context, and must not find them."""
         if self._shrink_comm is None:
             return
-        from mpi4py import MPI
         comm, self._shrink_comm = self._shrink_comm, None
         comm.Barrier()  # every rank's sends were posted before it came here
-        sink = np.zeros(1, dtype=np.int32)
-        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_SHRINK_TAG):
-            comm.Recv(sink, source=MPI.ANY_SOURCE, tag=_SHRINK_TAG)
+        bootstrap.drain(comm, _SHRINK_TAG)
         for request in self._shrink_sends:  # (eager: complete already; else MPI completes them in the background)
             if not request.Test():
                 request.Free()
