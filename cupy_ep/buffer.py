@@ -2,7 +2,7 @@
 
 ``Buffer(...)`` picks a backend: the CUDA path (``CudaBuffer`` in this file: CUDA IPC buffers, a
 high-priority communication stream, kernels from ``cuda_src/``) when a GPU is present, the numpy + MPI
-``HostBuffer`` (host_backend.py) when not. ``backend="cuda"|"host"`` forces the choice and
+``HostBuffer`` (host/backend.py) when not. ``backend="cuda"|"host"`` forces the choice and
 ``buf.backend`` says which one runs.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Buffer:
         timeout_s: timeout in seconds of every wait for another rank (device waits; host waits on the host
             backend), default ``CUPY_EP_TIMEOUT_S`` or 100.
         num_ranks_per_node: GPUs per NVLink domain (default: the MPI shared-memory split). When the ranks span
-            more than one such domain, the internode path runs (cupy_ep/cuda_internode.py).
+            more than one such domain, the internode path runs (cupy_ep/cuda/internode.py).
         internode_transport: ``"nvshmem"`` (default; env ``CUPY_EP_INTERNODE_TRANSPORT``) or ``"ipc"`` (the RDMA
             domain through CUDA-IPC stores: for testing several "nodes" on one box). CUDA backend only.
         low_latency_transport: ``"nvshmem"`` (default; env ``CUPY_EP_LL_TRANSPORT``) or ``"ipc"``: the
@@ -86,7 +86,7 @@ class Buffer:
     def __new__(cls, *args, backend: str | None = None, **kwargs):
         if cls is Buffer:
             if _choose_backend(backend) == "host":
-                from .host_backend import HostBuffer
+                from .host.backend import HostBuffer
                 return super().__new__(HostBuffer)
             return super().__new__(CudaBuffer)
         return super().__new__(cls)
@@ -266,7 +266,7 @@ class Buffer:
         return config
 
 
-from .cuda_backend import CudaBuffer  # noqa: E402  (defined after Buffer, which it subclasses)
+from .cuda.backend import CudaBuffer  # noqa: E402  (defined after Buffer, which it subclasses)
 
 
 def _warn_host_backend(rank: int) -> None:

@@ -238,7 +238,7 @@ class Config:
 
 # (nvl_send, nvl_recv, rdma_send, rdma_recv). Dispatch: DeepEP's defaults.
 # Combine: a sender copies nvl_send rows per step with all its warps for that peer (24, 8 and 3 at R = 2, 4, 8:
-# cuda_backend._remote_warps), so the chunk is a multiple of them (DeepEP's 10 / 9 / 4 left warps idle).
+# validate.intranode_remote_warps), so the chunk is a multiple of them (DeepEP's 10 / 9 / 4 left warps idle).
 _DEFAULT_DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128)}
 _DEFAULT_COMBINE = {2: (48, 256, 6, 128), 4: (24, 256, 6, 128), 8: (6, 256, 6, 128)}
 # Internode (more than one node): DeepEP's table for 8 GPUs per node, 16..160 ranks.

@@ -18,7 +18,7 @@ import torch
 from . import buffer as _buffer
 from .config import Config
 from .event import EventOverlap
-from .host_backend import HostBuffer as _HostBuffer
+from .host.backend import HostBuffer as _HostBuffer
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 

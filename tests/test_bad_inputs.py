@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cupy_ep import Buffer, BufferUnusableError, Config, CupyEpError, gpu_available
-from cupy_ep.host_backend import HostBuffer
+from cupy_ep.host.backend import HostBuffer
 from tests.helpers import (BF16, HOST_NVL_BYTES, all_ok, bad_input_problem, make_inputs, reference_combine,
                            reference_dispatch, same_bytes)
 

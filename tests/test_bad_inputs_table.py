@@ -12,7 +12,7 @@ import pytest
 
 import cupy_ep
 from cupy_ep import Buffer, Config, config, reference
-from cupy_ep.host_backend import HostBuffer
+from cupy_ep.host.backend import HostBuffer
 from tests.helpers import (BF16, all_ok, gather_all, make_inputs, random_bf16, reference_combine,
                            reference_dispatch, same_bytes)
 

@@ -143,7 +143,7 @@ def test_capture_without_a_gpu_is_a_complete_host_event(monkeypatch):
     event = cupy_ep.Buffer.capture()
     assert isinstance(event.event, HostEvent) and event.event.query()
     event.current_stream_wait()                  # nothing to wait for, and no error
-    from cupy_ep.host_backend import HostBuffer
+    from cupy_ep.host.backend import HostBuffer
     assert HostBuffer.capture().event is HOST_EVENT
 
 
@@ -165,7 +165,7 @@ def test_a_torch_graph_capture_counts_as_capturing(monkeypatch, torch_capturing)
     torch's current stream while CuPy's is idle."""
     import cupy
 
-    from cupy_ep import cuda_backend
+    from cupy_ep.cuda import backend as cuda_backend
     idle = types.SimpleNamespace(is_capturing=lambda: False)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: idle)
     fake = _fake_torch(True)

@@ -14,8 +14,8 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from cupy_ep import buffer as _buffer_module  # noqa: E402,F401  (first: buffer imports cuda_backend at its end)
-from cupy_ep import cuda_low_latency as cll  # noqa: E402
-from cupy_ep.cuda_backend import _CTX_DTYPE, CudaBuffer  # noqa: E402
+from cupy_ep.cuda import low_latency as cll  # noqa: E402
+from cupy_ep.cuda.backend import _CTX_DTYPE, CudaBuffer  # noqa: E402
 from cupy_ep.errors import BufferUnusableError  # noqa: E402
 from cupy_ep.event import RecvHooks  # noqa: E402
 from tests.test_cuda_low_latency_calls import (  # noqa: E402,F401  (ll: a fixture)

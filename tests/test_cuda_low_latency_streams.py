@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cupy_ep import cuda_low_latency as cll
+from cupy_ep.cuda import low_latency as cll
 from cupy_ep.event import EventOverlap
 
 BOTH = cll._SEND | cll._RECV

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from cupy_ep import Buffer, Config, gpu_available, reference
-from cupy_ep.host_backend import HostBuffer
+from cupy_ep.host.backend import HostBuffer
 from tests.helpers import (HOST_NVL_BYTES, all_ok, make_inputs, random_bf16, reference_combine, reference_dispatch,
                            same_bytes, to_numpy)
 

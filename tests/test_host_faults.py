@@ -12,7 +12,7 @@ import pytest
 
 from cupy_ep import CallMismatchError, CommError, CommTimeoutError, reference
 from cupy_ep.handles import DispatchHandle, LowLatencyHandle
-from cupy_ep.host_backend import HostBuffer
+from cupy_ep.host.backend import HostBuffer
 from tests.helpers import (BF16, HOST_NVL_BYTES, HOST_RDMA_BYTES, all_ok, make_inputs, random_bf16,
                            refused_after_failure, same_bytes)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cupy_ep import config, reference
-from cupy_ep.host_backend import HostBuffer
+from cupy_ep.host.backend import HostBuffer
 from cupy_ep.ll_handle import LowLatencyHandle
 from tests.helpers import (BF16, HOST_NVL_BYTES, HOST_RDMA_BYTES, all_ok, bad_input_problem, gather_all,
                            make_inputs, random_bf16, reference_combine, reference_dispatch, same_bytes)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cupy_ep import config as cfg
-from cupy_ep import cuda_internode as ci
+from cupy_ep.cuda import internode as ci
 from cupy_ep import internode_reference as iref
 from cupy_ep import jit, reference, validate
 

@@ -3,7 +3,8 @@ kernel added on one side only would surface as a bare number (or the wrong name)
 import re
 from pathlib import Path
 
-from cupy_ep import cuda_backend, validate
+from cupy_ep import validate
+from cupy_ep.cuda import backend as cuda_backend
 
 SRC = Path(__file__).resolve().parent.parent / "cuda_src"
 
@@ -39,7 +40,7 @@ def test_kernel_names_cover_every_kernel_id():
 
 
 def test_low_latency_stamp_names_mirror_the_enum():
-    from cupy_ep import cuda_low_latency as cll
+    from cupy_ep.cuda import low_latency as cll
     stamps = enum_values(SRC / "low_latency.cu", "LLStamp")
     assert [snake(n[len("kStamp"):]) for n, _ in sorted(stamps.items(), key=lambda kv: kv[1])] == \
         list(cll.STAMP_NAMES[:len(stamps)])
@@ -50,7 +51,7 @@ def test_low_latency_stamp_names_mirror_the_enum():
 
 def test_phase_breakdown_is_relative_to_the_earliest_send_start():
     import numpy as np
-    from cupy_ep import cuda_low_latency as cll
+    from cupy_ep.cuda import low_latency as cll
     col = cll.STAMP_NAMES.index
     stamps = np.zeros((3, len(cll.STAMP_NAMES)), dtype=np.int64)
     stamps[:, 0] = [1000, 3000, 2000]                        # send_start
@@ -96,7 +97,7 @@ def test_low_latency_limits_mirror_the_cuda_constants():
 def test_low_latency_combine_shared_memory_mirrors_the_kernel():
     """combine_stage_bytes sizes the dynamic shared memory the kernel's stage_slot indexes: its constants are the
     kernel's, and at the largest top-k it fits a block with the kernel's static shared memory (~19 KB)."""
-    from cupy_ep import cuda_low_latency as cll
+    from cupy_ep.cuda import low_latency as cll
     from cupy_ep import reference
     text = (SRC / "low_latency.cu").read_text()
     assert f"constexpr int kCombineChunks = {cll._COMBINE_CHUNKS};" in text
@@ -108,7 +109,7 @@ def test_low_latency_combine_shared_memory_mirrors_the_kernel():
 
 
 def test_low_latency_wire_formats_mirror_the_enum():
-    from cupy_ep import cuda_low_latency as cll
+    from cupy_ep.cuda import low_latency as cll
     assert enum_values(SRC / "low_latency.cu", "Wire") == {"kWire24": cll.WIRE_24, "kWireBf16": cll.WIRE_BF16,
                                                            "kWireLogFmt": cll.WIRE_LOGFMT}
 

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 import cupy_ep
 from cupy_ep import validate
-from cupy_ep.host_backend import HostBuffer
+from cupy_ep.host.backend import HostBuffer
 
 
 @pytest.fixture

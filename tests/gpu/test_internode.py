@@ -86,7 +86,7 @@ def _gathered_itr(comm, idx_np, num_experts):
 
 def _check_handle(errors, comm, handle, idx_np, num_experts, G, C):
     want = iref.handle(_gathered_itr(comm, idx_np, num_experts), comm.Get_rank(), G, C)
-    for i, name in enumerate(cupy_ep.cuda_internode.HANDLE_FIELDS):
+    for i, name in enumerate(cupy_ep.cuda.internode.HANDLE_FIELDS):
         expected = getattr(want, name)
         if name == "recv_src_meta":
             expected = iref.src_meta_bytes(expected)
@@ -130,7 +130,7 @@ def run_internode_case(comm, buf, case: Case, seed: int = 0):
                                       [g[1] for g in gathered], bias_np)
         _check(errors, "combined_x", combined, want_x)
         _check(errors, "combined_topk_weights", combined_w, want_w)
-        for name, a, b in zip(cupy_ep.cuda_internode.HANDLE_FIELDS[1:], handle[1:], before):
+        for name, a, b in zip(cupy_ep.cuda.internode.HANDLE_FIELDS[1:], handle[1:], before):
             _check(errors, f"handle.{name} after combine (must not be modified)", a, b)
         cupy.cuda.get_current_stream().synchronize()
     buf.check_health()

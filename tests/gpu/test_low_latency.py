@@ -111,7 +111,7 @@ def mps_clients(comm) -> bool:
 
 def ll_transport() -> str:
     """The low-latency transport these tests run on (env CUPY_EP_LL_TRANSPORT, default nvshmem)."""
-    from cupy_ep.cuda_low_latency import resolve_transport
+    from cupy_ep.cuda.low_latency import resolve_transport
     return resolve_transport(None)
 
 
@@ -591,7 +591,7 @@ def test_dispatch_epoch_wraps_past_zero(comm, ll_buf):
     on the device. Started 3 dispatches before its int32 count wraps to -1 (epoch 0, the value of zeroed memory),
     rounds on both sides of the wrap match the reference and the count skips -1."""
     import cupy
-    from cupy_ep.cuda_low_latency import WS_EPOCH
+    from cupy_ep.cuda.low_latency import WS_EPOCH
     ws = ll_buf._ll.workspace
     cupy.cuda.runtime.deviceSynchronize()
     comm.Barrier()

@@ -6,7 +6,7 @@ raw bytes). Arguments go through the same :mod:`cupy_ep.validate` checks as the 
 the same.
 
 Collective calls first agree on the argument checks with one exchange of headers
-(:class:`cupy_ep.host_exchange.HostExchange`, over a private duplicate of ``comm``): if any rank's checks fail, or
+(:class:`cupy_ep.host.host_exchange.HostExchange`, over a private duplicate of ``comm``): if any rank's checks fail, or
 the ranks disagree on what must match (hidden size, dtypes, top-k, channels, cached mode, the dispatch a handle
 came from), every rank raises (a failing rank its own error, the others the same message tagged with that rank),
 so a bad argument on one rank never leaves the others waiting in a collective. A rank making another call (a call
@@ -68,14 +68,14 @@ import dataclasses
 
 import numpy as np
 
-from . import buffer as _buffer
-from . import config as _config
-from . import handles, interop, reference, validate
-from .buffer import Buffer
-from .config import Config
-from .errors import CallMismatchError
-from .event import HOST_EVENT, EventOverlap, RecvHooks, host_event
-from .handles import DispatchHandle, LowLatencyHandle
+from .. import buffer as _buffer
+from .. import config as _config
+from .. import handles, interop, reference, validate
+from ..buffer import Buffer
+from ..config import Config
+from ..errors import CallMismatchError
+from ..event import HOST_EVENT, EventOverlap, RecvHooks, host_event
+from ..handles import DispatchHandle, LowLatencyHandle
 from .host_exchange import HostExchange, PeersTimedOut
 
 _HANDLE_FIELDS = (("rank_prefix_matrix", "int32", 2), ("channel_prefix_matrix", "int32", 2),
@@ -794,7 +794,7 @@ class HostBuffer(Buffer):
 
     def _agree(self, op: str, check, low_latency: bool = False):
         """Start collective call ``op``: run this rank's argument checks ``check() -> (result, same, payload)`` and
-        exchange their outcome with the ranks taking part (:class:`~cupy_ep.host_exchange.HostExchange`). If a rank
+        exchange their outcome with the ranks taking part (:class:`~cupy_ep.host.host_exchange.HostExchange`). If a rank
         is in another call, every rank that sees it raises CallMismatchError; if any rank's checks raised
         ValueError/TypeError/RuntimeError, or the ``same`` dicts (argument name -> what must match on every rank)
         differ, every rank raises. ``low_latency``: in shrink mode only the ranks unmasked here take part, and a rank

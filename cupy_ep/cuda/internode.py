@@ -37,9 +37,9 @@ import time
 
 import numpy as np
 
-from . import bootstrap, handles, interop, jit, validate
-from . import config as _config
-from .errors import CommTimeoutError
+from .. import bootstrap, handles, interop, jit, validate
+from .. import config as _config
+from ..errors import CommTimeoutError
 
 _FILE = "internode.cu"
 _NOTIFY_THREADS = 256            # kNotifyThreads
@@ -208,8 +208,8 @@ class InternodeState:
         self.nv = None
         self.rdma_ipc = None
         if transport == "nvshmem":
-            from .cuda_low_latency import set_nvshmem_env
-            from .nvshmem import Nvshmem
+            from .low_latency import set_nvshmem_env
+            from ..nvshmem import Nvshmem
             set_nvshmem_env(single_node=topo.local_size == buf.num_ranks)
             os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE",
                                   str(max(1 << 30, _config.align_up(num_rdma_bytes, 1 << 21) + (64 << 20))))

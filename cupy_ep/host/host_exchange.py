@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from .errors import CallMismatchError, CommTimeoutError
+from ..errors import CallMismatchError, CommTimeoutError
 
 _HEADER_TAG = 1
 _DATA_TAG = 2

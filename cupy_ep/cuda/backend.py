@@ -13,12 +13,14 @@ import time
 
 import numpy as np
 
-from . import bootstrap, cuda_internode, cuda_low_latency, handles, interop, jit, validate
-from . import config as _config
-from .buffer import Buffer
-from .errors import CallMismatchError, CommError, CommTimeoutError
-from .event import EventOverlap, HostEvent
-from .validate import intranode_warps as _warps
+from .. import bootstrap, handles, interop, jit, validate
+from . import internode as cuda_internode
+from . import low_latency as cuda_low_latency
+from .. import config as _config
+from ..buffer import Buffer
+from ..errors import CallMismatchError, CommError, CommTimeoutError
+from ..event import EventOverlap, HostEvent
+from ..validate import intranode_warps as _warps
 
 _KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
                  5: "cached_notify_combine", 6: "combine", 7: "barrier", 8: "low_latency_dispatch",
@@ -159,11 +161,11 @@ class CudaBuffer(Buffer):
             self._join_event = cupy.cuda.Event(disable_timing=True)
             self._torch_comm_stream = None  # get_comm_stream's torch view of comm_stream, made at first use
             self._kernels: dict = {}
-            # low-latency mode: NVSHMEM world + symmetric buffer (cupy_ep/cuda_low_latency.py)
+            # low-latency mode: NVSHMEM world + symmetric buffer (cupy_ep/cuda/low_latency.py)
             self._ll = (cuda_low_latency.LowLatencyState(self, num_rdma_bytes, self.topology.num_nodes == 1,
                                                          ll_transport)
                         if low_latency_mode else None)
-            # internode path (cupy_ep/cuda_internode.py): NVLink buffer of the node + RDMA buffer
+            # internode path (cupy_ep/cuda/internode.py): NVLink buffer of the node + RDMA buffer
             self._internode = (cuda_internode.InternodeState(self, num_nvl_bytes, num_rdma_bytes, transport)
                                if internode else None)
             self._device.synchronize()
@@ -449,7 +451,7 @@ class CudaBuffer(Buffer):
             ``(recv_x | (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
             num_recv_tokens_per_expert_list, handle, EventOverlap)``; rows ordered by (source rank, source
             token). Cached mode returns ``(recv_x[, scales], None, None, None, None, EventOverlap)``.
-            Across nodes (cupy_ep/cuda_internode.py) ``num_tokens_per_rdma_rank`` is required and the handle is
+            Across nodes (cupy_ep/cuda/internode.py) ``num_tokens_per_rdma_rank`` is required and the handle is
             DeepEP's internode 10-tuple.
         """
         import cupy

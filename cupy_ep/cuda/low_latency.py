@@ -66,11 +66,11 @@ import os
 
 import numpy as np
 
-from . import config as _config
-from . import bootstrap, handles, interop, jit, validate
-from .event import EventOverlap, RecvHooks
-from .handles import LowLatencyHandle
-from .reference import LOW_LATENCY_MAX_TOPK
+from .. import config as _config
+from .. import bootstrap, handles, interop, jit, validate
+from ..event import EventOverlap, RecvHooks
+from ..handles import LowLatencyHandle
+from ..reference import LOW_LATENCY_MAX_TOPK
 
 _FILE = "low_latency.cu"
 TRANSPORTS = ("nvshmem", "ipc")
@@ -285,7 +285,7 @@ class LowLatencyState:
     def _open_nvshmem(self, single_node: bool):
         """NVSHMEM world over the buffer's comm and the symmetric buffer, zeroed: ``(base, peer addresses)``."""
         import cupy
-        from .nvshmem import Nvshmem
+        from ..nvshmem import Nvshmem
         set_nvshmem_env(single_node)
         # the symmetric heap must hold the buffer (NVSHMEM's default is 1 GiB); a user setting wins
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, _config.align_up(self.num_bytes, 1 << 21)
@@ -351,7 +351,7 @@ class LowLatencyState:
         warm up each shape before capturing it)."""
         lay = self.layout(max_tokens, hidden, num_experts)
         if self.signal_shape != (max_tokens, hidden, num_experts):
-            from .cuda_backend import _capturing
+            from .backend import _capturing
             if _capturing():
                 raise RuntimeError("low-latency shape (num_max_dispatch_tokens_per_rank, hidden, num_experts) = "
                                    f"{(max_tokens, hidden, num_experts)} used for the first time inside a CUDA-graph "
@@ -436,7 +436,7 @@ class LowLatencyState:
                 self.run(kind, name, args_for_phases, _RECV, False, keep, shared_mem)
         return self.hooks.make(run, what)
 
-    # ---- argument checks (same order and messages as host_backend.HostBuffer) -------------------------
+    # ---- argument checks (same order and messages as host.backend.HostBuffer) -------------------------
     # The checks are a large part of a call's host time (a profile: 40 of 176 us of a dispatch, 95 of 207 us of
     # a combine under cProfile; 4 and 8 us without it on a development CPU, where the fast path takes 1 and 3). So
     # each call kind remembers the signature of the last arguments that passed (every array's
@@ -658,7 +658,7 @@ class LowLatencyState:
         """MPI barrier over the buffer's communicator that gives up after the buffer's timeout (shrink mode:
         :meth:`shrink_barrier`)."""
         import time
-        from .errors import CommTimeoutError
+        from ..errors import CommTimeoutError
         if self.shrink_mask is not None:
             return self.shrink_barrier()
         request = self.buf.comm.Ibarrier()
