@@ -291,6 +291,19 @@ def load_tuned(kind: str, num_ranks: int, hidden_bytes: int | None) -> Config | 
         raise ValueError(f"CUPY_EP_TUNED_CONFIG {path}: entry {key}: {e}") from None
 
 
+_default_num_sms = 20
+
+
+def default_num_sms() -> int:
+    """SMs dispatch/combine use unless a Config says otherwise (``Buffer.num_sms``; ``Buffer.set_num_sms``)."""
+    return _default_num_sms
+
+
+def set_default_num_sms(num_sms: int) -> None:
+    global _default_num_sms
+    _default_num_sms = num_sms
+
+
 def get_dispatch_config(num_ranks: int, num_sms: int, hidden_bytes: int | None = None) -> Config:
     """Default dispatch config for ``num_ranks`` (a tuned one if present for this hidden size)."""
     tuned = load_tuned("dispatch", num_ranks, hidden_bytes)

@@ -19,7 +19,7 @@ def comm():
 @pytest.fixture
 def host_buffer(comm):
     """A fresh host-backend Buffer on COMM_WORLD, destroyed after the test."""
-    from cupy_ep.host.backend import HostBuffer
-    buf = HostBuffer(comm, HOST_NVL_BYTES, backend="host")
+    from cupy_ep import Buffer
+    buf = Buffer(comm, HOST_NVL_BYTES, backend="host")
     yield buf
     buf.destroy()

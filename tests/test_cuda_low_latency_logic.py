@@ -208,11 +208,11 @@ def test_destroy_closes_the_ipc_buffer_and_touches_no_nvshmem(monkeypatch):
 def test_host_backend_checks_the_low_latency_transport_argument():
     from mpi4py import MPI
 
-    from cupy_ep.host.backend import HostBuffer
+    from cupy_ep import Buffer
     for value in (None, "nvshmem", "ipc"):
-        HostBuffer(MPI.COMM_SELF, backend="host", low_latency_transport=value).destroy()
+        Buffer(MPI.COMM_SELF, backend="host", low_latency_transport=value).destroy()
     with pytest.raises(ValueError, match="^low_latency_transport: must be"):
-        HostBuffer(MPI.COMM_SELF, backend="host", low_latency_transport="tcp")
+        Buffer(MPI.COMM_SELF, backend="host", low_latency_transport="tcp")
 
 
 # ---- the dispatch's wire scheme, modelled in numpy on the layout's byte offsets ------------------------------

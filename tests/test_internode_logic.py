@@ -334,8 +334,8 @@ def test_docs_table_is_current(monkeypatch, tmp_path):
 
 
 def test_host_backend_accepts_the_transport_argument(comm):
-    from cupy_ep.host.backend import HostBuffer
-    buf = HostBuffer(comm, backend="host", internode_transport="ipc")
+    from cupy_ep import Buffer
+    buf = Buffer(comm, backend="host", internode_transport="ipc")
     buf.destroy()
     with pytest.raises(ValueError, match="internode_transport"):
-        HostBuffer(comm, backend="host", internode_transport="tcp")
+        Buffer(comm, backend="host", internode_transport="tcp")

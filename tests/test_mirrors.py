@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 from cupy_ep import validate
-from cupy_ep.cuda import backend as cuda_backend
+from cupy_ep.cuda import runtime
 
 SRC = Path(__file__).resolve().parent.parent / "cuda_src"
 
@@ -27,15 +27,15 @@ def test_role_names_mirror_the_cuda_enums():
         if name == "kIdle":
             continue  # never waits, never reports
         expected[value] = snake(name[len("kRole"):]) if name.startswith("kRole") else name
-    assert cuda_backend._ROLE_NAMES == expected
+    assert runtime.ROLE_NAMES == expected
 
 
 def test_kernel_names_cover_every_kernel_id():
     ids = enum_values(SRC / "common.cuh", "KernelId")
-    assert sorted(cuda_backend._KERNEL_NAMES) == sorted(ids.values())
+    assert sorted(runtime.KERNEL_NAMES) == sorted(ids.values())
     # the name is the kernel's own (snake case of the enum without the kKernel prefix), where it has one
     by_value = {v: snake(n[len("kKernel"):]) for n, v in ids.items()}
-    for value, name in cuda_backend._KERNEL_NAMES.items():
+    for value, name in runtime.KERNEL_NAMES.items():
         assert name == by_value[value] or (value == 1 and name == "get_dispatch_layout"), (value, name)
 
 

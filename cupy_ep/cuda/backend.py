@@ -1,79 +1,28 @@
-"""``CudaBuffer``: the GPU path of ``Buffer`` (intranode: CUDA-IPC ring buffers in one NVLink domain).
+"""``CudaBackend``: the GPU path of ``Buffer`` (intranode: CUDA-IPC ring buffers in one NVLink domain).
 
 A call goes: argument checks (validate.py) -> the communication stream waits for the caller's stream (or
-``previous_event``) -> :meth:`CudaBuffer._launch` of one kernel from ``cuda_src/`` (jit.py) -> outputs
+``previous_event``) -> ``Runtime.launch`` (runtime.py) of one kernel from ``cuda_src/`` (jit.py) -> outputs
 wrapped as the caller's array kind, and either the caller's stream waits for the communication stream
 or an ``EventOverlap`` is returned (``async_finish=True``).
 """
 from __future__ import annotations
 
-import functools
-import sys
-import time
-
 import numpy as np
 
-from .. import bootstrap, handles, interop, jit, validate
+from .. import bootstrap, handles, interop, validate
+from .. import config as _config
+from ..backend_base import BackendBase
+from ..validate import intranode_warps as _warps
 from . import internode as cuda_internode
 from . import low_latency as cuda_low_latency
-from .. import config as _config
-from ..buffer import Buffer
-from ..errors import CallMismatchError, CommError, CommTimeoutError
-from ..event import EventOverlap, HostEvent
-from ..validate import intranode_warps as _warps
+from .runtime import Runtime, capturing
 
-_KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
-                 5: "cached_notify_combine", 6: "combine", 7: "barrier", 8: "low_latency_dispatch",
-                 9: "low_latency_combine", 10: "internode_notify_dispatch", 11: "internode_cached_notify",
-                 12: "internode_dispatch", 13: "internode_combine", 14: "dispatch_direct", 15: "combine_direct"}
-_ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check",
-               6: "buffer_reuse", 7: "zero_copy_capacity", 8: "entry",
-               # internode.cu WarpRole
-               10: "kRDMASender", 11: "kRDMASenderCoordinator", 12: "kRDMAAndNVLForwarder",
-               13: "kForwarderCoordinator", 14: "kNVLReceivers", 15: "kNVLSender", 16: "kNVLAndRDMAForwarder",
-               17: "kRDMAReceiver", 18: "kCoordinator", 19: "rdma_barrier", 20: "nvl_barrier", 22: "capacity"}
-# Mirror of the CallWords a notify kernel compares (intranode.cu): index -> name.
-_CALL_WORDS = ("op", "num_channels", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
-               "num_scales", "num_experts", "zero_copy_capacity")
-_CALL_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "zero-copy dispatch",
-             5: "zero-copy cached dispatch", 6: "zero-copy combine"}
-# Mirror of cuda_src/common.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64).
-_RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), ("role", "<i4"),
-                          ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
-                          ("expected", "<i8"), ("elapsed_ns", "<i8")])
-# Mirror of DeviceCtx (u64 timeout_ns, TimeoutRecord*, int* abort_flag, int rank, int num_ranks, int* shrink_mask).
-_CTX_DTYPE = np.dtype([("timeout_ns", "<u8"), ("record", "<u8"), ("abort_flag", "<u8"),
-                       ("rank", "<i4"), ("num_ranks", "<i4"), ("shrink_mask", "<u8")])
 _LAYOUT_THREADS = 256  # mirrors kLayoutThreads in layout.cu
 _NOTIFY_THREADS = 128
 _TMA_BYTES_PER_WARP = 8192  # mirrors kTmaChunkBytes in common.cuh (dispatch/combine receivers' bulk-copy buffers)
 
 
-def _capturing() -> bool:
-    """True while the caller's current stream is being captured into a CUDA graph (no host syncs allowed): CuPy's,
-    or torch's once torch has initialized CUDA (``torch.cuda.graph`` captures torch's current stream)."""
-    import cupy
-    try:
-        if cupy.cuda.get_current_stream().is_capturing():
-            return True
-        torch = sys.modules.get("torch")
-        return bool(torch is not None and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
-    except Exception:
-        return False
-
-
-def _on_device(method):
-    """Run a public method with this buffer's GPU current: every CuPy call inside (validation included)
-    must run there, whatever device the caller has current (a reduction launched on another device over
-    this device's memory is an illegal access)."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._device:
-            return method(self, *args, **kwargs)
-    return wrapper
-
-
-class CudaBuffer(Buffer):
+class CudaBackend(BackendBase):
     """GPU backend of :class:`cupy_ep.Buffer`; see its docstring for the arguments. ``enable_shrink=True`` (with
     ``low_latency_mode``) turns on DeepEP's shrink mode: a low-latency wait that times out masks its peer instead
     of stopping the buffer, and masked ranks are left out of every later low-latency call
@@ -106,6 +55,10 @@ class CudaBuffer(Buffer):
                 raise ValueError("num_rdma_bytes: must be 0 inside one NVLink domain (unless low_latency_mode)")
         self.device_id = bootstrap.choose_device(self.topology.machine_rank, device)
         self._device = cupy.cuda.Device(self.device_id)
+        # every public call runs with this GPU current (Buffer enters it): every CuPy call inside, validation
+        # included, must run there whatever device the caller has current (a reduction launched on another
+        # device over this device's memory is an illegal access)
+        self.scope = self._device
         ll_transport = None  # the env var matters in low-latency mode only; a bad argument is refused always
         if low_latency_mode or low_latency_transport is not None:
             ll_transport = cuda_low_latency.resolve_transport(low_latency_transport)
@@ -129,38 +82,15 @@ class CudaBuffer(Buffer):
                 "CUPY_EP_LL_TRANSPORT=ipc): the same kernels over a CUDA-IPC buffer, which ranks sharing a GPU may "
                 "use (without MPS each wait for a peer then costs a time slice of the shared GPU)")
         with self._device:
-            rt = cupy.cuda.runtime
             # internode: the NVLink buffer spans one node only; InternodeState makes it
             self._nvl = None if internode else bootstrap.IpcBuffer(self.comm, num_nvl_bytes + _config.SIGNAL_BYTES)
             self._workspace = cupy.zeros(_config.WORKSPACE_BYTES // 4, dtype=cupy.int32)
-            self._abort = cupy.zeros(4, dtype=cupy.int32)
-            # shrink mode (low-latency only): this rank's view of the failed ranks, [R] int32, 1 = masked, read and
-            # written by the low-latency kernels (cuda_low_latency.LowLatencyState.update_mask and clean_mask)
-            self._shrink_mask = (cupy.zeros(self.num_ranks, dtype=cupy.int32) if low_latency_mode and self.enable_shrink
-                                 else None)
-            # host-mapped: [0] receive counter, [4..] per-expert counters, then the timeout record
-            counters_bytes = 4 * (1 + _config.MAX_LOCAL_EXPERTS)
-            self._host = bootstrap.HostMapped(counters_bytes + 64 + _RECORD_DTYPE.itemsize)
-            self._recv_counter = self._host.view(np.int32, 0, 1)
-            self._expert_counters = self._host.view(np.int32, 4, _config.MAX_LOCAL_EXPERTS)
-            self._record_offset = counters_bytes + 64 - counters_bytes % 64
-            self._record = self._host.view(_RECORD_DTYPE, self._record_offset, 1)
-            ctx = np.zeros(1, dtype=_CTX_DTYPE)
-            ctx["timeout_ns"] = int(self.timeout_s * 1e9)
-            ctx["record"] = self._host.ptr + self._record_offset
-            ctx["abort_flag"] = self._abort.data.ptr
-            ctx["rank"], ctx["num_ranks"] = self.rank, self.num_ranks
-            ctx["shrink_mask"] = self._shrink_mask.data.ptr if self._shrink_mask is not None else 0
-            self._ctx = cupy.array(ctx.view(np.uint8))
-            try:
-                _, high = rt.deviceGetStreamPriorityRange()
-            except AttributeError:
-                high = None
-            self.comm_stream = cupy.cuda.Stream(non_blocking=True, priority=high)
-            self._fork_event = cupy.cuda.Event(disable_timing=True)
-            self._join_event = cupy.cuda.Event(disable_timing=True)
+            # the device plumbing every path launches with (handed to them: low_latency.py, internode.py)
+            self.runtime = Runtime(self.device_id, self.rank, self.num_ranks, self.timeout_s,
+                                   bool(low_latency_mode and self.enable_shrink))
+            self.comm_stream = self.runtime.comm_stream
+            self._ctx = self.runtime.ctx
             self._torch_comm_stream = None  # get_comm_stream's torch view of comm_stream, made at first use
-            self._kernels: dict = {}
             # low-latency mode: NVSHMEM world + symmetric buffer (cupy_ep/cuda/low_latency.py)
             self._ll = (cuda_low_latency.LowLatencyState(self, num_rdma_bytes, self.topology.num_nodes == 1,
                                                          ll_transport)
@@ -193,61 +123,30 @@ class CudaBuffer(Buffer):
                 finally:
                     if self._nvl is not None:
                         self._nvl.close()   # ends with an MPI barrier that every rank reaches
-                    self._host.free()
+                    self.runtime.free()
         finally:
-            self._workspace = self._ctx = self._abort = self._shrink_mask = None
+            self._workspace = self._ctx = None
             super().destroy()               # never run the collectives twice
 
     def __del__(self):
         pass  # release is explicit (destroy / context manager): a collective must not run in a finalizer
 
+    @property
+    def _unusable_reason(self) -> str | None:  # the runtime's: the paths' waits set it there
+        return self.runtime.unusable_reason
+
+    @_unusable_reason.setter
+    def _unusable_reason(self, reason: str | None) -> None:
+        self.runtime.unusable_reason = reason
+
     def check_health(self) -> None:
         """Raise ``CommTimeoutError`` if a device wait of this buffer timed out, or ``CallMismatchError`` if the
         ranks disagreed about a call (the buffer is then unusable)."""
-        if self._host.ptr and int(self._record["flag"][0]):
-            rec = {name: int(self._record[name][0]) for name in _RECORD_DTYPE.names if name != "flag"}
-            rec["kernel"] = _KERNEL_NAMES.get(rec["kernel"], rec["kernel"])
-            rec["role"] = _ROLE_NAMES.get(rec["role"], rec["role"])
-            if rec["role"] == "call_check":
-                word = _CALL_WORDS[rec["expected"]] if 0 <= rec["expected"] < len(_CALL_WORDS) else rec["expected"]
-                mine, theirs = rec["head"], rec["tail"]
-                if word == "op":
-                    mine, theirs = _CALL_OPS.get(mine, mine), _CALL_OPS.get(theirs, theirs)
-                info = {"rank": rec["rank"], "kernel": rec["kernel"], "peer": rec["peer"], "word": word,
-                        "mine": mine, "theirs": theirs}
-                self._unusable_reason = f"the ranks disagreed about a call: {info}"
-                raise CallMismatchError(f"rank {self.rank}: rank {rec['peer']} made a different call ({word}: "
-                                        f"{mine} here, {theirs} there); every rank must call with the same "
-                                        "config, hidden size and top-k", info)
-            if rec["role"] == "buffer_reuse":  # low-latency: two send phases in a row on one buffer
-                self._unusable_reason = f"low-latency buffers did not alternate: {rec}"
-                raise CommError(f"rank {self.rank}: {rec['kernel']} ran on low-latency buffer {rec['head']} twice in "
-                                "a row: a CUDA graph replaying an odd number of low-latency calls (the buffer index "
-                                "is fixed at capture; capture dispatch + combine pairs, as in DeepEP)", rec)
-            if rec["role"] == "zero_copy_capacity":  # zero-copy rows past a receiver's capacity
-                what = "combine" if rec["kernel"] == "combine_direct" else "dispatch"
-                self._unusable_reason = f"zero-copy {what} too large: {rec}"
-                raise CommError(f"rank {self.rank}: a zero-copy {what} would put {rec['head']} rows into rank "
-                                f"{rec['peer']}'s buffer, which holds {rec['tail']} (num_nvl_bytes); every rank "
-                                "stopped before writing. Give Buffer more num_nvl_bytes "
-                                "(Buffer.get_zero_copy_nvl_size_hint) or call without zero_copy", rec)
-            if rec["role"] == "capacity":  # internode notify: num_worst_tokens smaller than what arrives
-                what = "rows received over RDMA" if rec["expected"] == 1 else "received rows"
-                self._unusable_reason = f"num_worst_tokens too small: {rec}"
-                raise CommTimeoutError(f"rank {self.rank}: num_worst_tokens={rec['tail']} is smaller than the "
-                                       f"{rec['head']} {what} of this dispatch; the buffer stopped before writing "
-                                       "out of bounds (T * num_ranks is always enough)", rec)
-            self._unusable_reason = f"a device wait timed out: {rec}"
-            if rec["role"] == "entry":  # a zero-copy kernel's handshake: the peer never entered this call
-                raise CommTimeoutError(f"rank {self.rank}: {rec['kernel']} waited {self.timeout_s} s for rank "
-                                       f"{rec['peer']} to enter the same zero-copy call (it made another call, "
-                                       "or did not call); every rank must make the same calls in the same order",
-                                       rec)
-            raise CommTimeoutError(f"rank {self.rank}: device wait timed out after {self.timeout_s} s", rec)
+        self.runtime.check_health()
 
-    def _check_usable(self) -> None:
-        super()._check_usable()
-        self.check_health()
+    def check_usable(self) -> None:
+        super().check_usable()
+        self.runtime.check_health()
 
     def get_comm_stream(self):
         if interop.caller_kind().lib == "torch":
@@ -268,51 +167,6 @@ class CudaBuffer(Buffer):
         mem = cupy.cuda.UnownedMemory(base + offset, nbytes, self, self.device_id)
         return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
-    # ---- the one launch helper ------------------------------------------------------------------------
-    def _launch(self, filename: str, name: str, grid: int, block: int, args, shared_mem: int = 0) -> None:
-        kernel = self._kernels.get(name)
-        if kernel is None:
-            kernel = self._kernels[name] = jit.get_kernel(filename, name)
-        kernel((grid,), (block,), args, shared_mem=shared_mem, stream=self.comm_stream)
-
-    def _begin(self, kind: interop.Kind, previous_event):
-        """Make the communication stream wait for the caller; returns the caller's stream."""
-        compute = interop.current_stream(kind, self.device_id)
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise TypeError(f"previous_event: must be an EventOverlap, got {type(previous_event).__name__}")
-        event = None if previous_event is None else previous_event.event
-        if event is not None and not isinstance(event, HostEvent):
-            self.comm_stream.wait_event(event)
-        else:  # no event to wait for (as DeepEP, which passes ``previous_event.event``): follow the caller's stream
-            self._fork_event.record(compute)  # reused: the wait is enqueued before the next record
-            self.comm_stream.wait_event(self._fork_event)
-        return compute
-
-    def _finish(self, compute, async_finish: bool, keep_alive, kind: interop.Kind) -> EventOverlap:
-        """End a call on the comm stream: the caller's stream ``compute`` waits for it, or (``async_finish``) an
-        event whose ``current_stream_wait`` makes the current stream of ``kind``'s framework wait."""
-        if async_finish:  # the caller holds this event: a fresh one
-            return EventOverlap(self.comm_stream.record(), keep_alive, on_wait=self.check_health,
-                                current_stream=functools.partial(interop.current_stream, kind, self.device_id))
-        self._join_event.record(self.comm_stream)
-        compute.wait_event(self._join_event)
-        return EventOverlap(None)
-
-    def _wait_recv_counter(self) -> int:
-        """Host wait for notify_dispatch's receive count (the only CPU sync of a non-cached dispatch)."""
-        deadline = time.monotonic() + self.timeout_s + 5.0
-        while True:
-            value = int(self._recv_counter[0])
-            if value >= 0:
-                return value
-            if int(self._record["flag"][0]):
-                self.check_health()
-            if time.monotonic() > deadline:
-                self._unusable_reason = "host wait for notify_dispatch timed out"
-                raise CommTimeoutError(f"rank {self.rank}: host wait for the receive count timed out after "
-                                       f"{self.timeout_s} s", {"rank": self.rank, "kernel": "notify_dispatch",
-                                                               "role": "host"})
-
     def _check_sms(self, cfg: _config.Config, arg: str = "config") -> None:
         limit = self.sm_share.normal_mode_sms
         if cfg.num_sms > limit:
@@ -320,7 +174,6 @@ class CudaBuffer(Buffer):
                              f"{self.device_id} ({self.sm_share.describe()}; every block must be resident)")
 
     # ---- layout -------------------------------------------------------------------------------------
-    @_on_device
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
         """Routing counts of this rank's tokens.
@@ -335,16 +188,16 @@ class CudaBuffer(Buffer):
             ``topk_idx``'s kind.
         """
         import cupy
-        self._check_usable()
+        self.check_usable()
         validate.check_num_experts(num_experts, self.num_ranks)
         num_tokens, num_topk = validate.check_topk_idx(topk_idx, num_experts, self.device_id,
-                                                        self.check_values and not _capturing())
+                                                        self.check_values and not capturing())
         validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         kind = interop.kind_of(topk_idx)
         idx_name = interop.dtype_name(topk_idx)
         with self._device:
             raw_idx = interop.unwrap(topk_idx)
-            compute = self._begin(kind, previous_event)
+            compute = self.runtime.begin(kind, previous_event)
             with (self.comm_stream if allocate_on_comm_stream else compute):
                 per_rank = cupy.empty(self.num_ranks, dtype=cupy.int32)
                 per_expert = cupy.empty(num_experts, dtype=cupy.int32)
@@ -356,11 +209,11 @@ class CudaBuffer(Buffer):
             tokens_per_block = (_LAYOUT_THREADS // 32) * (32 // (1 << max(num_topk - 1, 0).bit_length()))
             grid = max(1, min(-(-num_tokens // tokens_per_block), 2 * self.num_device_sms))
             ctype = "long long" if idx_name == "int64" else "int"
-            self._launch("layout.cu", f"ep::get_dispatch_layout<{ctype}>", grid, _LAYOUT_THREADS,
+            self.runtime.launch("layout.cu", f"ep::get_dispatch_layout<{ctype}>", grid, _LAYOUT_THREADS,
                          (raw_idx, np.int32(num_tokens), np.int32(num_topk), np.int32(num_experts),
                           np.int32(self.num_ranks), np.int32(self.topology.num_ranks_per_node),
                           per_rank, per_rdma, per_expert, in_rank, self._workspace), shared_mem=4 * columns)
-            event = self._finish(compute, async_finish, (raw_idx, per_rank, per_rdma, per_expert, in_rank),
+            event = self.runtime.finish(compute, async_finish, (raw_idx, per_rank, per_rdma, per_expert, in_rank),
                                  kind)
         return (interop.wrap(per_rank, kind, "int32"), interop.wrap(per_rdma, kind, "int32"),
                 interop.wrap(per_expert, kind, "int32"), interop.wrap(in_rank, kind, "bool"), event)
@@ -422,7 +275,6 @@ class CudaBuffer(Buffer):
         self._dispatch_epoch = getattr(self, "_dispatch_epoch", 0) + 1
         return self._dispatch_epoch
 
-    @_on_device
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
@@ -455,7 +307,7 @@ class CudaBuffer(Buffer):
             DeepEP's internode 10-tuple.
         """
         import cupy
-        self._check_usable()
+        self.check_usable()
         info = validate.check_x(x, self.device_id)
         cfg = self._resolve_config(config, "dispatch", max(info.hidden_bytes, 2 * info.hidden))
         self._check_sms(cfg)
@@ -471,7 +323,7 @@ class CudaBuffer(Buffer):
                 return self._internode.dispatch(
                     info, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, cfg,
-                    previous_event, async_finish, allocate_on_comm_stream, self.check_values and not _capturing())
+                    previous_event, async_finish, allocate_on_comm_stream, self.check_values and not capturing())
         R, T = self.num_ranks, info.num_tokens
         C, num_own_blocks = cfg.intranode_dispatch_split(R)
         cached = handle is not None
@@ -483,7 +335,7 @@ class CudaBuffer(Buffer):
         else:
             num_experts, num_topk, idx_name = validate.check_dispatch_layout_args(
                 num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                num_worst_tokens, R, T, self.device_id, self.check_values and not _capturing())
+                num_worst_tokens, R, T, self.device_id, self.check_values and not capturing())
         S = info.num_scales
         hidden_int4 = info.hidden_bytes // 16
         # rows of a zero-copy output; 0: the ring dispatch
@@ -495,14 +347,14 @@ class CudaBuffer(Buffer):
         with self._device:
             raw_x = interop.unwrap(info.x, "bfloat16" if info.dtype == "bfloat16" else "float8_e4m3fn")
             raw_scales = interop.unwrap(info.scales)
-            compute = self._begin(kind, previous_event)
+            compute = self.runtime.begin(kind, previous_event)
             alloc_stream = self.comm_stream if allocate_on_comm_stream else compute
             per_expert_list = None
             if cached:
                 rpm, cpm, rcpm, src_idx, in_rank, send_head = handle_raw
                 num_recv = int(src_idx.shape[0])
                 if not zero_copy:  # a zero-copy dispatch_direct meets the ranks itself (its entry handshake)
-                    self._launch("intranode.cu", f"ep::cached_notify_dispatch<{R}>", 1, _NOTIFY_THREADS,
+                    self.runtime.launch("intranode.cu", f"ep::cached_notify_dispatch<{R}>", 1, _NOTIFY_THREADS,
                                  (self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
                                   np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4),
                                   np.int32(max(num_topk, 1)), np.int32(S), self._ctx))
@@ -516,20 +368,20 @@ class CudaBuffer(Buffer):
                     cpm = cupy.empty((R, C), dtype=cupy.int32)
                 sync = num_worst_tokens == 0
                 if sync:
-                    self._recv_counter[0] = -1
-                self._launch("intranode.cu", f"ep::notify_dispatch<{R}>", 1 + R, _NOTIFY_THREADS,
+                    self.runtime.recv_counter[0] = -1
+                self.runtime.launch("intranode.cu", f"ep::notify_dispatch<{R}>", 1 + R, _NOTIFY_THREADS,
                              (interop.unwrap(num_tokens_per_rank), interop.unwrap(num_tokens_per_expert),
                               np.int32(num_experts), in_rank, np.int32(T), np.int32(C), np.int32(expert_alignment),
-                              rpm, cpm, np.uint64(self._host.ptr) if sync else None,
-                              np.uint64(self._host.ptr + 4) if sync else None, self._nvl.ptr_table,
+                              rpm, cpm, np.uint64(self.runtime.host.ptr) if sync else None,
+                              np.uint64(self.runtime.host.ptr + 4) if sync else None, self._nvl.ptr_table,
                               np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
                               np.int32(hidden_int4), np.int32(max(num_topk, 1)), np.int32(S), np.int32(capacity),
                               self._ctx))
                 if sync:
-                    num_recv = self._wait_recv_counter()
+                    num_recv = self.runtime.wait_recv_counter()
                     if zero_copy:
                         self.check_health()  # notify_dispatch stopped every rank if a receiver's rows do not fit
-                    per_expert_list = [int(v) for v in self._expert_counters[: num_experts // R]]
+                    per_expert_list = [int(v) for v in self.runtime.expert_counters[: num_experts // R]]
                 else:
                     num_recv = num_worst_tokens
                 with alloc_stream:
@@ -544,7 +396,7 @@ class CudaBuffer(Buffer):
             threads = _warps(R) * 32
             if zero_copy:
                 recv_x = self._direct_recv_x(min(num_recv, capacity), info.hidden, raw_x.dtype, C)
-                self._launch(
+                self.runtime.launch(
                     "intranode.cu", f"ep::dispatch_direct<{R}, {ctype}>", cfg.num_sms, threads,
                     (recv_scales, None if cached else src_idx, recv_idx, recv_w, None if cached else rcpm,
                      None if cached else send_head, raw_x, raw_scales, raw_idx, raw_w, in_rank, cpm, rpm,
@@ -554,7 +406,7 @@ class CudaBuffer(Buffer):
                      np.int32(cfg.zero_copy_local_blocks(R)), np.int32(cached), self._ctx),
                     shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
             else:
-                self._launch(
+                self.runtime.launch(
                     "intranode.cu", f"ep::dispatch<{R}, {ctype}>", 2 * C + num_own_blocks, threads,
                     (recv_x, recv_scales, None if cached else src_idx, recv_idx, recv_w, None if cached else rcpm,
                      None if cached else send_head, raw_x, raw_scales, raw_idx, raw_w, in_rank,
@@ -566,7 +418,7 @@ class CudaBuffer(Buffer):
                     shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
             keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, rpm, cpm, rcpm,
                     src_idx, send_head, in_rank)
-            event = self._finish(compute, async_finish, keep, kind)
+            event = self.runtime.finish(compute, async_finish, keep, kind)
 
         out_x = interop.wrap_recv_x(recv_x, recv_scales, kind, info)
         if cached:
@@ -579,7 +431,6 @@ class CudaBuffer(Buffer):
                 per_expert_list if per_expert_list is not None else [], out_handle, event)
 
     # ---- combine ------------------------------------------------------------------------------------
-    @_on_device
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False, zero_copy: bool = False):
         """Send expert outputs back to the tokens' owners and sum them there.
@@ -600,7 +451,7 @@ class CudaBuffer(Buffer):
             sum (0 + bias0 + bias1 + contributions in ascending rank order) rounded once to bf16.
         """
         import cupy
-        self._check_usable()
+        self.check_usable()
         if self._internode is not None:
             if zero_copy:
                 raise NotImplementedError("zero_copy: only inside one NVLink domain (intranode) for now")
@@ -639,41 +490,40 @@ class CudaBuffer(Buffer):
             raw_x = interop.unwrap(x)
             raw_w = interop.unwrap(topk_weights)
             raw_b = [interop.unwrap(b) for b in biases]
-            compute = self._begin(kind, previous_event)
+            compute = self.runtime.begin(kind, previous_event)
             with (self.comm_stream if allocate_on_comm_stream else compute):
                 out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
                 out_w = cupy.empty((num_tokens, num_topk), dtype=cupy.float32) if raw_w is not None else None
             if zero_copy:  # combine_direct meets the ranks itself (its entry handshake): no notify kernel
-                self._launch("intranode.cu", f"ep::combine_direct<{R}>", cfg.num_sms, _warps(R) * 32,
+                self.runtime.launch("intranode.cu", f"ep::combine_direct<{R}>", cfg.num_sms, _warps(R) * 32,
                              (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, send_head, np.int32(num_tokens),
                               np.int32(hidden_int4), np.int32(num_topk), self._nvl.ptr_table, np.int32(self.rank),
                               np.int32(capacity), np.int32(_config.DIRECT_COMBINE_ROWS_PER_FLAG),
                               np.int32(cfg.zero_copy_combine_senders(R)), self._ctx),
                              shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
             else:
-                self._launch("intranode.cu", f"ep::cached_notify_combine<{R}>", 1, _NOTIFY_THREADS,
+                self.runtime.launch("intranode.cu", f"ep::cached_notify_combine<{R}>", 1, _NOTIFY_THREADS,
                              (self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
                               np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4),
                               np.int32(num_topk), np.int32(num_tokens), self._ctx))
-                self._launch("intranode.cu", f"ep::combine<{R}>", 2 * C, _warps(R) * 32,
+                self.runtime.launch("intranode.cu", f"ep::combine<{R}>", 2 * C, _warps(R) * 32,
                              (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, src_idx, send_head,
                               np.int32(num_tokens), np.int32(hidden_int4), np.int32(num_topk), self._nvl.ptr_table,
                               np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_send_tokens),
                               np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx),
                              shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
-            event = self._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, src_idx, send_head),
+            event = self.runtime.finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, src_idx, send_head),
                                  kind)
         return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
 
     # ---- low-latency mode (the logic lives in cuda_low_latency.LowLatencyState) ----------------------
     def _low_latency(self):
-        self._check_usable()
+        self.check_usable()
         if self._ll is None:
             raise ValueError("low_latency_mode: the low-latency calls need a Buffer created with "
                              "low_latency_mode=True")
         return self._ll
 
-    @_on_device
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Collective: zero both low-latency signal areas between two NVSHMEM barriers (needed after the
@@ -683,13 +533,12 @@ class CudaBuffer(Buffer):
         self._low_latency().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.check_health()
 
-    @_on_device
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False):
         """Send every (token, top-k slot) to its expert's rank, into fixed per-expert slots (collective, no
-        host sync, CUDA-graph capturable). Arguments, shapes and results as ``HostBuffer.low_latency_dispatch``:
+        host sync, CUDA-graph capturable). Arguments, shapes and results as ``HostBackend.low_latency_dispatch``:
 
         Returns:
             ``(recv_x | (recv_x, recv_x_scales), recv_count, handle, EventOverlap, hook)``: ``recv_x``
@@ -701,12 +550,11 @@ class CudaBuffer(Buffer):
             receive phase when ``return_recv_hook`` (outputs are final only after it). Rows of a local expert:
             by source rank, then token, then k (deterministic); rows past ``recv_count`` are undefined.
         """
-        check = self.check_values and not _capturing()
+        check = self.check_values and not capturing()
         return self._low_latency().dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook, check)
 
-    @_on_device
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
                             out=None, combine_wait_recv_cost_stats=None, bf16_partials: bool = False):
@@ -720,11 +568,10 @@ class CudaBuffer(Buffer):
         :meth:`get_next_low_latency_combine_buffer`; ``out``: written in place and returned. ``topk_idx`` must be
         the routing of the dispatch that made ``handle`` (its shape is checked: the kernel finds each entry's row
         by ``handle.topk_slots``)."""
-        check = self.check_values and not _capturing()
+        check = self.check_values and not capturing()
         return self._low_latency().combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                            return_recv_hook, out, combine_wait_recv_cost_stats, bf16_partials, check)
 
-    @_on_device
     def get_next_low_latency_combine_buffer(self, handle):
         """bf16 ``[L, R*M, H]`` view of the symmetric send buffer the next low-latency call uses (write the
         expert outputs there, then ``low_latency_combine(..., zero_copy=True)``)."""
@@ -734,11 +581,10 @@ class CudaBuffer(Buffer):
 
     # ---- shrink mode (low-latency fault tolerance, as DeepEP's; cuda_low_latency.LowLatencyState) --------
     def _shrink(self):
-        self._check_usable()
+        self.check_usable()
         validate.check_shrink_enabled(self._ll is not None and self.enable_shrink)
         return self._ll
 
-    @_on_device
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (``mask=True``) or unmask a rank in this rank's view, from the next low-latency call on (on the
         current stream, after the previous low-latency call; a CUDA-graph replay on another stream must be ordered
@@ -755,7 +601,6 @@ class CudaBuffer(Buffer):
         rank = validate.check_rank_to_mask(rank_to_mask, self.num_ranks)
         ll.update_mask(rank, validate.check_flag(mask, "mask"))
 
-    @_on_device
     def low_latency_query_mask_buffer(self, mask_status) -> None:
         """Fill ``mask_status`` with this rank's mask (1 = masked, 0 = not), on the caller's current stream after
         the previous low-latency calls (not collective).
@@ -767,22 +612,20 @@ class CudaBuffer(Buffer):
         validate.check_mask_status(mask_status, self.num_ranks, self.device_id)
         ll.query_mask(mask_status)
 
-    @_on_device
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank in this rank's view (as :meth:`low_latency_update_mask_buffer` with ``mask=False``
         for each; not collective)."""
         self._shrink().clean_mask()
 
     # ---- tests / tools ------------------------------------------------------------------------------
-    @_on_device
     def barrier(self) -> None:
         """Device-side barrier of all ranks on the communication stream (tests and benchmarks)."""
-        self._check_usable()
+        self.check_usable()
         with self._device:
             if self._internode is not None:
                 self._internode.barrier()
             else:
-                self._launch("intranode.cu", f"ep::barrier<{self.num_ranks}>", 1, 32,
+                self.runtime.launch("intranode.cu", f"ep::barrier<{self.num_ranks}>", 1, 32,
                              (self._nvl.ptr_table, np.int32(self.rank), self._ctx))
             self.comm_stream.synchronize()
         self.check_health()

@@ -1,4 +1,4 @@
-"""``HostBuffer``: the DeepEP V1 ``Buffer`` API on numpy + MPI, for machines without a GPU.
+"""``HostBackend``: the DeepEP V1 ``Buffer`` API on numpy + MPI, for machines without a GPU.
 
 Every call is synchronous (the returned ``EventOverlap`` carries no event) and computes exactly what
 :mod:`cupy_ep.reference` says, moving rows with ``MPI_Alltoallv`` on host memory (bf16 and fp8 travel as
@@ -65,13 +65,13 @@ expert row back to its token owner, which reduces with the weights. Decisions:
 from __future__ import annotations
 
 import dataclasses
+import sys
+import warnings
 
 import numpy as np
 
-from .. import buffer as _buffer
-from .. import config as _config
 from .. import handles, interop, reference, validate
-from ..buffer import Buffer
+from ..backend_base import BackendBase
 from ..config import Config
 from ..errors import CallMismatchError
 from ..event import HOST_EVENT, EventOverlap, RecvHooks, host_event
@@ -81,6 +81,12 @@ from .host_exchange import HostExchange, PeersTimedOut
 _HANDLE_FIELDS = (("rank_prefix_matrix", "int32", 2), ("channel_prefix_matrix", "int32", 2),
                   ("recv_channel_prefix_matrix", "int32", 2), ("recv_src_idx", "int32", 1),
                   ("is_token_in_rank", "bool", 2), ("send_head", "int32", 2))
+
+
+def _warn_host_backend(rank: int) -> None:
+    if rank == 0:
+        warnings.warn("cupy_ep: no GPU visible, using the host (numpy + MPI) backend", stacklevel=4)
+        print("cupy_ep: no GPU visible -> host backend (numpy + MPI alltoallv)", file=sys.stderr)
 
 
 def _displs(counts) -> list[int]:
@@ -148,7 +154,7 @@ def _ready() -> None:
     """The receive phase of the host backend: the data already arrived during the call, nothing to do."""
 
 
-class HostBuffer(Buffer):
+class HostBackend(BackendBase):
     """numpy + mpi4py implementation of :class:`cupy_ep.Buffer` (see the module docstring).
 
     Arguments as for :class:`cupy_ep.Buffer`; ``num_nvl_bytes``/``num_rdma_bytes`` bound the calls as on the GPU
@@ -198,7 +204,7 @@ class HostBuffer(Buffer):
         self._ll_combine_buffer: np.ndarray | None = None   # raw bf16 [L, R*M, H] (zero-copy combine)
         self._ll_hooks = RecvHooks()  # the GPU backend's rule: a hook runs once, before the next low-latency call
         if backend is None:
-            _buffer._warn_host_backend(self.rank)
+            _warn_host_backend(self.rank)
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -218,7 +224,7 @@ class HostBuffer(Buffer):
             ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None,
             num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, EventOverlap)``.
         """
-        self._check_usable()
+        self.check_usable()
         validate.check_num_experts(num_experts, self.num_ranks)
         validate.check_topk_idx(topk_idx, num_experts, check_values=self.check_values)
         validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
@@ -244,7 +250,7 @@ class HostBuffer(Buffer):
             topk_idx ``[T, K]`` int32/int64 and topk_weights ``[T, K] float32``: both or neither.
             expert_alignment: the per-expert receive counts are rounded up to it.
             num_worst_tokens: when > 0, outputs have this many rows and the count list is empty.
-            zero_copy: on the GPU, recv_x is a view of the buffer (see ``CudaBuffer.dispatch``); here the
+            zero_copy: on the GPU, recv_x is a view of the buffer (see ``CudaBackend.dispatch``); here the
                 values are the same and recv_x is a fresh array either way.
 
         Returns:
@@ -255,7 +261,7 @@ class HostBuffer(Buffer):
             ``(rank_prefix_matrix [R, R], channel_prefix_matrix [R, C], recv_channel_prefix_matrix [R, C],
             recv_src_idx [N], is_token_in_rank [T, R] bool, send_head [T, R])``, all int32 but the bool.
         """
-        self._check_usable()
+        self.check_usable()
         args, notes = self._agree("dispatch", lambda: self._check_dispatch(
             x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
             expert_alignment, num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream,
@@ -389,14 +395,14 @@ class HostBuffer(Buffer):
             handle: the handle dispatch returned (not modified).
             topk_weights: ``[N, K] float32`` or None; summed the same way.
             bias: None, a bf16 ``[T, H]`` array, or a pair of them (either may be None).
-            zero_copy: on the GPU, rows go straight into the owners' buffers (see ``CudaBuffer.combine``); the
+            zero_copy: on the GPU, rows go straight into the owners' buffers (see ``CudaBackend.combine``); the
                 result is the same, bit for bit, and here nothing changes.
 
         Returns:
             ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, EventOverlap)``:
             fp32 ``0 + bias0 + bias1 + contributions in ascending source-rank order``, rounded to bf16 once.
         """
-        self._check_usable()
+        self.check_usable()
         (kind, x_raw, w_raw, biases, raw_handle), _ = self._agree("combine", lambda: self._check_combine(
             x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream, zero_copy))
         rank_prefix, itr = raw_handle[0], raw_handle[4]
@@ -456,7 +462,7 @@ class HostBuffer(Buffer):
                                  num_experts: int) -> None:
         """Collective (DeepEP: a barrier, zero both signal areas, a barrier). The host keeps no signals, so
         this only checks the arguments (the same on every rank) with one all-gather."""
-        self._check_usable()
+        self.check_usable()
 
         def check():
             self._require_low_latency_mode()
@@ -504,7 +510,7 @@ class HostBuffer(Buffer):
             :func:`reference.low_latency_dispatch`); rows past ``recv_count[e]`` are zero here but
             undefined on the GPU.
         """
-        self._check_usable()
+        self.check_usable()
         args, notes = self._agree("low_latency_dispatch", lambda: self._check_low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook),
@@ -634,7 +640,7 @@ class HostBuffer(Buffer):
             skipped): per expert rank over k ascending, rounded to 24 bits (or bf16), then over the ranks
             ascending, rounded to bf16 once (:func:`reference.low_latency_combine`).
         """
-        self._check_usable()
+        self.check_usable()
         args, notes = self._agree("low_latency_combine", lambda: self._check_low_latency_combine(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
             combine_wait_recv_cost_stats, bf16_partials), low_latency=True)
@@ -743,7 +749,7 @@ class HostBuffer(Buffer):
         Owned by the buffer and kept between calls (DeepEP hands out a view of its next RDMA send buffer;
         the host keeps one array, re-made, zeroed, when the shape changes). Fill it, then call
         :meth:`low_latency_combine` with ``zero_copy=True``."""
-        self._check_usable()
+        self.check_usable()
         self._require_low_latency_mode()
         _, _, max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
         handles.check_origin(handle, self.buffer_id)
@@ -856,7 +862,7 @@ class HostBuffer(Buffer):
 
     # ---- shrink mode (low-latency fault tolerance, as the CUDA backend's) ----------------------------------
     def _shrink(self) -> np.ndarray:
-        self._check_usable()
+        self.check_usable()
         validate.check_shrink_enabled(self._shrink_mask is not None)
         return self._shrink_mask
 
@@ -889,6 +895,15 @@ class HostBuffer(Buffer):
         self._shrink()[...] = 0
 
     # ---- lifetime -----------------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Nothing to report: a host call that fails raises at once."""
+        self.check_usable()
+
+    def barrier(self) -> None:
+        """Barrier of all ranks (MPI)."""
+        self.check_usable()
+        self.comm.Barrier()
+
     def _buffer_bytes(self, offset: int, nbytes: int, rdma: bool):
         """Host memory standing in for the device buffer, zeroed at first use, kept as long as this Buffer."""
         if rdma not in self._host_regions:

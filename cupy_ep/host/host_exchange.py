@@ -1,7 +1,7 @@
 """The host backend's communication: point-to-point messages over a private duplicate of the Buffer's
 communicator, every wait polled against the Buffer's timeout.
 
-Every collective call of a ``HostBuffer`` is numbered (``seq``, the same on every rank when the ranks make the same
+Every collective call of a ``HostBackend`` is numbered (``seq``, the same on every rank when the ranks make the same
 calls) and starts with :meth:`HostExchange.agree`: each rank sends every peer taking part a header ``(seq, op)``
 with its payload (its argument checks' outcome and counts). The headers are compared before any data moves, so
 
@@ -39,7 +39,7 @@ class PeersTimedOut(Exception):
 
 
 class HostExchange:
-    """Messages of one HostBuffer (see the module docstring). Collective to create (duplicates ``comm``)."""
+    """Messages of one HostBackend (see the module docstring). Collective to create (duplicates ``comm``)."""
 
     def __init__(self, comm, timeout_s: float):
         self.comm = comm.Dup()
