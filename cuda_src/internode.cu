@@ -6,13 +6,16 @@
 // reduces over nodes.
 //
 // Kernels (templated on kNumRdmaRanks N (nodes), kNumNvlRanks G (GPUs per node), the RDMA transport
-// (rdma_transport.cuh: IpcRdma or NvshmemRdma) and, for dispatch, the top-k index type):
+// (transport/rdma.cuh: IpcRdma or NvshmemRdma) and, for dispatch, the top-k index type):
 //   internode_notify_dispatch   count exchange (per node over RDMA, per GPU over NVLink) -> the prefix matrices
 //                               of DeepEP's internode handle + receive counts to the host; zeroes the dispatch rings
 //   internode_cached_notify     barriers + zero the dispatch or combine rings (cached dispatch, every combine)
 //   internode_dispatch          channels = SM pairs; warp roles below
 //   internode_combine           the reverse path; warp roles below
 //   internode_carve_probe       writes the layout sums (a GPU test compares them with cupy_ep/config.py)
+//
+// The roles below are member functions of DispatchContext (internode/dispatch.cuh) and CombineContext
+// (internode/combine.cuh); dispatch_role_of / combine_role_of map a warp to its role.
 //
 // Dispatch, channel c = SM pair (2c, 2c+1):
 //   odd SM:  kRDMASender x kDispatchSenderWarps: token t of the channel is written by warp (t - begin) % S into
@@ -41,281 +44,30 @@
 // (the wire is bf16, as DeepEP's), then combined = bf16(0 + bias0 + bias1 + sum over nodes n = 0..N-1 of partial_n)
 // in fp32 at the token's owner; weights the same in fp32 without rounding. The order never depends on timing.
 //
-// Flow control everywhere: monotonic tail (producer) and head (consumer) counters, producer waits for space,
-// writes, publishes tail with release (NVLink) or fence + atomic add (RDMA); consumer acquires tail, reads,
-// returns head. Every spin goes through wait_until (common.cuh); on timeout the kernels return.
+// Flow control everywhere: the ring protocol of common/ring.cuh (RingProducer / RingConsumer: monotonic tail and
+// head counters; the producer waits for space, writes, publishes the tail; the consumer acquires the tail, reads,
+// returns the head); the RDMA rings publish and return through the transport (fence + atomic add). Every spin
+// goes through the one timed wait (common/wait.cuh); on timeout the kernels return.
 //
 // STATUS: both the direct path to peers (the default wherever Rdma::direct is not null) and the put path
 // (CUPY_EP_INTERNODE_FORCE_PUT=1) pass the GPU tests on both transports (2 x 1 and 2 x 2, H200 box; record in
 // benchmarks/results/gpu_tests_h200x2.md).
-#include "common.cuh"
-#include "buffer.cuh"
-#include "rdma_transport.cuh"
+#include "common/wait.cuh"
+#include "common/layout.cuh"
+#include "common/lock.cuh"
+#include "common/ring.cuh"
+#include "transport/rdma.cuh"
+#include "internode/roles.cuh"
+#include "internode/reduce.cuh"
+#include "internode/rdma_ring.cuh"
+#include "internode/handshake.cuh"
+#include "internode/notify.cuh"
+#include "internode/dispatch.cuh"
+#include "internode/combine.cuh"
 
 namespace ep {
 
-enum WarpRole : int {
-    // dispatch
-    kRDMASender = 10, kRDMASenderCoordinator = 11, kRDMAAndNVLForwarder = 12, kForwarderCoordinator = 13,
-    kNVLReceivers = 14,
-    // combine
-    kNVLSender = 15, kNVLAndRDMAForwarder = 16, kRDMAReceiver = 17, kCoordinator = 18,
-    // notify / barriers (diagnostics only)
-    kRoleRdmaBarrier = 19, kRoleNvlBarrier = 20, kIdle = 21,
-    // num_worst_tokens too small for what this rank receives (head = needed, tail = allocated rows,
-    // expected = 0: recv rows, 1: rows received over RDMA); not a wait, but it stops the buffer the same way
-    kRoleCapacity = 22,
-};
-
-constexpr int kDispatchSenderWarps = 6;
-constexpr int kCombineRecvWarps = 6;
-constexpr int kMaxCombineForwarderWarps = 16;  // warp w forwards to nodes w, w + 16 (in that order on every node)
-constexpr int kNotifyThreads = 256;   // mirrors cuda_internode._NOTIFY_THREADS
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kSendWindow = 32;       // tokens a sender may run ahead of the in-order release, per node
-
-template <int kNumNvlRanks>
-struct DispatchShape {
-    static constexpr int kWarps = kDispatchSenderWarps + 1 + kNumNvlRanks;  // odd SM; the even SM uses G + 1
-    static constexpr int kThreads = kWarps * kWarpSize;
-};
-
-template <int kNumRdmaRanks, int kNumNvlRanks>
-struct CombineShape {
-    static constexpr int kEvenWarps = kNumNvlRanks + kCombineRecvWarps + 1;
-    static constexpr int kOddWarps = kNumRdmaRanks < kMaxCombineForwarderWarps ? kNumRdmaRanks : kMaxCombineForwarderWarps;
-    static constexpr int kWarps = kEvenWarps > kOddWarps ? kEvenWarps : kOddWarps;
-    static constexpr int kThreads = kWarps * kWarpSize;
-};
-
-// ---------------------------------------------------------------------------------------------------
-// Warp-level waits through the one wait helper. Every lane runs wait_until; done() is a warp vote, and the
-// other inputs of the exit decision (the global timer, the abort flag) are read by one warp instruction at one
-// address, so all lanes leave together. cond() runs in every lane on every poll.
-// ---------------------------------------------------------------------------------------------------
-template <typename Cond, typename Observe>
-__device__ __forceinline__ bool warp_wait_all(const DeviceCtx* ctx, WaitSite site, Cond cond, Observe observe) {
-    return wait_until(ctx, site, [&] { return __all_sync(kFullMask, cond()) != 0; }, observe);
-}
-template <typename Cond, typename Observe>
-__device__ __forceinline__ bool warp_wait_any(const DeviceCtx* ctx, WaitSite site, Cond cond, Observe observe) {
-    return wait_until(ctx, site, [&] { return __any_sync(kFullMask, cond()) != 0; }, observe);
-}
-
-__device__ __forceinline__ int ld_shared_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
-__device__ __forceinline__ void st_shared_volatile(int* p, int v) { *reinterpret_cast<volatile int*>(p) = v; }
-
-__device__ __forceinline__ long long offset_in(const void* base, const void* p) {
-    return static_cast<const char*>(p) - static_cast<const char*>(base);
-}
-
-// First set bit of mask at or after `from` (cyclic); mask != 0.
-__device__ __forceinline__ int next_set_bit(unsigned mask, int from) {
-    const unsigned high = from > 0 ? mask & ~((1u << from) - 1u) : mask;
-    return __ffs(high != 0 ? high : mask) - 1;
-}
-
-// Warp copies here keep 4 loads per lane in flight (common.cuh warp_copy): the role loops hold more state.
-constexpr int kCopyUnroll = 4;
-
-// dst[c] = bf16(fp32 sum) for the warp's int4 columns c < n (8 bf16 each) of: bias0[c], bias1[c] (rows of this
-// rank's inputs, skipped when null), then src0[slot[k] + c] for k = 0 .. kSources - 1 with slot[k] >= 0 (rings
-// written by peers). The additions per element keep this order (the combine is deterministic). kCols columns per
-// lane per step, so each source has kCols loads in flight instead of one.
-template <int kSources, int kCols>
-__device__ __forceinline__ void reduce_columns(int4* dst, const int4* src0, const long long* slot, const int4* bias0,
-                                               const int4* bias1, int c) {
-    float acc[kCols][8];
-#pragma unroll
-    for (int u = 0; u < kCols; ++u)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-    int4 v[kCols];
-    if (bias0 != nullptr) {
-#pragma unroll
-        for (int u = 0; u < kCols; ++u) v[u] = ld_nc_v4(bias0 + c + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kCols; ++u) accumulate_bf16x8(acc[u], v[u]);
-    }
-    if (bias1 != nullptr) {
-#pragma unroll
-        for (int u = 0; u < kCols; ++u) v[u] = ld_nc_v4(bias1 + c + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kCols; ++u) accumulate_bf16x8(acc[u], v[u]);
-    }
-    for (int k = 0; k < kSources; ++k) {
-        const long long s = slot[k];
-        if (s < 0) continue;
-#pragma unroll
-        for (int u = 0; u < kCols; ++u) v[u] = ld_ring_v4(src0 + s + c + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kCols; ++u) accumulate_bf16x8(acc[u], v[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kCols; ++u)
-        dst[c + u * kWarpSize] = make_int4((int)pack_bf16x2(acc[u][0], acc[u][1]), (int)pack_bf16x2(acc[u][2], acc[u][3]),
-                                           (int)pack_bf16x2(acc[u][4], acc[u][5]), (int)pack_bf16x2(acc[u][6], acc[u][7]));
-}
-// Top-k weight k of a token summed over its sources' ring copies (slot < 0: the source does not hold it), in
-// source order like reduce_rows; the weights sit at weights_off bytes into each ring token.
-template <int kSources>
-__device__ __forceinline__ float sum_token_weight(const int4* src0, const long long* slot, long long weights_off,
-                                                  int k) {
-    float sum = 0.0f;
-    for (int j = 0; j < kSources; ++j) {
-        if (slot[j] < 0) continue;
-        const char* token = reinterpret_cast<const char*>(src0 + slot[j]);
-        sum += ld_volatile(reinterpret_cast<const float*>(token + weights_off) + k);
-    }
-    return sum;
-}
-template <int kSources>
-__device__ __forceinline__ void reduce_rows(int4* dst, const int4* src0, const long long* slot, const int4* bias0,
-                                            const int4* bias1, int n) {
-    constexpr int kCols = 4;  // 12 * kCols registers (acc + loads) whatever kSources is
-    int c = lane_id();
-    for (; c + (kCols - 1) * kWarpSize < n; c += kCols * kWarpSize)
-        reduce_columns<kSources, kCols>(dst, src0, slot, bias0, bias1, c);
-    for (; c < n; c += kWarpSize) reduce_columns<kSources, 1>(dst, src0, slot, bias0, bias1, c);
-}
-
-// Where the producer of node n's RDMA ring (dispatch: the sender warps; combine: forwarder warp n) writes it, ring
-// [channel] of `data` (a SymBuffer of the RDMA carve):
-//   own node                                 my receive half [channel][node], where the consumers read it
-//   stores reach node n (Rdma::direct)       node n's receive half [channel][my node], the same slot: the
-//                                            put-issuing warp only signals the tail
-//   otherwise                                my send half [channel][n], which the put-issuing warp puts to that
-//                                            same place in chunks (rdma_needs_put)
-// Slot i is at the result + i * token int4s on every path, and every path is throttled by the same head: the
-// consumer returns a slot after reading it in its receive half, so a slot is free on both halves at once.
-template <typename Rdma>
-__device__ __forceinline__ int4* rdma_ring_for(const Rdma& rdma, const SymBuffer<int4>& data, int channel, int node,
-                                               int n) {
-    int4* landing = data.recv(rdma.a.base, channel, node);
-    if (n == node) return landing;
-    char* peer = rdma.direct(offset_in(rdma.a.base, landing), n);
-    return peer != nullptr ? reinterpret_cast<int4*>(peer) : data.send(rdma.a.base, channel, n);
-}
-template <typename Rdma>
-__device__ __forceinline__ bool rdma_needs_put(const Rdma& rdma, int node, int n) {
-    return n != node && rdma.direct(0, n) == nullptr;
-}
-
-// Hand `count` slots of the ring (channel, node -> n) from slot `first` on to node n (warp-collective): where
-// n is not load/store reachable, put them from my send half to the same place in n's receive half; then lane
-// 0 orders everything with rdma.fence() (system scope) and adds count to n's tail, which the consumer
-// acquires. The caller orders the slots' own stores before this (fence_acq_rel_sys + __syncwarp).
-template <typename Rdma>
-__device__ __forceinline__ void rdma_publish_slots(const Rdma& rdma, const SymBuffer<int4>& data,
-                                                   const AsymBuffer<int>& tail, int channel, int node, int n,
-                                                   int first, int count, int token_int4s, int token_bytes) {
-    if (rdma_needs_put(rdma, node, n))
-        rdma.put_warp(offset_in(rdma.a.base, data.recv(rdma.a.base, channel, node) + (long long)first * token_int4s),
-                      data.send(rdma.a.base, channel, n) + (long long)first * token_int4s, token_bytes * count, n);
-    __syncwarp();
-    if (lane_id() == 0) {
-        rdma.fence();
-        rdma.add(offset_in(rdma.a.base, tail.on(rdma.a.base, channel, node)), count, n);
-    }
-}
-
-__device__ __forceinline__ bool block_aborted_internode(const DeviceCtx* ctx) {
-    return __syncthreads_or(threadIdx.x == 0 && buffer_aborted(ctx)) != 0;
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Barriers. NVLink domain: the intranode scheme (own slot +1, peer's slot -1, wait <= 0) on the signals at the
-// start of every node peer's NVLink buffer. RDMA domain: arrivals[i] is only ever added to by PE i (remote
-// atomics through a NIC are not atomic with the GPU's own atomics), my epoch counts my own barriers; wait
-// until every arrivals[i] reaches my epoch. Both reusable without reset. False (block-wide) on timeout.
-// ---------------------------------------------------------------------------------------------------
-template <int kNumNvlRanks>
-__device__ bool nvl_barrier(void** nvl_ptrs, int nvl_rank, const DeviceCtx* ctx, int kernel) {
-    __syncthreads();
-    bool ok = true;
-    const int i = threadIdx.x;
-    if (i < kNumNvlRanks) {
-        fence_acq_rel_sys();
-        int* mine = barrier_signals(nvl_ptrs[nvl_rank]) + i;
-        atomicAdd_system(mine, 1);
-        atomicSub_system(barrier_signals(nvl_ptrs[i]) + nvl_rank, 1);
-        ok = wait_until(ctx, WaitSite{kernel, kRoleNvlBarrier, -1, i}, [&] { return ld_volatile(mine) <= 0; },
-                        [&](long long& h, long long& t, long long& e) { h = ld_volatile(mine); e = 0; });
-        fence_acq_rel_sys();
-    }
-    return __syncthreads_and(ok) != 0;
-}
-
-template <int kNumRdmaRanks, typename Rdma>
-__device__ bool rdma_barrier(const Rdma& rdma, int node, const DeviceCtx* ctx, int kernel) {
-    __shared__ int s_epoch;
-    __syncthreads();
-    int* arrivals = reinterpret_cast<int*>(rdma.a.base);  // InternodeRdmaNotify::barrier is at offset 0
-    if (threadIdx.x == 0) {
-        s_epoch = ld_volatile(arrivals + kMaxRdmaRanks) + 1;
-        st_volatile(arrivals + kMaxRdmaRanks, s_epoch);
-    }
-    __syncthreads();
-    bool ok = true;
-    const int i = threadIdx.x;
-    if (i < kNumRdmaRanks) {
-        rdma.quiet();  // this thread's earlier RDMA traffic has landed (callers quiet their own puts too)
-        fence_acq_rel_sys();
-        rdma.add(4LL * node, 1, i);
-        const int epoch = s_epoch;
-        ok = wait_until(ctx, WaitSite{kernel, kRoleRdmaBarrier, -1, i},
-                        [&] { return ld_volatile(arrivals + i) >= epoch; },
-                        [&](long long& h, long long& t, long long& e) { h = ld_volatile(arrivals + i); e = epoch; });
-        fence_acq_rel_sys();
-    }
-    return __syncthreads_and(ok) != 0;
-}
-
-template <int kNumRdmaRanks, int kNumNvlRanks, typename Rdma>
-__device__ bool both_barriers(const Rdma& rdma, void** nvl_ptrs, int node, int nvl_rank, const DeviceCtx* ctx,
-                              int kernel) {
-    if (!rdma_barrier<kNumRdmaRanks>(rdma, node, ctx, kernel)) return false;
-    return nvl_barrier<kNumNvlRanks>(nvl_ptrs, nvl_rank, ctx, kernel);
-}
-
-__device__ __forceinline__ void zero_range(void* base, long long begin, long long end) {
-    int* p = at_offset<int>(base, begin);
-    for (long long i = threadIdx.x; i < (end - begin) / 4; i += blockDim.x) p[i] = 0;
-}
-
-// Call agreement (as intranode.cu): the words ride at the start of the notify vectors; every rank compares
-// those of its RDMA peers and of its node peers with its own. A difference stops the buffer with a
-// kRoleCallCheck record (peer = the global rank that disagreed).
-enum InternodeCallOp : int { kOpInternodeDispatch = 11, kOpInternodeCachedDispatch = 12, kOpInternodeCombine = 13 };
-
-__device__ bool check_words(const int* theirs, const int* mine, int peer, const DeviceCtx* ctx, int kernel) {
-    bool ok = true;
-    for (int k = 0; k < kCallWords; ++k) {
-        const int v = ld_volatile(theirs + k);
-        if (v != mine[k]) {
-            ok = false;
-            report_failure(ctx, WaitSite{kernel, kRoleCallCheck, -1, peer}, mine[k], v, k, 0);
-        }
-    }
-    return ok;
-}
-
-// Puts the first `ints` of my send-half vector for every node into that node's receive half (slot = my node);
-// the own node's vector was written straight into the receive half. Warp w serves nodes w, w + W, ...
-template <int kNumRdmaRanks, typename Rdma>
-__device__ void put_notify_vectors(const Rdma& rdma, const SymBuffer<int>& counts, int node, int ints) {
-    const int num_warps = blockDim.x / kWarpSize;
-    const long long bytes = align_up(4LL * ints, 16);
-    bool put = false;
-    for (int n = warp_id(); n < kNumRdmaRanks; n += num_warps) {
-        if (n == node) continue;
-        rdma.put_warp(offset_in(rdma.a.base, counts.recv(rdma.a.base, 0, node)), counts.send(rdma.a.base, 0, n),
-                      bytes, n);
-        put = true;
-    }
-    __syncwarp();
-    if (put && lane_id() == 0) rdma.quiet();
-}
+using namespace internode;
 
 // ---------------------------------------------------------------------------------------------------
 // internode_notify_dispatch: grid 1 + N blocks of kNotifyThreads.
@@ -339,144 +91,13 @@ internode_notify_dispatch(const int* num_tokens_per_rank, const int* num_tokens_
                           int max_num_rdma_recv, void** nvl_ptrs, char* rdma_base,
                           const unsigned long long* rdma_peers, int rank, int num_rdma_slots, int num_nvl_slots,
                           int hidden_int4, int num_topk, int num_scales, const DeviceCtx* ctx) {
-    constexpr int N = kNumRdmaRanks, G = kNumNvlRanks, R = N * G;
-    const int node = rank / G, nvl_rank = rank % G;
-    if (blockIdx.x == 0) {
-        if (block_aborted_internode(ctx)) return;
-        const Rdma rdma(RdmaArgs{rdma_base, rdma_peers, node});
-        const InternodeRdmaNotify rnotify(N, G);
-        const InternodeNvlNotify nnotify(G);
-        const int experts_per_rank = num_experts / R, experts_per_node = experts_per_rank * G;
-        const int words[kCallWords] = {kOpInternodeDispatch, num_channels, num_rdma_slots, num_nvl_slots,
-                                       hidden_int4, num_topk, num_scales, num_experts};
-        const int kRdmaHead = kCallWords + G + 1;  // where the expert counts start in an RDMA vector
-        if (!both_barriers<N, G>(rdma, nvl_ptrs, node, nvl_rank, ctx, kKernelInternodeNotifyDispatch)) return;
-
-        // RDMA vectors
-        for (int n = 0; n < N; ++n) {
-            int* vec = n == node ? rnotify.counts.recv(rdma_base, 0, node) : rnotify.counts.send(rdma_base, 0, n);
-            for (int i = threadIdx.x; i < kRdmaHead + experts_per_node; i += blockDim.x) {
-                int v;
-                if (i < kCallWords) v = words[i];
-                else if (i < kCallWords + G) v = num_tokens_per_rank[n * G + i - kCallWords];
-                else if (i == kCallWords + G) v = num_tokens_per_rdma_rank[n];
-                else v = num_tokens_per_expert[n * experts_per_node + i - kRdmaHead];
-                vec[i] = v;
-            }
-        }
-        __syncthreads();
-        fence_acq_rel_sys();
-        put_notify_vectors<N>(rdma, rnotify.counts, node, kRdmaHead + experts_per_node);
-        if (!rdma_barrier<N>(rdma, node, ctx, kKernelInternodeNotifyDispatch)) return;
-
-        // Check the RDMA peers' words; prefix over source nodes; NVLink vectors for my node's GPUs.
-        bool ok = true;
-        if (threadIdx.x < N && threadIdx.x != node)
-            ok = check_words(rnotify.counts.recv(rdma_base, 0, threadIdx.x), words, threadIdx.x * G + nvl_rank, ctx,
-                             kKernelInternodeNotifyDispatch);
-        if (!__syncthreads_and(ok)) return;
-        if (threadIdx.x == 0) {
-            int sum = 0;
-            for (int n = 0; n < N; ++n) {
-                sum += ld_volatile(rnotify.counts.recv(rdma_base, 0, n) + kCallWords + G);
-                recv_rdma_rank_prefix_sum[n] = sum;
-            }
-            if (host_counters != nullptr) host_counters[1] = sum;
-            if (max_num_rdma_recv >= 0 && sum > max_num_rdma_recv)
-                report_failure(ctx, WaitSite{kKernelInternodeNotifyDispatch, kRoleCapacity, -1, -1}, sum,
-                               max_num_rdma_recv, 1, 0);
-        }
-        for (int j = 0; j < G; ++j) {
-            int* vec = nnotify.counts.on(nvl_ptrs[j], 0, nvl_rank);
-            for (int i = threadIdx.x; i < kCallWords + kMaxRdmaRanks + experts_per_rank; i += blockDim.x) {
-                int v = 0;
-                if (i < kCallWords) {
-                    v = words[i];
-                } else if (i < kCallWords + kMaxRdmaRanks) {
-                    const int n = i - kCallWords;
-                    if (n < N) v = ld_volatile(rnotify.counts.recv(rdma_base, 0, n) + kCallWords + j);
-                } else {
-                    const int e = j * experts_per_rank + i - kCallWords - kMaxRdmaRanks;
-                    for (int n = 0; n < N; ++n) v += ld_volatile(rnotify.counts.recv(rdma_base, 0, n) + kRdmaHead + e);
-                }
-                vec[i] = v;
-            }
-        }
-        const InternodeDispatchRdma rl(N, G, num_channels, num_rdma_slots,
-                                       TokenFormat(hidden_int4, num_scales, num_topk, true).int4s);
-        const InternodeDispatchNvl nl(N, G, num_channels, num_nvl_slots,
-                                      TokenFormat(hidden_int4, num_scales, num_topk, true).int4s);
-        zero_range(rdma_base, rl.begin, rl.meta_end);
-        zero_range(nvl_ptrs[nvl_rank], nl.begin, nl.meta_end);
-        __syncthreads();
-        if (!nvl_barrier<G>(nvl_ptrs, nvl_rank, ctx, kKernelInternodeNotifyDispatch)) return;
-
-        const int* rows = nnotify.counts.on(nvl_ptrs[nvl_rank], 0, 0);  // [G][kNvlNotifyInts]
-        if (threadIdx.x < G && threadIdx.x != nvl_rank)
-            ok = check_words(rows + threadIdx.x * kNvlNotifyInts, words, node * G + threadIdx.x, ctx,
-                             kKernelInternodeNotifyDispatch);
-        if (!__syncthreads_and(ok)) return;
-        if (host_counters != nullptr) {
-            for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
-                int sum = 0;
-                for (int g = 0; g < G; ++g) sum += ld_volatile(rows + g * kNvlNotifyInts + kCallWords + kMaxRdmaRanks + e);
-                host_counters[2 + e] = (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int sum = 0;
-            for (int n = 0; n < N; ++n)
-                for (int g = 0; g < G; ++g) {
-                    sum += ld_volatile(rows + g * kNvlNotifyInts + kCallWords + n);
-                    recv_gbl_rank_prefix_sum[n * G + g] = sum;
-                }
-            if (max_num_recv >= 0 && sum > max_num_recv)
-                report_failure(ctx, WaitSite{kKernelInternodeNotifyDispatch, kRoleCapacity, -1, -1}, sum,
-                               max_num_recv, 0, 0);
-            if (host_counters != nullptr) {
-                __threadfence_system();
-                st_volatile(host_counters, sum);
-                __threadfence_system();
-            }
-        }
-        both_barriers<N, G>(rdma, nvl_ptrs, node, nvl_rank, ctx, kKernelInternodeNotifyDispatch);
-    } else {
-        // Channel prefix matrices of destination node n (sender side).
-        const int n = blockIdx.x - 1;
-        const int num_warps = blockDim.x / kWarpSize;
-        for (int c = warp_id(); c < num_channels; c += num_warps) {
-            int begin, end;
-            channel_range(num_tokens, num_channels, c, begin, end);
-            int per_gpu[G], any = 0;
-#pragma unroll
-            for (int j = 0; j < G; ++j) per_gpu[j] = 0;
-            for (int t = begin + lane_id(); t < end; t += kWarpSize) {
-                bool in_node = false;
-#pragma unroll
-                for (int j = 0; j < G; ++j) {
-                    const bool in = is_token_in_rank[(long long)t * R + n * G + j];
-                    per_gpu[j] += in;
-                    in_node |= in;
-                }
-                any += in_node;
-            }
-#pragma unroll
-            for (int j = 0; j < G; ++j) per_gpu[j] = warp_reduce_sum(per_gpu[j]);
-            any = warp_reduce_sum(any);
-            if (lane_id() == 0) {
-#pragma unroll
-                for (int j = 0; j < G; ++j) gbl_channel_prefix_matrix[(n * G + j) * num_channels + c] = per_gpu[j];
-                rdma_channel_prefix_matrix[n * num_channels + c] = any;
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x <= G) {  // thread j < G: GPU j of node n; thread G: the node
-            int* row = threadIdx.x < G ? gbl_channel_prefix_matrix + (n * G + threadIdx.x) * num_channels
-                                       : rdma_channel_prefix_matrix + n * num_channels;
-            for (int c = 1; c < num_channels; ++c) row[c] += row[c - 1];
-        }
-    }
+    const NotifyContext<kNumRdmaRanks, kNumNvlRanks, Rdma> c{
+        num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, num_experts, is_token_in_rank,
+        num_tokens, num_channels, expert_alignment, rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
+        gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, host_counters, max_num_recv, max_num_rdma_recv,
+        nvl_ptrs, rdma_base, rdma_peers, rank, num_rdma_slots, num_nvl_slots, hidden_int4, num_topk, num_scales, ctx};
+    if (blockIdx.x == 0) c.count_exchange();
+    else c.channel_prefix();
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -490,7 +111,7 @@ internode_cached_notify(int op, int num_channels, int num_rdma_slots, int num_nv
                         const unsigned long long* rdma_peers, int rank, const DeviceCtx* ctx) {
     constexpr int N = kNumRdmaRanks, G = kNumNvlRanks;
     const int node = rank / G, nvl_rank = rank % G;
-    if (block_aborted_internode(ctx)) return;
+    if (block_aborted(ctx)) return;
     const Rdma rdma(RdmaArgs{rdma_base, rdma_peers, node});
     const InternodeRdmaNotify rnotify(N, G);
     const InternodeNvlNotify nnotify(G);
@@ -546,335 +167,24 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
                    long long scale_hidden_stride, void** nvl_ptrs, char* rdma_base,
                    const unsigned long long* rdma_peers, int rank, int num_rdma_send, int num_rdma_slots,
                    int num_nvl_send, int num_nvl_slots, const DeviceCtx* ctx) {
-    constexpr int N = kNumRdmaRanks, G = kNumNvlRanks, R = N * G, S = kDispatchSenderWarps;
-    const int node = rank / G, nvl_rank = rank % G;
-    const int num_channels = gridDim.x / 2, channel = blockIdx.x / 2;
-    const bool is_sender_sm = (blockIdx.x % 2) == 1;
-    const int warp = warp_id(), lane = lane_id();
-    const Rdma rdma(RdmaArgs{rdma_base, rdma_peers, node});
-    const TokenFormat fmt(hidden_int4, num_scales, num_topk, true);
-    const InternodeDispatchRdma rl(N, G, num_channels, num_rdma_slots, fmt.int4s);
-    const InternodeDispatchNvl nl(N, G, num_channels, num_nvl_slots, fmt.int4s);
-    void* my_nvl = nvl_ptrs[nvl_rank];
-
-    __shared__ int s_lock[kMaxRdmaRanks], s_released[kMaxRdmaRanks];
-    __shared__ unsigned s_window[kMaxRdmaRanks];
-    __shared__ int s_fwd_head[kMaxNvlRanks][kMaxRdmaRanks];
-    __shared__ int s_retired[kMaxNvlRanks];
-    for (int i = threadIdx.x; i < kMaxRdmaRanks; i += blockDim.x) s_lock[i] = s_released[i] = s_window[i] = 0;
-    for (int i = threadIdx.x; i < kMaxNvlRanks * kMaxRdmaRanks; i += blockDim.x) s_fwd_head[i / kMaxRdmaRanks][i % kMaxRdmaRanks] = 0;
-    for (int i = threadIdx.x; i < kMaxNvlRanks; i += blockDim.x) s_retired[i] = 0;
-    // num_worst_tokens: rows past the real count carry recv_topk_idx = -1 (nobody else writes them).
-    if (num_worst_tokens > 0 && recv_topk_idx != nullptr) {
-        const long long num_recv = recv_gbl_rank_prefix_sum[R - 1];
-        const long long stride = (long long)gridDim.x * blockDim.x;
-        for (long long i = num_recv * num_topk + (long long)blockIdx.x * blockDim.x + threadIdx.x;
-             i < (long long)num_worst_tokens * num_topk; i += stride)
-            recv_topk_idx[i] = (IdxT)-1;
-    }
-    if (block_aborted_internode(ctx)) return;
-
-    if (is_sender_sm && warp < S) {
-        // ---- kRDMASender --------------------------------------------------------------------------
-        int begin, end;
-        channel_range(num_tokens, num_channels, channel, begin, end);
-        // Meta for every destination node (-v-1 encoded: 0 keeps meaning "not written yet").
-        for (int n = warp; n < N; n += S) {
-            int* meta = n == node ? rl.meta.recv(rdma_base, channel, node) : rl.meta.send(rdma_base, channel, n);
-            const int prev = channel - 1;
-            if (lane < G) {
-                const int* row = gbl_channel_prefix_matrix + (n * G + lane) * num_channels;
-                meta[lane] = -(prev >= 0 ? row[prev] : 0) - 1;
-                meta[G + lane] = -row[channel] - 1;
-            }
-            if (lane == 0) {
-                const int* row = rdma_channel_prefix_matrix + n * num_channels;
-                meta[2 * G] = -(prev >= 0 ? row[prev] : 0) - 1;
-                meta[2 * G + 1] = -row[channel] - 1;
-            }
-            __syncwarp();
-            if (n != node) {
-                fence_acq_rel_sys();
-                rdma.put_warp(offset_in(rdma_base, rl.meta.recv(rdma_base, channel, node)), meta,
-                              4LL * rdma_meta_ints(G), n);
-            }
-        }
-        __syncwarp();
-        if (lane == 0 && warp < N) rdma.quiet();  // every put of this kernel completes inside it
-        // Every sender warp scans every token so that lane n knows the node-n ring counter (`tail`).
-        int tail = 0, cached_head = 0;  // lane n < N
-        const int* head_ptr = rl.head.on(rdma_base, channel, lane < N ? lane : 0);
-        bool ok = true;
-        for (int t = begin; t < end && ok; ++t) {
-            unsigned bits = 0;
-            if (lane < N) {
-#pragma unroll
-                for (int j = 0; j < G; ++j) bits |= is_token_in_rank[(long long)t * R + lane * G + j] ? (1u << j) : 0u;
-            }
-            const bool in_node = bits != 0;
-            const unsigned node_mask = __ballot_sync(kFullMask, in_node);
-            if ((t - begin) % S == warp) {
-                if (lane < N && send_rdma_head != nullptr) send_rdma_head[(long long)t * N + lane] = in_node ? tail : -1;
-                ok = warp_wait_all(ctx, WaitSite{kKernelInternodeDispatch, kRDMASender, channel, lane},
-                                   [&] {
-                                       if (!in_node || tail - cached_head < num_rdma_slots) return true;
-                                       cached_head = ld_volatile(head_ptr);
-                                       return tail - cached_head < num_rdma_slots;
-                                   },
-                                   [&](long long& h, long long& tl, long long& e) { h = cached_head; tl = tail; e = num_rdma_slots; });
-                if (!ok) break;
-                for (unsigned m = node_mask; m != 0; m &= m - 1) {
-                    const int n = __ffs(m) - 1;
-                    const int slot = __shfl_sync(kFullMask, tail, n) % num_rdma_slots;
-                    const unsigned n_bits = __shfl_sync(kFullMask, bits, n);
-                    int4* token = rdma_ring_for(rdma, rl.data, channel, node, n) + (long long)slot * fmt.int4s;
-                    char* tb = reinterpret_cast<char*>(token);
-                    warp_copy<false, kCopyUnroll>(token, x + (long long)t * hidden_int4, hidden_int4);
-                    for (int s = lane; s < num_scales; s += kWarpSize)
-                        reinterpret_cast<float*>(tb + fmt.scales_off)[s] =
-                            x_scales[t * scale_token_stride + s * scale_hidden_stride];
-                    if (lane == 0) *reinterpret_cast<int2*>(tb + fmt.meta_off) = make_int2(node, (int)n_bits);
-                    for (int k = lane; k < num_topk; k += kWarpSize) {
-                        reinterpret_cast<int*>(tb + fmt.idx_off)[k] =
-                            topk_idx != nullptr ? (int)topk_idx[(long long)t * num_topk + k] : -1;
-                        reinterpret_cast<float*>(tb + fmt.weights_off)[k] =
-                            topk_weights != nullptr ? topk_weights[(long long)t * num_topk + k] : 0.0f;
-                    }
-                }
-                __syncwarp();
-                // Release in order: lane n marks its slot in node n's window; the run of ready slots at the
-                // window's start moves s_released, which the coordinator reads.
-                bool released = true;
-                if (in_node) {
-                    __threadfence_block();
-                    released = wait_until(ctx, WaitSite{kKernelInternodeDispatch, kRDMASender, channel, lane},
-                                          [&] { return tail - ld_shared_volatile(&s_released[lane]) < kSendWindow; },
-                                          [&](long long& h, long long& tl, long long& e) {
-                                              h = ld_shared_volatile(&s_released[lane]); tl = tail; e = kSendWindow;
-                                          });
-                    released = released && wait_until(ctx, WaitSite{kKernelInternodeDispatch, kRDMASender, channel, lane},
-                                                      [&] { return atomicCAS_block(&s_lock[lane], 0, 1) == 0; },
-                                                      [&](long long& h, long long& tl, long long& e) { e = -2; });
-                    if (released) {
-                        __threadfence_block();
-                        const int offset = tail - s_released[lane];
-                        unsigned window = s_window[lane] | (1u << offset);
-                        if (offset == 0) {
-                            const int run = window == kFullMask ? 32 : __ffs(~window) - 1;
-                            window = run == 32 ? 0u : window >> run;
-                            st_shared_volatile(&s_released[lane], s_released[lane] + run);
-                        }
-                        s_window[lane] = window;
-                        __threadfence_block();
-                        atomicExch_block(&s_lock[lane], 0);
-                    }
-                }
-                ok = __all_sync(kFullMask, released) != 0;
-            }
-            if (in_node) ++tail;
-        }
-    } else if (is_sender_sm && warp == S) {
-        // ---- kRDMASenderCoordinator ---------------------------------------------------------------
-        int total = 0, issued = 0;  // lane n < N
-        if (lane < N) {
-            const int* row = rdma_channel_prefix_matrix + lane * num_channels;
-            total = row[channel] - (channel > 0 ? row[channel - 1] : 0);
-        }
-        int ready = 0;
-        while (__any_sync(kFullMask, issued < total)) {
-            const bool ok = warp_wait_any(
-                ctx, WaitSite{kKernelInternodeDispatch, kRDMASenderCoordinator, channel, lane},
-                [&] {
-                    ready = issued < total ? ld_shared_volatile(&s_released[lane < N ? lane : 0]) - issued : 0;
-                    return ready >= num_rdma_send || (ready > 0 && issued + ready == total);
-                },
-                [&](long long& h, long long& tl, long long& e) { h = issued; tl = issued + ready; e = total; });
-            if (!ok) break;
-            int count = 0;
-            if (ready >= num_rdma_send || (ready > 0 && issued + ready == total))
-                count = min(min(ready, num_rdma_send), num_rdma_slots - issued % num_rdma_slots);
-            // Ordering of a slot written straight into its receive half (own node, direct peer), and of the send
-            // half a put reads: the sender warp's stores -> __syncwarp + __threadfence_block + s_released (shared,
-            // same CTA) -> lane n of this warp observes s_released -> fence.acq_rel.sys below -> __syncwarp ->
-            // lane 0's rdma.fence() (a system-scope fence on both transports) -> the atomic tail add, which the
-            // consumer acquires. Causality order is transitive, so the consumer sees the slot wherever it was
-            // stored; a put only adds its own data, ordered by rdma.fence().
-            fence_acq_rel_sys();
-            for (unsigned m = __ballot_sync(kFullMask, count > 0); m != 0; m &= m - 1) {
-                const int n = __ffs(m) - 1;
-                const int cnt = __shfl_sync(kFullMask, count, n);
-                const int first = __shfl_sync(kFullMask, issued, n) % num_rdma_slots;
-                rdma_publish_slots(rdma, rl.data, rl.tail, channel, node, n, first, cnt, fmt.int4s, fmt.bytes);
-            }
-            issued += count;
-        }
-        __syncwarp();
-        if (lane == 0) rdma.quiet();
-    } else if (is_sender_sm && warp < S + 1 + G) {
-        // ---- kNVLReceivers: warp j drains forwarder GPU j's ring (tokens of source ranks (n, j)) ----------
-        const int j = warp - S - 1;
-        int start = 0, stop = 0;
-        const int* start_ptr = nl.prefix_start.on(my_nvl, channel, j);
-        const int* end_ptr = nl.prefix_end.on(my_nvl, channel, j);
-        bool ok = warp_wait_all(ctx, WaitSite{kKernelInternodeDispatch, kNVLReceivers, channel, j},
-                                [&] {
-                                    if (lane >= N) return true;
-                                    start = ld_volatile(start_ptr + lane);
-                                    stop = ld_volatile(end_ptr + lane);
-                                    return start != 0 && stop != 0;
-                                },
-                                [&](long long& h, long long& tl, long long& e) { h = start; tl = stop; e = -1; });
-        int next_row = 0, count = 0;  // lane n: next output row of source rank (n, j)
-        if (ok && lane < N) {
-            start = -start - 1;
-            stop = -stop - 1;
-            const int src = lane * G + j;
-            next_row = (src > 0 ? recv_gbl_rank_prefix_sum[src - 1] : 0) + start;
-            count = stop - start;
-            if (recv_gbl_channel_prefix_matrix != nullptr) recv_gbl_channel_prefix_matrix[src * num_channels + channel] = next_row;
-        }
-        const int num_to_recv = warp_reduce_sum(count);
-        const int experts_per_rank = num_experts / R;
-        const int4* ring = nl.x.on(my_nvl, channel, j);
-        const int* tail_ptr = nl.tail.on(my_nvl, channel, j);
-        int head = 0;
-        while (ok && head < num_to_recv) {
-            int tl = head;
-            ok = warp_wait_all(ctx, WaitSite{kKernelInternodeDispatch, kNVLReceivers, channel, j},
-                               [&] { return (tl = ld_acquire_sys(tail_ptr)) != head; },
-                               [&](long long& h, long long& t2, long long& e) { h = head; t2 = tl; e = num_to_recv; });
-            if (!ok) break;
-            // Every lane loaded the tail itself; take lane 0's value so that the token loop below
-            // (full-mask __shfl_sync inside) has one trip count for the whole warp even if the loads differed;
-            // __syncwarp orders lane 0's acquire before every lane's slot loads.
-            __syncwarp();
-            tl = __shfl_sync(kFullMask, tl, 0);
-            for (int i = head; i < tl; ++i) {
-                const char* tb = reinterpret_cast<const char*>(ring + (long long)(i % num_nvl_slots) * fmt.int4s);
-                const int src_node = ld_volatile(reinterpret_cast<const int*>(tb + fmt.meta_off));
-                const int src_bits = ld_volatile(reinterpret_cast<const int*>(tb + fmt.meta_off) + 1);
-                const long long row = __shfl_sync(kFullMask, next_row, src_node);
-                if (lane == src_node) ++next_row;
-                warp_copy<true, kCopyUnroll>(recv_x + row * hidden_int4, reinterpret_cast<const int4*>(tb), hidden_int4);
-                for (int s = lane; s < num_scales; s += kWarpSize)
-                    recv_x_scales[row * num_scales + s] = ld_volatile(reinterpret_cast<const float*>(tb + fmt.scales_off) + s);
-                if (lane == 0 && recv_src_meta != nullptr) recv_src_meta[row] = make_int2(src_node, src_bits);
-                if (recv_topk_idx != nullptr) {
-                    for (int k = lane; k < num_topk; k += kWarpSize) {
-                        const int e = ld_volatile(reinterpret_cast<const int*>(tb + fmt.idx_off) + k);
-                        const int local = e - rank * experts_per_rank;
-                        const bool owned = e >= 0 && local >= 0 && local < experts_per_rank;
-                        recv_topk_idx[row * num_topk + k] = (IdxT)(owned ? local : -1);
-                        recv_topk_weights[row * num_topk + k] =
-                            owned ? ld_volatile(reinterpret_cast<const float*>(tb + fmt.weights_off) + k) : 0.0f;
-                    }
-                }
-            }
-            head = tl;
-            __syncwarp();
-            if (lane == 0) st_release_sys(nl.head.on(nvl_ptrs[j], channel, nvl_rank), head);
-        }
-    } else if (!is_sender_sm && warp < G) {
-        // ---- kRDMAAndNVLForwarder: warp j forwards every RDMA token meant for GPU j of my node --------------
-        const int j = warp;
-        const int* meta = rl.meta.recv(rdma_base, channel, lane < N ? lane : 0);
-        bool ok = warp_wait_all(ctx, WaitSite{kKernelInternodeDispatch, kRDMAAndNVLForwarder, channel, lane},
-                                [&] {
-                                    return lane >= N || (ld_volatile(meta + j) < 0 && ld_volatile(meta + G + j) < 0 &&
-                                                         ld_volatile(meta + 2 * G) < 0 && ld_volatile(meta + 2 * G + 1) < 0);
-                                },
-                                [&](long long& h, long long& tl, long long& e) { h = ld_volatile(meta + j); e = -1; });
-        int consumed = 0, num_rdma = 0, forwarded = 0, row_base = 0;  // lane n: source node n
-        if (ok && lane < N) {
-            st_relaxed_sys(nl.prefix_start.on(nvl_ptrs[j], channel, nvl_rank) + lane, ld_volatile(meta + j));
-            st_relaxed_sys(nl.prefix_end.on(nvl_ptrs[j], channel, nvl_rank) + lane, ld_volatile(meta + G + j));
-            const int rdma_start = -ld_volatile(meta + 2 * G) - 1, rdma_end = -ld_volatile(meta + 2 * G + 1) - 1;
-            num_rdma = rdma_end - rdma_start;
-            row_base = (lane > 0 ? recv_rdma_rank_prefix_sum[lane - 1] : 0) + rdma_start;
-            if (j == 0 && recv_rdma_channel_prefix_matrix != nullptr)
-                recv_rdma_channel_prefix_matrix[lane * num_channels + channel] = rdma_end;
-        }
-        const int* nvl_head_ptr = nl.head.on(my_nvl, channel, j);
-        int4* nvl_ring = nl.x.on(nvl_ptrs[j], channel, nvl_rank);
-        int nvl_tail = 0, nvl_head = 0, rr = 0, avail = 0;
-        while (ok && __any_sync(kFullMask, consumed < num_rdma)) {
-            ok = warp_wait_all(ctx, WaitSite{kKernelInternodeDispatch, kRDMAAndNVLForwarder, channel, N + j},
-                               [&] {
-                                   nvl_head = ld_volatile(nvl_head_ptr);
-                                   return num_nvl_slots - (nvl_tail - nvl_head) >= num_nvl_send;
-                               },
-                               [&](long long& h, long long& tl, long long& e) { h = nvl_head; tl = nvl_tail; e = num_nvl_send; });
-            ok = ok && warp_wait_any(ctx, WaitSite{kKernelInternodeDispatch, kRDMAAndNVLForwarder, channel, lane},
-                                     [&] {
-                                         if (lane >= N || consumed >= num_rdma) return false;
-                                         avail = min(ld_acquire_sys(rl.tail.on(rdma_base, channel, lane)), num_rdma) - consumed;
-                                         return avail > 0;
-                                     },
-                                     [&](long long& h, long long& tl, long long& e) { h = consumed; tl = consumed + avail; e = num_rdma; });
-            if (!ok) break;
-            // Only lane n acquired node n's tail; ballot/shfl are not memory-ordering operations, so
-            // the other lanes' slot loads below are ordered after that acquire by this warp barrier.
-            __syncwarp();
-            const unsigned mask = __ballot_sync(kFullMask, lane < N && consumed < num_rdma && avail > 0);
-            const int n = next_set_bit(mask, rr);
-            rr = n + 1 < N ? n + 1 : 0;
-            const int cnt = __shfl_sync(kFullMask, avail, n), first = __shfl_sync(kFullMask, consumed, n);
-            const int base_row = __shfl_sync(kFullMask, row_base, n);
-            int fwd = __shfl_sync(kFullMask, forwarded, n);
-            const int4* src_ring = rl.data.recv(rdma_base, channel, n);
-            int used = 0, sent = 0;
-            for (; used < cnt && sent < num_nvl_send; ++used) {
-                const int4* token = src_ring + (long long)((first + used) % num_rdma_slots) * fmt.int4s;
-                const int bits = ld_volatile(reinterpret_cast<const int*>(reinterpret_cast<const char*>(token) + fmt.meta_off) + 1);
-                const bool to_j = (bits >> j) & 1;
-                if (lane == 0 && send_nvl_head != nullptr)
-                    send_nvl_head[(long long)(base_row + first + used) * G + j] = to_j ? fwd : -1;
-                if (to_j) {
-                    warp_copy<true, kCopyUnroll>(nvl_ring + (long long)(nvl_tail % num_nvl_slots) * fmt.int4s, token, fmt.int4s);
-                    ++nvl_tail;
-                    ++fwd;
-                    ++sent;
-                }
-            }
-            __syncwarp();
-            if (lane == 0) st_release_sys(nl.tail.on(nvl_ptrs[j], channel, nvl_rank), nvl_tail);
-            if (lane == n) {
-                consumed += used;
-                forwarded = fwd;
-                __threadfence_block();  // my reads of the slots before the coordinator may return them
-                st_shared_volatile(&s_fwd_head[j][n], consumed);
-            }
-        }
-        __syncwarp();
-        if (lane == 0) {
-            __threadfence_block();
-            st_shared_volatile(&s_retired[j], 1);
-        }
-    } else if (!is_sender_sm && warp == G) {
-        // ---- kForwarderCoordinator: lazy RDMA head return (lane n: source node n) --------------------------
-        int returned = 0, min_head = 0;
-        while (true) {
-            bool all_retired = false;
-            const bool ok = warp_wait_any(
-                ctx, WaitSite{kKernelInternodeDispatch, kForwarderCoordinator, channel, lane},
-                [&] {
-                    all_retired = true;
-                    for (int w = 0; w < G; ++w) all_retired &= ld_shared_volatile(&s_retired[w]) != 0;
-                    __threadfence_block();
-                    min_head = 0x7fffffff;
-                    for (int w = 0; w < G; ++w) min_head = min(min_head, ld_shared_volatile(&s_fwd_head[w][lane < N ? lane : 0]));
-                    return all_retired || (lane < N && min_head - returned >= num_rdma_send);
-                },
-                [&](long long& h, long long& tl, long long& e) { h = returned; tl = min_head; e = num_rdma_send; });
-            if (!ok) break;
-            all_retired = __all_sync(kFullMask, all_retired) != 0;
-            if (lane < N && min_head > returned && (all_retired || min_head - returned >= num_rdma_send)) {
-                rdma.add(offset_in(rdma_base, rl.head.on(rdma_base, channel, node)), min_head - returned, lane);
-                returned = min_head;
-            }
-            if (all_retired) break;
-        }
-        if (lane < N) rdma.quiet();
+    __shared__ DispatchShared sh;
+    const DispatchContext<kNumRdmaRanks, kNumNvlRanks, Rdma, IdxT> c{
+        recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_meta, recv_rdma_channel_prefix_matrix,
+        recv_gbl_channel_prefix_matrix, send_rdma_head, send_nvl_head, x, x_scales, topk_idx, topk_weights,
+        is_token_in_rank, rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, gbl_channel_prefix_matrix,
+        recv_gbl_rank_prefix_sum, num_tokens, num_worst_tokens, hidden_int4, num_topk, num_experts, num_scales,
+        scale_token_stride, scale_hidden_stride, nvl_ptrs, rdma_base, rdma_peers, rank, num_rdma_send,
+        num_rdma_slots, num_nvl_send, num_nvl_slots, ctx, sh};
+    c.prepare();
+    if (block_aborted(ctx)) return;
+    const RoleOf role = dispatch_role_of<kNumNvlRanks>(blockIdx.x, c.warp);
+    switch (role.role) {
+        case kRDMASender: c.rdma_sender(); break;
+        case kRDMASenderCoordinator: c.rdma_sender_coordinator(); break;
+        case kNVLReceivers: c.nvl_receivers(role.target); break;
+        case kRDMAAndNVLForwarder: c.rdma_and_nvl_forwarder(role.target); break;
+        case kForwarderCoordinator: c.forwarder_coordinator(); break;
+        default: break;  // kIdle
     }
 }
 
@@ -890,181 +200,23 @@ internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x,
                   int num_tokens, int hidden_int4, int num_topk, void** nvl_ptrs, char* rdma_base,
                   const unsigned long long* rdma_peers, int rank, int num_rdma_send, int num_rdma_slots,
                   int num_nvl_send, int num_nvl_slots, const DeviceCtx* ctx) {
-    constexpr int N = kNumRdmaRanks, G = kNumNvlRanks, W = kCombineRecvWarps;
-    const int node = rank / G, nvl_rank = rank % G;
-    const int num_channels = gridDim.x / 2, channel = blockIdx.x / 2;
-    const bool is_forwarder_sm = (blockIdx.x % 2) == 1;
-    const int warp = warp_id(), lane = lane_id();
-    const Rdma rdma(RdmaArgs{rdma_base, rdma_peers, node});
-    const TokenFormat fmt(hidden_int4, 0, num_topk, false);
-    const InternodeCombineRdma rl(N, G, num_channels, num_rdma_slots, fmt.int4s);
-    const InternodeCombineNvl nl(N, G, num_channels, num_nvl_slots, fmt.int4s);
-    void* my_nvl = nvl_ptrs[nvl_rank];
-    const int sub_slots = num_nvl_slots / N;  // NVLink sub-ring per origin node
-
-    __shared__ int s_next[W];                                  // RDMA receivers: next token of each warp
-    // Per reducing warp and source: the source row's offset (int4) from the first source's ring, or -1. In shared
-    // memory so that the reductions keep one base pointer in registers instead of one per source.
-    __shared__ long long s_slot[CombineShape<N, G>::kWarps][kMaxRdmaRanks];
-    int begin, end;
-    channel_range(num_tokens, num_channels, channel, begin, end);
-    for (int i = threadIdx.x; i < W; i += blockDim.x) s_next[i] = begin + i;
-    if (block_aborted_internode(ctx)) return;
-
-    if (!is_forwarder_sm && warp < G) {
-        // ---- kNVLSender: my rows that came through forwarder GPU k go back to it, sub-ring = origin node ---
-        const int k = warp;
-        int row = 0, row_end = 0, sent = 0;  // lane n: rows of source rank (n, k) in this channel
-        if (lane < N) {
-            const int src = lane * G + k;
-            row = recv_gbl_channel_prefix_matrix[src * num_channels + channel];
-            row_end = channel + 1 < num_channels ? recv_gbl_channel_prefix_matrix[src * num_channels + channel + 1]
-                                                 : recv_gbl_rank_prefix_sum[src];
-        }
-        const int* head_ptr = nl.head.on(my_nvl, channel, k);
-        int4* ring = nl.x.on(nvl_ptrs[k], channel, nvl_rank);
-        int* tail_ptr = nl.tail.on(nvl_ptrs[k], channel, nvl_rank);
-        int rr = 0, head = 0;
-        bool ok = true;
-        while (ok && __any_sync(kFullMask, row < row_end)) {
-            ok = warp_wait_any(ctx, WaitSite{kKernelInternodeCombine, kNVLSender, channel, lane},
-                               [&] {
-                                   if (lane >= N || row >= row_end) return false;
-                                   head = ld_volatile(head_ptr + lane);
-                                   return sub_slots - (sent - head) >= min(num_nvl_send, row_end - row);
-                               },
-                               [&](long long& h, long long& tl, long long& e) { h = head; tl = sent; e = sub_slots; });
-            if (!ok) break;
-            const bool ready = lane < N && row < row_end && sub_slots - (sent - head) >= min(num_nvl_send, row_end - row);
-            const int n = next_set_bit(__ballot_sync(kFullMask, ready), rr);
-            rr = n + 1 < N ? n + 1 : 0;
-            const int r0 = __shfl_sync(kFullMask, row, n), s0 = __shfl_sync(kFullMask, sent, n);
-            const int cnt = min(num_nvl_send, __shfl_sync(kFullMask, row_end, n) - r0);
-            for (int i = 0; i < cnt; ++i) {
-                int4* token = ring + (long long)(n * sub_slots + (s0 + i) % sub_slots) * fmt.int4s;
-                warp_copy<false, kCopyUnroll>(token, x + (long long)(r0 + i) * hidden_int4, hidden_int4);
-                for (int kk = lane; kk < num_topk; kk += kWarpSize)
-                    reinterpret_cast<float*>(reinterpret_cast<char*>(token) + fmt.weights_off)[kk] =
-                        topk_weights != nullptr ? topk_weights[(long long)(r0 + i) * num_topk + kk] : 0.0f;
-            }
-            __syncwarp();
-            if (lane == 0) st_release_sys(tail_ptr + n, s0 + cnt);
-            if (lane == n) {
-                row += cnt;
-                sent += cnt;
-            }
-        }
-    } else if (!is_forwarder_sm && warp < G + W) {
-        // ---- kRDMAReceiver: reduce my token t over the nodes that hold a partial sum of it -------------
-        const int w = warp - G;
-        long long* slot = s_slot[warp];
-        const int4* ring0 = rl.data.recv(rdma_base, channel, 0);   // source n's ring: + n * elems_per_rank
-        for (int t = begin + w; t < end; t += W) {
-            const int h = lane < N ? send_rdma_head[(long long)t * N + lane] : -1;
-            const bool ok = warp_wait_all(ctx, WaitSite{kKernelInternodeCombine, kRDMAReceiver, channel, lane},
-                                          [&] { return h < 0 || ld_acquire_sys(rl.tail.on(rdma_base, channel, lane)) > h; },
-                                          [&](long long& hh, long long& tl, long long& e) {
-                                              hh = h; tl = ld_volatile(rl.tail.on(rdma_base, channel, lane)); e = h + 1;
-                                          });
-            if (!ok) break;
-            if (lane < N) slot[lane] = h >= 0 ? lane * rl.data.elems_per_rank + (long long)(h % num_rdma_slots) * fmt.int4s : -1;
-            __syncwarp();
-            const long long row = (long long)t * hidden_int4;
-            reduce_rows<N>(combined_x + row, ring0, slot, bias0 != nullptr ? bias0 + row : nullptr,
-                           bias1 != nullptr ? bias1 + row : nullptr, hidden_int4);
-            if (combined_topk_weights != nullptr) {
-                for (int kk = lane; kk < num_topk; kk += kWarpSize)
-                    combined_topk_weights[(long long)t * num_topk + kk] = sum_token_weight<N>(ring0, slot, fmt.weights_off, kk);
-            }
-            __syncwarp();
-            if (lane == 0) {
-                __threadfence_block();  // the slot reads before the coordinator may return them
-                st_shared_volatile(&s_next[w], t + W);
-            }
-        }
-        __syncwarp();
-        if (lane == 0) st_shared_volatile(&s_next[w], end);  // retired (also after a failed wait)
-    } else if (!is_forwarder_sm && warp == G + W) {
-        // ---- kCoordinator: every token below min(s_next) is fully reduced; lane n returns node n's slots ----
-        int cursor = begin, released = 0, returned = 0, tmin = begin;
-        while (true) {
-            const bool ok = warp_wait_any(ctx, WaitSite{kKernelInternodeCombine, kCoordinator, channel, lane},
-                                          [&] {
-                                              tmin = 0x7fffffff;
-                                              for (int w = 0; w < W; ++w) tmin = min(tmin, ld_shared_volatile(&s_next[w]));
-                                              return tmin > cursor || tmin >= end;
-                                          },
-                                          [&](long long& h, long long& tl, long long& e) { h = cursor; tl = tmin; e = end; });
-            if (!ok) break;
-            tmin = min(__shfl_sync(kFullMask, tmin, 0), end);
-            if (lane < N) {
-                for (int t = cursor; t < tmin; ++t) {
-                    const int h = send_rdma_head[(long long)t * N + lane];
-                    if (h >= 0) released = h + 1;
-                }
-                if (released > returned && (released - returned >= num_rdma_send || tmin >= end)) {
-                    rdma.add(offset_in(rdma_base, rl.head.on(rdma_base, channel, node)), released - returned, lane);
-                    returned = released;
-                }
-            }
-            cursor = tmin;
-            if (tmin >= end) break;
-        }
-        if (lane < N) rdma.quiet();
-    } else if (is_forwarder_sm && warp < CombineShape<N, G>::kOddWarps) {
-        // ---- kNVLAndRDMAForwarder: warp n reduces origin node n's tokens over my node's GPUs -------------
-        // (nodes w, w + 16, ... one after the other: every node's warp w takes them in the same order, so the
-        // lower node never waits for a higher one and the chain cannot close into a cycle)
-      bool ok = true;
-      for (int n = warp; ok && n < N; n += CombineShape<N, G>::kOddWarps) {
-        const int* row = recv_rdma_channel_prefix_matrix + n * num_channels;
-        const int total = row[channel] - (channel > 0 ? row[channel - 1] : 0);
-        const int row_base = (n > 0 ? recv_rdma_rank_prefix_sum[n - 1] : 0) + (channel > 0 ? row[channel - 1] : 0);
-        int4* ring = rdma_ring_for(rdma, rl.data, channel, node, n);
-        const int* head_ptr = rl.head.on(rdma_base, channel, n);
-        long long* slot = s_slot[warp];
-        const int4* nvl0 = nl.x.on(my_nvl, channel, 0);   // GPU j's ring: + j * elems_per_rank
-        int issued = 0, head = 0;
-        while (ok && issued < total) {
-            const int chunk = min(min(num_rdma_send, total - issued), num_rdma_slots - issued % num_rdma_slots);
-            ok = warp_wait_all(ctx, WaitSite{kKernelInternodeCombine, kNVLAndRDMAForwarder, channel, n},
-                               [&] {
-                                   head = ld_volatile(head_ptr);
-                                   return issued + chunk - head <= num_rdma_slots;
-                               },
-                               [&](long long& h, long long& tl, long long& e) { h = head; tl = issued; e = chunk; });
-            for (int i = issued; ok && i < issued + chunk; ++i) {
-                const int h = lane < G ? send_nvl_head[(long long)(row_base + i) * G + lane] : -1;
-                ok = warp_wait_all(ctx, WaitSite{kKernelInternodeCombine, kNVLAndRDMAForwarder, channel, N + lane},
-                                   [&] { return h < 0 || ld_acquire_sys(nl.tail.on(my_nvl, channel, lane) + n) > h; },
-                                   [&](long long& hh, long long& tl, long long& e) {
-                                       hh = h; tl = ld_volatile(nl.tail.on(my_nvl, channel, lane) + n); e = h + 1;
-                                   });
-                if (!ok) break;
-                if (lane < G)
-                    slot[lane] = h >= 0 ? lane * nl.x.elems_per_rank + (long long)(n * sub_slots + h % sub_slots) * fmt.int4s : -1;
-                __syncwarp();
-                int4* dst = ring + (long long)(i % num_rdma_slots) * fmt.int4s;
-                reduce_rows<G>(dst, nvl0, slot, nullptr, nullptr, hidden_int4);
-                for (int kk = lane; kk < num_topk; kk += kWarpSize)
-                    reinterpret_cast<float*>(reinterpret_cast<char*>(dst) + fmt.weights_off)[kk] =
-                        sum_token_weight<G>(nvl0, slot, fmt.weights_off, kk);
-                __syncwarp();
-                // One consumer per sub-ring, in order: the slot is free again.
-                if (lane < G && h >= 0) st_release_sys(nl.head.on(nvl_ptrs[lane], channel, nvl_rank) + n, h + 1);
-            }
-            if (!ok) break;
-            // Every lane's slot stores (into node n's receive half on the direct path, my send half for a put)
-            // -> its fence.acq_rel.sys -> __syncwarp -> lane 0's rdma.fence() (system scope) -> the tail add.
-            __syncwarp();
-            fence_acq_rel_sys();
-            rdma_publish_slots(rdma, rl.data, rl.tail, channel, node, n, issued % num_rdma_slots, chunk, fmt.int4s,
-                               fmt.bytes);
-            issued += chunk;
-        }
-      }
-        __syncwarp();
-        if (lane == 0) rdma.quiet();
+    __shared__ CombineShared<kNumRdmaRanks, kNumNvlRanks> sh;
+    const CombineContext<kNumRdmaRanks, kNumNvlRanks, Rdma> c{
+        combined_x, combined_topk_weights, x, topk_weights, bias0, bias1, recv_gbl_channel_prefix_matrix,
+        recv_gbl_rank_prefix_sum, recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, send_rdma_head,
+        send_nvl_head, num_tokens, hidden_int4, num_topk, nvl_ptrs, rdma_base, rdma_peers, rank, num_rdma_send,
+        num_rdma_slots, num_nvl_send, num_nvl_slots, ctx, sh};
+    c.prepare();
+    if (block_aborted(ctx)) return;
+    // The targets are recomputed from the warp here: carried out of combine_role_of they cost the forwarder's
+    // reduction five registers.
+    const int role = combine_role_of<kNumRdmaRanks, kNumNvlRanks>(blockIdx.x, c.warp).role;
+    switch (role) {
+        case kNVLSender: c.nvl_sender(c.warp); break;
+        case kRDMAReceiver: c.rdma_receiver(c.warp - kNumNvlRanks); break;
+        case kCoordinator: c.coordinator(); break;
+        case kNVLAndRDMAForwarder: c.nvl_and_rdma_forwarder(c.warp); break;
+        default: break;  // kIdle
     }
 }
 

@@ -8,7 +8,7 @@
 // memory and adds its non-zero counts into an accumulator in the workspace (L2 atomics); the last block to
 // finish (ticket counter) copies the accumulator to the outputs and zeroes it for the next call. No output
 // needs zeroing beforehand.
-#include "common.cuh"
+#include "common/warp.cuh"
 
 namespace ep {
 

@@ -1,6 +1,6 @@
 """``Config`` (SM count and ring sizes), the default tables, buffer-size hints and tuned-config loading.
 
-The size arithmetic here mirrors ``cuda_src/buffer.cuh`` exactly: the NVLink buffer of every rank is
+The size arithmetic here mirrors ``cuda_src/common/layout.cuh`` exactly: the NVLink buffer of every rank is
 
     [signals: 128 B][notify area: NOTIFY_BYTES][channel area: max(dispatch carve, combine carve)]
 
@@ -17,14 +17,14 @@ from pathlib import Path
 
 from .reference import LOW_LATENCY_MAX_TOPK
 
-# Mirrors of the constants in cuda_src/buffer.cuh and cuda_src/common.cuh.
+# Mirrors of the constants in cuda_src/common/layout.cuh and cuda_src/common/wait.cuh.
 MAX_NVL_RANKS = 8
 MAX_LOCAL_EXPERTS = 1024
 MAX_TOPK = 32
 MAX_HIDDEN_BYTES = 65536          # 32768 bf16 elements; the kernels loop, so this is only a sanity bound
 ALIGN = 128
 SIGNAL_BYTES = 128
-CALL_WORDS = 8  # mirrors kCallWords in buffer.cuh (the call-agreement check of the notify kernels)
+CALL_WORDS = 8  # mirrors kCallWords in cuda_src/common/layout.cuh (the call-agreement check of the notify kernels)
 WORKSPACE_BYTES = 1 << 20     # get_dispatch_layout: ticket + one accumulator int per expert, rank and node column
 
 
@@ -33,7 +33,7 @@ def align_up(value: int, alignment: int = ALIGN) -> int:
 
 
 # rank matrix, per-expert counts, call words, and every rank's token count (the combine's channel split),
-# each int array rounded up to ALIGN bytes as buffer.cuh's Carver does
+# each int array rounded up to ALIGN bytes as common/layout.cuh's Carver does
 NOTIFY_BYTES = sum(align_up(4 * n) for n in (MAX_NVL_RANKS * MAX_NVL_RANKS, MAX_NVL_RANKS * MAX_LOCAL_EXPERTS,
                                              MAX_NVL_RANKS * CALL_WORDS, MAX_NVL_RANKS,
                                              # the zero-copy entry handshake: entry, entry_words, epoch, arrivals
@@ -41,7 +41,7 @@ NOTIFY_BYTES = sum(align_up(4 * n) for n in (MAX_NVL_RANKS * MAX_NVL_RANKS, MAX_
 
 
 def _asym(num_channels: int, num_ranks: int, bytes_per_slice: int) -> int:
-    """Bytes of one ``[channel][rank][bytes_per_slice]`` array, as buffer.cuh's AsymBuffer carves it."""
+    """Bytes of one ``[channel][rank][bytes_per_slice]`` array, as common/layout.cuh's AsymBuffer carves it."""
     return align_up(num_channels * num_ranks * bytes_per_slice)
 
 
@@ -67,7 +67,7 @@ def combine_channel_bytes(num_channels: int, num_ranks: int, num_recv_slots: int
 
 
 def direct_dispatch_bytes(num_channels: int, capacity: int, hidden_bytes: int, num_topk: int, num_scales: int) -> int:
-    """Bytes of the zero-copy dispatch carve (buffer.cuh DirectDispatchLayout, receiver side): done counter,
+    """Bytes of the zero-copy dispatch carve (common/layout.cuh DirectDispatchLayout, receiver side): done counter,
     channel starts ``[MAX_NVL_RANKS][channels]``, then ``capacity`` rows of x, src_idx, topk_idx, topk_weights
     and scales."""
     n = capacity
@@ -107,7 +107,7 @@ DIRECT_COMBINE_ROWS_PER_FLAG = 2
 
 
 def direct_combine_bytes(num_ranks: int, capacity: int, hidden_bytes: int, num_topk: int) -> int:
-    """Bytes of the zero-copy combine carve (buffer.cuh DirectCombineLayout, token-owner side): flags
+    """Bytes of the zero-copy combine carve (common/layout.cuh DirectCombineLayout, token-owner side): flags
     ``[capacity][R]``, then ``capacity`` rows per source rank of x and top-k weights."""
     return (align_up(4 * num_ranks * capacity) + align_up(num_ranks * capacity * hidden_bytes)
             + align_up(4 * num_ranks * capacity * num_topk))
@@ -355,19 +355,19 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
     return max(((total + ALIGN) // ALIGN) * ALIGN, ours)
 
 
-#: Low-latency kernel limits (mirrors kLLMaxExperts / kLLMaxRanks in cuda_src/low_latency.cu, kLLMaxTopk in
-#: cuda_src/buffer.cuh; the top-k limit is the reference's).
+#: Low-latency kernel limits (mirrors kLLMaxExperts / kLLMaxRanks in cuda_src/low_latency/common.cuh, kLLMaxTopk in
+#: cuda_src/common/layout.cuh; the top-k limit is the reference's).
 LL_MAX_EXPERTS = 4096
 LL_MAX_RANKS = 64
 LL_MAX_TOPK = LOW_LATENCY_MAX_TOPK
-#: Max num_max_dispatch_tokens_per_rank (kLLMaxTokens in low_latency.cu: a slot and an expert share one int32 in
+#: Max num_max_dispatch_tokens_per_rank (kLLMaxTokens in low_latency/combine.cuh: a slot and an expert share one int32 in
 #: the combine's meta, the expert in the low 12 bits).
 LL_MAX_TOKENS = 1 << 19
 
 
 def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                        num_experts: int) -> dict:
-    """Byte sizes and offsets of the GPU's ``LowLatencyLayout`` (cuda_src/buffer.cuh), which it mirrors.
+    """Byte sizes and offsets of the GPU's ``LowLatencyLayout`` (cuda_src/common/layout.cuh), which it mirrors.
 
     Two buffers alternate, laid out ``[sig0][sig1][send0][send1][recv0][recv1]``; M tokens, E experts, R ranks,
     K = 11 (``LOW_LATENCY_MAX_TOPK``)::
@@ -408,15 +408,15 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Internode buffers (mirrors the Internode* structs of cuda_src/buffer.cuh; internode_carve_probe compares)
+# Internode buffers (mirrors the Internode* structs of cuda_src/common/layout.cuh; internode_carve_probe compares)
 # ---------------------------------------------------------------------------------------------------------
-#: Nodes the internode kernels support (one warp lane each; mirrors kMaxRdmaRanks in buffer.cuh).
+#: Nodes the internode kernels support (one warp lane each; mirrors kMaxRdmaRanks in common/layout.cuh).
 MAX_RDMA_RANKS = 32
 _NVL_NOTIFY_INTS = CALL_WORDS + MAX_RDMA_RANKS + MAX_LOCAL_EXPERTS   # kNvlNotifyInts
 
 
 def internode_token_bytes(hidden_bytes: int, num_scales: int, num_topk: int, dispatch: bool) -> int:
-    """Bytes of one token on the internode wire (buffer.cuh ``TokenFormat``): dispatch
+    """Bytes of one token on the internode wire (common/layout.cuh ``TokenFormat``): dispatch
     ``[x | scales S float | pad to 8 | SourceMeta 8 B | topk_idx K int32 | weights K float]``, combine
     ``[x (bf16) | weights K float]``, rounded up to 16 bytes. ``hidden_bytes`` is a multiple of 16."""
     extra = align_up(4 * num_scales, 8) + 8 + 4 * num_topk if dispatch else 0

@@ -31,19 +31,30 @@ def source_dir() -> Path:
     """``cuda_src/``: package data when installed, the checkout's top-level folder otherwise."""
     here = Path(__file__).resolve().parent
     for candidate in (here / "cuda_src", here.parent / "cuda_src"):
-        if (candidate / "common.cuh").is_file():
+        if (candidate / "common" / "wait.cuh").is_file():
             return candidate
     raise FileNotFoundError(f"cupy_ep: cannot find cuda_src/ next to {here}")
 
 
 @functools.lru_cache(maxsize=None)
 def source_hash() -> str:
-    """SHA-256 over the names and contents of every file in ``cuda_src/`` (headers included)."""
+    """SHA-256 over the relative paths and contents of every file under ``cuda_src/``, subfolders included (a
+    kernel compiles from its entry file and any header it includes, at any depth)."""
     h = hashlib.sha256()
-    for path in sorted(source_dir().glob("*.cu*")):
-        h.update(path.name.encode())
+    for path in source_files():
+        h.update(path.relative_to(source_dir()).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()
+
+
+#: What cuda_src/ holds: entry files (.cu) and headers (.cuh); pyproject.toml's package-data ships the same patterns.
+SOURCE_SUFFIXES = (".cu", ".cuh")
+
+
+def source_files() -> list:
+    """Every kernel source file under ``cuda_src/`` (entry files and headers, in subfolders too), sorted."""
+    root = source_dir()
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES)
 
 
 def cache_dir() -> Path:
@@ -159,7 +170,7 @@ NVSHMEM_DEFINE = "-DCUPY_EP_NVSHMEM"
 
 
 def uses_nvshmem(filename: str, extra_options=()) -> bool:
-    return NVSHMEM_DEFINE in extra_options or '#include "nvshmem.cuh"' in (source_dir() / filename).read_text()
+    return NVSHMEM_DEFINE in extra_options or '#include "transport/nvshmem.cuh"' in (source_dir() / filename).read_text()
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,8 +243,9 @@ def link_with_nvshmem(relocatable_cubin: bytes, arch: str) -> bytes:
 
 def compile_cubin(filename: str, name_expressions, arch: str = "sm_90", extra_options=(),
                   verbose: bool = False) -> CompileResult:
-    """Compile ``cuda_src/<filename>`` with NVRTC for ``arch``; no GPU needed. Files that include
-    ``nvshmem.cuh`` are compiled relocatable and linked with NVSHMEM's device library.
+    """Compile ``cuda_src/<filename>`` (a path relative to ``cuda_src/``, e.g. ``"probes/copy.cu"``) with NVRTC for
+    ``arch``; no GPU needed. Includes resolve from ``cuda_src/`` (``#include "common/wait.cuh"``). Files that include
+    ``transport/nvshmem.cuh`` are compiled relocatable and linked with NVSHMEM's device library.
 
     Raises:
         CompileError: with NVRTC's (or nvJitLink's) log when the source does not compile (link).

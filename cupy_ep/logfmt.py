@@ -18,7 +18,7 @@ The relative error of a decoded value is at most ``2^(step/2) - 1`` (2.2 % when 
 when it spans 8) plus ~1e-7 from the polynomials. Finite values below 2^127 only.
 
 ``log2`` and ``exp2`` are written out with float32 products, sums and quotients rounded to nearest (no FMA) and
-constants given by their bits, so the kernel (``logfmt_encode`` / ``logfmt_decode`` in cuda_src/low_latency.cu)
+constants given by their bits, so the kernel (``logfmt_encode`` / ``logfmt_decode`` in cuda_src/low_latency/combine.cuh)
 reproduces every decoded value bit for bit: the tests compare exactly.
 """
 from __future__ import annotations

@@ -371,12 +371,12 @@ def check_buffer_view(nbytes: int, itemsize: int, size, offset, region: str) -> 
 
 # ---- what the buffer and the kernels can hold (the host backend refuses the same calls as the GPU) ---------------
 def intranode_warps(num_ranks: int) -> int:
-    """Warps of an intranode dispatch/combine block (mirrors Groups<kNumRanks> in intranode.cu)."""
+    """Warps of an intranode dispatch/combine block (mirrors Groups<kNumRanks> in cuda_src/intranode/groups.cuh)."""
     return (24 // num_ranks) * num_ranks
 
 
 def intranode_remote_warps(num_ranks: int) -> int:
-    """Sender warps per remote peer (mirrors RemoteGroups<kNumRanks>::kWarpsPerPeer in intranode.cu)."""
+    """Sender warps per remote peer (mirrors RemoteGroups<kNumRanks>::kWarpsPerPeer, cuda_src/intranode/groups.cuh)."""
     per_rank, remote = 24 // num_ranks, max(num_ranks - 1, 1)
     return max(intranode_warps(num_ranks) // remote, per_rank)
 
@@ -386,7 +386,7 @@ def intranode_dispatch_batch(num_ranks: int) -> int:
     return -(-intranode_remote_warps(num_ranks) * 4 // 32) * 32
 
 
-COMBINE_TOKENS_PER_WARP = 2  # mirrors kCombineTokensPerWarp in intranode.cu
+COMBINE_TOKENS_PER_WARP = 2  # mirrors kCombineTokensPerWarp in cuda_src/intranode/combine.cuh
 
 
 def check_nvl_bytes(needed: int, num_nvl_bytes: int, what: str) -> None:

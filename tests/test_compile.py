@@ -1,4 +1,6 @@
 """Every kernel instantiation in cuda_src/ compiles with NVRTC for sm_90, without a GPU, without spills."""
+import re
+
 import pytest
 
 from cupy_ep import jit
@@ -39,8 +41,8 @@ LL_KERNELS = ["ep::ll_carve_probe", "ep::combine<long long>", "ep::combine<int>"
 KERNELS = {
     "layout.cu": ["ep::get_dispatch_layout<long long>", "ep::get_dispatch_layout<int>"],
     "intranode.cu": intranode_names(),
-    "copy.cu": ["ep::p2p_copy"],
-    "timing.cu": ["ep::spin_ns"],
+    "probes/copy.cu": ["ep::p2p_copy"],
+    "probes/timing.cu": ["ep::spin_ns"],
     # the IPC transport: no NVSHMEM header, not relocatable (the NVSHMEM one is test_internode_nvshmem_...)
     "internode.cu": internode_names("ep::IpcRdma"),
     # the CUDA-IPC build: no NVSHMEM (the NVSHMEM build is test_low_latency_nvshmem_build_is_linked...)
@@ -85,16 +87,62 @@ def test_low_latency_stamping_build_compiles():
 
 
 def test_every_source_file_is_covered():
-    files = {p.name for p in jit.source_dir().glob("*.cu")}
+    """Every entry file (.cu, at any depth) has its kernels in KERNELS, and every header is included by some file."""
+    root = jit.source_dir()
+    files = {p.relative_to(root).as_posix() for p in jit.source_files() if p.suffix == ".cu"}
     assert files == set(KERNELS), "add the new file's kernels to KERNELS"
+    included = set()
+    for p in jit.source_files():
+        included |= set(re.findall(r'#include "([^"]+)"', p.read_text()))
+    headers = {p.relative_to(root).as_posix() for p in jit.source_files() if p.suffix == ".cuh"}
+    assert headers <= included, f"headers nothing includes: {sorted(headers - included)}"
+    assert {i for i in included if not i.startswith("nvshmem")} <= headers | {"cuda/std/type_traits"}
+
+
+def test_source_hash_and_package_data_cover_every_file(tmp_path, monkeypatch):
+    """The kernel cache key changes with any file under cuda_src/, in a subfolder too, and pyproject.toml's
+    package-data patterns match every such file (an installed package compiles from the same tree)."""
+    import glob
+    import tomllib
+    from pathlib import Path
+    root = jit.source_dir()
+    rel = [p.relative_to(root).as_posix() for p in jit.source_files()]
+    assert any("/" in r for r in rel) and not [p for p in root.rglob("*") if p.is_file() and p.suffix not in
+                                              jit.SOURCE_SUFFIXES and "__pycache__" not in p.parts]
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["cupy_ep.cuda_src"]
+
+    # setuptools expands package-data patterns with glob(recursive=True) in the package's folder
+    shipped = {s for pat in patterns for s in glob.glob(pat, root_dir=root, recursive=True)}
+    assert set(rel) <= shipped, sorted(set(rel) - shipped)
+    copy = tmp_path / "cuda_src"
+    for r in rel:
+        (copy / r).parent.mkdir(parents=True, exist_ok=True)
+        (copy / r).write_bytes((root / r).read_bytes())
+    monkeypatch.setattr(jit, "source_dir", lambda: copy)
+    jit.source_hash.cache_clear()
+    try:
+        first = jit.source_hash()
+        for r in rel:
+            original = (copy / r).read_bytes()
+            (copy / r).write_bytes(original + b"\n")
+            jit.source_hash.cache_clear()
+            assert jit.source_hash() != first, r
+            (copy / r).write_bytes(original)
+        jit.source_hash.cache_clear()
+        assert jit.source_hash() == first
+    finally:
+        jit.source_hash.cache_clear()
 
 
 def test_compile_error_carries_the_log(tmp_path, monkeypatch):
     bad = tmp_path / "cuda_src"
-    bad.mkdir()
-    for p in jit.source_dir().glob("*.cuh"):
-        (bad / p.name).write_text(p.read_text())
-    (bad / "broken.cu").write_text('#include "common.cuh"\n__global__ void k() { undefined_symbol(); }\n')
+    root = jit.source_dir()
+    for p in jit.source_files():
+        if p.suffix == ".cuh":
+            (bad / p.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
+            (bad / p.relative_to(root)).write_text(p.read_text())
+    (bad / "broken.cu").write_text('#include "common/wait.cuh"\n__global__ void k() { undefined_symbol(); }\n')
     monkeypatch.setattr(jit, "source_dir", lambda: bad)
     with pytest.raises(CompileError) as info:
         jit.compile_cubin("broken.cu", ["k"], arch="sm_90")
@@ -103,13 +151,13 @@ def test_compile_error_carries_the_log(tmp_path, monkeypatch):
 
 def test_source_hash_covers_headers(tmp_path, monkeypatch):
     src = tmp_path / "cuda_src"
-    src.mkdir()
-    (src / "common.cuh").write_text("#define A 1\n")
+    (src / "common").mkdir(parents=True)
+    (src / "common" / "wait.cuh").write_text("#define A 1\n")
     monkeypatch.setattr(jit, "source_dir", lambda: src)
     jit.source_hash.cache_clear()
     try:
         first = jit.source_hash()
-        (src / "common.cuh").write_text("#define A 2\n")
+        (src / "common" / "wait.cuh").write_text("#define A 2\n")
         jit.source_hash.cache_clear()
         assert jit.source_hash() != first
     finally:

@@ -1,4 +1,4 @@
-"""A step model of the low-latency combine's expert-side handoff (cuda_src/low_latency.cu, combine_reduce_owner):
+"""A step model of the low-latency combine's expert-side handoff (cuda_src/low_latency/combine.cuh, combine_reduce_owner):
 compute threads store each token's partial row and hand the token to a flagger warp through two mbarriers
 (`full`, `empty`, both waited on by phase parity) and a two-entry `flag_token`; the compute threads also sync
 among themselves on a third mbarrier (compute_sync). Random interleavings of the agents check that the flagger

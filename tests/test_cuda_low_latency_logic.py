@@ -282,7 +282,7 @@ def _send_model(rank, x_cast, scales, topk_idx, M, E, R, recv, signals, lay, log
 
 
 _LL_THREADS = int(re.search(r"constexpr int kLLThreads = (\d+);",
-                            (Path(__file__).resolve().parents[1] / "cuda_src" / "low_latency.cu").read_text()).group(1))
+                            (Path(__file__).resolve().parents[1] / "cuda_src" / "low_latency" / "common.cuh").read_text()).group(1))
 
 
 def _scan_counts_model(counts, threads):

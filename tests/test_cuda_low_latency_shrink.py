@@ -1,7 +1,7 @@
 """Shrink mode (``Buffer(enable_shrink=True)``) of the GPU low-latency path, without a GPU: CudaBackend's mask methods
 check their arguments (naming them) before anything runs; the kernels get the mask as an argument of every launch;
 clean meets the unmasked ranks only (a timed point-to-point barrier, MPI tests below) and restarts the buffers; the
-DeviceCtx mirror in cuda/runtime.py matches cuda_src/common.cuh, whose timed wait compiles in both policies
+DeviceCtx mirror in cuda/runtime.py matches cuda_src/common/wait.cuh, whose timed wait compiles in both policies
 (NVRTC, sm_90). The kernels' behaviour is tests/gpu/test_low_latency_shrink.py's."""
 from __future__ import annotations
 
@@ -334,7 +334,7 @@ def test_shrink_barrier_of_every_rank_masks_nobody(comm):
 
 # ---- compile-only: the DeviceCtx mirror and the timed wait's two policies ------------------------------------
 _PROBE = r"""
-#include "common.cuh"
+#include "common/wait.cuh"
 %s
 namespace probe {
 __global__ void wait_failing(const ep::DeviceCtx* ctx, const int* flag, int* out) {

@@ -93,7 +93,7 @@ def test_resolve_force_put(monkeypatch):
 
 def test_rdma_peer_table_mirrors_the_transport():
     # RdmaArgs::peer_bases: [2][kMaxRdmaRanks]; row 0 puts/adds (IpcRdma::remote), row 1 loads/stores (rdma_direct)
-    src = (jit.source_dir() / "rdma_transport.cuh").read_text()
+    src = (jit.source_dir() / "transport" / "rdma.cuh").read_text()
     assert "a.peer_bases + kMaxRdmaRanks + pe" in src and "a.peer_bases[pe]" in src
     M = cfg.MAX_RDMA_RANKS
     table = ci.rdma_peer_table([10, 20], [30, 0])

@@ -9,9 +9,22 @@ from cupy_ep.cuda import runtime
 SRC = Path(__file__).resolve().parent.parent / "cuda_src"
 
 
-def enum_values(path: Path, enum: str) -> dict[str, int]:
-    """``{name: value}`` of ``enum <enum> : int { ... };`` in a CUDA source file (explicit values only)."""
-    text = path.read_text()
+def source(*names: str) -> str:
+    """The text of these files of cuda_src/ (a folder stands for every file in it), concatenated."""
+    out = []
+    for name in names:
+        path = SRC / name
+        files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+        out += [f.read_text() for f in files]
+    return "\n".join(out)
+
+
+#: The low-latency path: its entry file and its folder.
+LL = ("low_latency.cu", "low_latency")
+
+
+def enum_values(text: str, enum: str) -> dict[str, int]:
+    """``{name: value}`` of ``enum <enum> : int { ... };`` in CUDA source text (explicit values only)."""
     body = re.search(r"enum\s+" + enum + r"\s*:\s*int\s*\{(.*?)\};", text, re.S).group(1)
     body = re.sub(r"//[^\n]*", "", body)
     return {name: int(value) for name, value in re.findall(r"(\w+)\s*=\s*(\d+)", body)}
@@ -22,8 +35,8 @@ def snake(camel: str) -> str:
 
 
 def test_role_names_mirror_the_cuda_enums():
-    expected = {v: snake(n[len("kRole"):]) for n, v in enum_values(SRC / "common.cuh", "Role").items()}
-    for name, value in enum_values(SRC / "internode.cu", "WarpRole").items():
+    expected = {v: snake(n[len("kRole"):]) for n, v in enum_values(source("common/wait.cuh"), "Role").items()}
+    for name, value in enum_values(source("internode/roles.cuh"), "WarpRole").items():
         if name == "kIdle":
             continue  # never waits, never reports
         expected[value] = snake(name[len("kRole"):]) if name.startswith("kRole") else name
@@ -31,7 +44,7 @@ def test_role_names_mirror_the_cuda_enums():
 
 
 def test_kernel_names_cover_every_kernel_id():
-    ids = enum_values(SRC / "common.cuh", "KernelId")
+    ids = enum_values(source("common/wait.cuh"), "KernelId")
     assert sorted(runtime.KERNEL_NAMES) == sorted(ids.values())
     # the name is the kernel's own (snake case of the enum without the kKernel prefix), where it has one
     by_value = {v: snake(n[len("kKernel"):]) for n, v in ids.items()}
@@ -41,11 +54,11 @@ def test_kernel_names_cover_every_kernel_id():
 
 def test_low_latency_stamp_names_mirror_the_enum():
     from cupy_ep.cuda import low_latency as cll
-    stamps = enum_values(SRC / "low_latency.cu", "LLStamp")
+    stamps = enum_values(source(*LL), "LLStamp")
     assert [snake(n[len("kStamp"):]) for n, _ in sorted(stamps.items(), key=lambda kv: kv[1])] == \
         list(cll.STAMP_NAMES[:len(stamps)])
     assert sorted(stamps.values()) == list(range(len(stamps)))
-    text = (SRC / "low_latency.cu").read_text()
+    text = source(*LL)
     assert f"kLLStamps = {len(cll.STAMP_NAMES)};" in text
 
 
@@ -67,9 +80,10 @@ def test_phase_breakdown_is_relative_to_the_earliest_send_start():
 
 
 def test_dispatch_sender_groups_mirror_remote_groups():
-    """validate's sender-warp and batch sizes (both backends refuse by them) follow RemoteGroups in intranode.cu (a
-    smaller Python value would let through a ring the sender can never fill: a hang, not an error)."""
-    text = (SRC / "intranode.cu").read_text()
+    """validate's sender-warp and batch sizes (both backends refuse by them) follow RemoteGroups in
+    intranode/groups.cuh (a smaller Python value would let through a ring the sender can never fill: a hang, not an
+    error)."""
+    text = source("intranode/groups.cuh")
     assert "kBatchWindows = (kWarpsPerPeer * 4 + kWarpSize - 1) / kWarpSize;" in text
     assert "kWarpsPerRank = 24 / kNumRanks;" in text
     # by hand from the C++: R-1 remote peers share Groups' warps where that gives each more than 24 / R
@@ -83,14 +97,14 @@ def test_dispatch_sender_groups_mirror_remote_groups():
 def test_low_latency_limits_mirror_the_cuda_constants():
     from cupy_ep import config, reference
 
-    def constant(path: Path, name: str) -> int:
-        return int(re.search(r"constexpr int " + name + r"\s*=\s*(\d+);", path.read_text()).group(1))
-    assert constant(SRC / "buffer.cuh", "kLLMaxTopk") == config.LL_MAX_TOPK == reference.LOW_LATENCY_MAX_TOPK
-    assert constant(SRC / "low_latency.cu", "kLLMaxExperts") == config.LL_MAX_EXPERTS
-    assert constant(SRC / "low_latency.cu", "kLLMaxRanks") == config.LL_MAX_RANKS
+    def constant(text: str, name: str) -> int:
+        return int(re.search(r"constexpr int " + name + r"\s*=\s*(\d+);", text).group(1))
+    assert constant(source("common/layout.cuh"), "kLLMaxTopk") == config.LL_MAX_TOPK == reference.LOW_LATENCY_MAX_TOPK
+    assert constant(source(*LL), "kLLMaxExperts") == config.LL_MAX_EXPERTS
+    assert constant(source(*LL), "kLLMaxRanks") == config.LL_MAX_RANKS
     # the combine's entry code: slot << kEntrySlotShift | expert in an int32
-    shift = constant(SRC / "low_latency.cu", "kEntrySlotShift")
-    assert "constexpr int kLLMaxTokens = 1 << (31 - kEntrySlotShift);" in (SRC / "low_latency.cu").read_text()
+    shift = constant(source(*LL), "kEntrySlotShift")
+    assert "constexpr int kLLMaxTokens = 1 << (31 - kEntrySlotShift);" in source(*LL)
     assert config.LL_MAX_TOKENS == 1 << (31 - shift) and config.LL_MAX_EXPERTS <= 1 << shift
 
 
@@ -99,7 +113,7 @@ def test_low_latency_combine_shared_memory_mirrors_the_kernel():
     kernel's, and at the largest top-k it fits a block with the kernel's static shared memory (~19 KB)."""
     from cupy_ep.cuda import low_latency as cll
     from cupy_ep import reference
-    text = (SRC / "low_latency.cu").read_text()
+    text = source(*LL)
     assert f"constexpr int kCombineChunks = {cll._COMBINE_CHUNKS};" in text
     assert f"constexpr int kLLCombineThreads = {cll._COMBINE_THREADS};" in text
     # the dispatch is launched with the block size its __launch_bounds__ and its warp roles assume
@@ -110,7 +124,7 @@ def test_low_latency_combine_shared_memory_mirrors_the_kernel():
 
 def test_low_latency_wire_formats_mirror_the_enum():
     from cupy_ep.cuda import low_latency as cll
-    assert enum_values(SRC / "low_latency.cu", "Wire") == {"kWire24": cll.WIRE_24, "kWireBf16": cll.WIRE_BF16,
+    assert enum_values(source(*LL), "Wire") == {"kWire24": cll.WIRE_24, "kWireBf16": cll.WIRE_BF16,
                                                            "kWireLogFmt": cll.WIRE_LOGFMT}
 
 
@@ -119,7 +133,7 @@ def test_logfmt_constants_mirror_the_kernel():
     test_logfmt.py checks each is the float32 nearest its value): a constant changed on one side only would make
     the GPU's decoded values differ from the reference's."""
     from cupy_ep import logfmt
-    text = (SRC / "low_latency.cu").read_text()
+    text = source(*LL)
     body = text[text.index("__device__ __forceinline__ float logfmt_log2"):text.index("struct LogFmtChunk")]
     used = {int(h, 16) for h in re.findall(r"0x([0-9a-f]{8})u", body)}
     want = {bits for bits, _ in logfmt.CONSTANTS.values()} | set(logfmt.INV_FACTORIALS)

@@ -19,7 +19,7 @@ from .runtime import Runtime, capturing
 
 _LAYOUT_THREADS = 256  # mirrors kLayoutThreads in layout.cu
 _NOTIFY_THREADS = 128
-_TMA_BYTES_PER_WARP = 8192  # mirrors kTmaChunkBytes in common.cuh (dispatch/combine receivers' bulk-copy buffers)
+_TMA_BYTES_PER_WARP = 8192  # mirrors kTmaChunkBytes in common/warp.cuh (dispatch/combine receivers' bulk-copy buffers)
 
 
 class CudaBackend(BackendBase):
@@ -260,7 +260,7 @@ class CudaBackend(BackendBase):
 
     def _direct_recv_x(self, rows: int, hidden: int, dtype, num_channels: int):
         """The zero-copy dispatch's recv_x: ``[rows, hidden]`` of ``dtype``, a view of this rank's buffer at
-        DirectDispatchLayout's x (buffer.cuh); it keeps the buffer object alive, not the memory's contents."""
+        DirectDispatchLayout's x (cuda_src/common/layout.cuh); it keeps the buffer object alive, not the memory's contents."""
         import cupy
         if rows == 0:
             return cupy.empty((0, hidden), dtype=dtype)

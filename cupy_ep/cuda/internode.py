@@ -72,7 +72,7 @@ def resolve_force_put() -> bool:
 
 
 def rdma_peer_table(put_bases, direct_bases) -> np.ndarray:
-    """The kernels' RDMA peer table (``RdmaArgs::peer_bases`` in rdma_transport.cuh): uint64 ``[2, MAX_RDMA_RANKS]``
+    """The kernels' RDMA peer table (``RdmaArgs::peer_bases`` in cuda_src/transport/rdma.cuh): uint64 ``[2, MAX_RDMA_RANKS]``
     flattened; row 0: where puts and adds to PE (node) n go (IPC: n's buffer as mapped here; NVSHMEM: unused),
     row 1: n's buffer as reachable by loads/stores from this GPU, 0 where only puts reach it. ``None`` leaves a row 0."""
     table = np.zeros((2, _config.MAX_RDMA_RANKS), dtype=np.uint64)
@@ -110,7 +110,7 @@ def check_config(cfg: _config.Config, num_nodes: int, kind: str) -> None:
 
 
 def threads(kind: str, num_nodes: int, gpus_per_node: int) -> int:
-    """Block size of the dispatch / combine kernel (mirrors DispatchShape / CombineShape in internode.cu)."""
+    """Block size of the dispatch / combine kernel (mirrors DispatchShape / CombineShape in internode/roles.cuh)."""
     if kind == "dispatch":
         return (_SENDER_WARPS + 1 + gpus_per_node) * 32
     even = gpus_per_node + _COMBINE_RECV_WARPS + 1

@@ -9,7 +9,7 @@ Decisions (DeepEP V1's low-latency path is the model):
   output is deterministic (no sorting needed to compare, reproducible across runs);
 * dispatch sends each token once per destination rank (to ``[source rank][token]`` of its recv region) plus one
   8-byte index entry per (token, k) at ``[local expert][source rank][slot]``; the receiver gathers the expert's
-  rows through the index (``LowLatencyLayout`` in cuda_src/buffer.cuh, :func:`cupy_ep.config.low_latency_layout`).
+  rows through the index (``LowLatencyLayout`` in cuda_src/common/layout.cuh, :func:`cupy_ep.config.low_latency_layout`).
   The per-expert counts go out right after the histograms; each row is ready once its index entry, written after
   the row under a system-scope release, carries the call's epoch (the buffer's dispatches so far + 1, counted on
   the device), so no signal waits for the slowest sender block;
@@ -33,7 +33,7 @@ Decisions (DeepEP V1's low-latency path is the model):
 * transport (``Buffer(low_latency_transport=)`` or env ``CUPY_EP_LL_TRANSPORT``): ``"nvshmem"`` (default; the
   path to many nodes) or ``"ipc"``: the buffer is a ``cudaMalloc`` that every rank of the node opens over CUDA IPC
   (:class:`cupy_ep.bootstrap.IpcBuffer`), and the kernels are built without NVSHMEM (not relocatable, no device
-  library: ``cuda_src/ll_transport.cuh``). Every peer is then reached by stores, so the same kernels run, without
+  library: ``cuda_src/transport/ll.cuh``). Every peer is then reached by stores, so the same kernels run, without
   the NVSHMEM wheel or its start-up, and also where ranks share a GPU (NVSHMEM allows one PE per GPU only). The
   low-latency path is intranode-only either way (``CudaBackend`` refuses it across nodes);
 * peers reachable over NVLink (``nvshmem_ptr`` != 0, or every peer with ``"ipc"``) get direct stores, others
@@ -121,7 +121,7 @@ def allocating_on(compute, kind: interop.Kind):
 
 _WORKSPACE_INTS = 32 + _config.LL_MAX_RANKS  # kWsMetaReaders + meta readers (below: buffer index, epochs)
 WS_EPOCH = 4                    # kWsEpoch: per buffer, the dispatches whose receive phase finished
-# the partials' wire formats (cuda_src/low_latency.cu's Wire): 24 bits, bf16, LogFMT-10
+# the partials' wire formats (cuda_src/low_latency/combine.cuh's Wire): 24 bits, bf16, LogFMT-10
 WIRE_24, WIRE_BF16, WIRE_LOGFMT = 0, 1, 2
 _SEND, _RECV = 1, 2             # kPhaseSend, kPhaseRecv
 # The int32 kernel arguments that take a few values (a flag, a buffer index, the phases), made once: a numpy scalar
@@ -133,7 +133,7 @@ _INT32_ARGS = tuple(np.int32(i) for i in range((_SEND | _RECV) + 1))
 # stamps' branches and barriers take registers from the kernels' common paths).
 STAMPS_OPTION = "-DCUPY_EP_LL_STAMPS=1"
 
-# low_latency.cu LLStamp, in order
+# low_latency/common.cuh LLStamp, in order
 STAMP_NAMES = ("send_start", "send_prepared", "send_routed", "send_encoded", "send_written", "send_end",
                "recv_start", "recv_prepared", "recv_first_data", "recv_end", "send_first_stored", "recv_copy_start",
                "recv_row_seen")

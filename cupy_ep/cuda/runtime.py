@@ -23,16 +23,16 @@ KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notif
                  12: "internode_dispatch", 13: "internode_combine", 14: "dispatch_direct", 15: "combine_direct"}
 ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check",
                6: "buffer_reuse", 7: "zero_copy_capacity", 8: "entry",
-               # internode.cu WarpRole
+               # internode/roles.cuh WarpRole
                10: "kRDMASender", 11: "kRDMASenderCoordinator", 12: "kRDMAAndNVLForwarder",
                13: "kForwarderCoordinator", 14: "kNVLReceivers", 15: "kNVLSender", 16: "kNVLAndRDMAForwarder",
                17: "kRDMAReceiver", 18: "kCoordinator", 19: "rdma_barrier", 20: "nvl_barrier", 22: "capacity"}
-# Mirror of the CallWords a notify kernel compares (intranode.cu): index -> name.
+# Mirror of the CallWords a notify kernel compares (intranode/handshake.cuh): index -> name.
 CALL_WORDS = ("op", "num_channels", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
                "num_scales", "num_experts", "zero_copy_capacity")
 CALL_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "zero-copy dispatch",
              5: "zero-copy cached dispatch", 6: "zero-copy combine"}
-# Mirror of cuda_src/common.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64).
+# Mirror of cuda_src/common/wait.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64).
 RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), ("role", "<i4"),
                           ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
                           ("expected", "<i8"), ("elapsed_ns", "<i8")])

@@ -1,7 +1,7 @@
 """``python -m cupy_ep.bench``: the main job. Run under mpirun, one rank per GPU (``scripts/bench.sh``).
 
 In ONE run it measures, for each ``--model`` shape (GPU backend):
-  * the ceiling: an SM-driven copy where every GPU writes to all its peers at once (cuda_src/copy.cu);
+  * the ceiling: an SM-driven copy where every GPU writes to all its peers at once (cuda_src/probes/copy.cu);
   * the baseline: NCCL grouped send/recv moving exactly the per-peer bytes our dispatch (combine) moves;
   * ours: layout, dispatch, cached dispatch (BF16 and FP8), combine (BF16) and the round trip (cached dispatch, a
     stand-in expert step, combine, back to back with no host sync) over several SM counts and token counts, CUDA

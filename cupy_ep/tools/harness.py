@@ -178,7 +178,7 @@ class GpuTimer:
     def aligned(self, fn, align, per_replay: int = 1, spin_us: float = 30.0) -> Timing:
         """Device time from a common start: ``fn`` captured ``per_replay`` times in one CUDA graph, as ``graph``,
         but each replay is queued behind ``align(stream)`` (a device-side barrier of the ranks: NcclAllToAll.align,
-        a one-int all-reduce) and a ``spin_us`` spin kernel (cuda_src/timing.cu), with the start event recorded
+        a one-int all-reduce) and a ``spin_us`` spin kernel (cuda_src/probes/timing.cu), with the start event recorded
         between the spin and the replay. Per op.
 
         Why: ``graph`` records its start event on an idle stream and then launches, so its span holds the host's
@@ -188,7 +188,7 @@ class GpuTimer:
         together and nothing waits for a host: as inside a decode step's CUDA graph, where the step's earlier
         collectives line the ranks up. The L2 is flushed before each iteration, as in the other timings."""
         from .. import jit
-        spin = jit.get_kernel("timing.cu", "ep::spin_ns")
+        spin = jit.get_kernel("probes/timing.cu", "ep::spin_ns")
 
         def before(stream):
             align(stream)
@@ -339,7 +339,7 @@ def measure_ceiling(buf, timer, bytes_per_peer: int, sms_list, steady_n: int = 0
     room = (buf.num_nvl_bytes - cfgmod.NOTIFY_BYTES) // (16 * R)
     n_int4 = min(n_int4, room)
     src = cupy.random.randint(0, 1 << 30, size=4 * n_int4, dtype=cupy.int32).view(cupy.int32)
-    kernel = jit.get_kernel("copy.cu", "ep::p2p_copy")
+    kernel = jit.get_kernel("probes/copy.cu", "ep::p2p_copy")
     graph, steady = {}, {}
     for sms in sms_list:
         def run():

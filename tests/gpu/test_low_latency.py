@@ -306,7 +306,7 @@ def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_ou
         stats = _dev(np.zeros(L, dtype=np.int32), case.lib)
         if delay_ns:
             from cupy_ep import jit
-            jit.get_kernel("timing.cu", "ep::spin_ns")((1,), (1,), (np.int64(delay_ns),))  # the current stream
+            jit.get_kernel("probes/timing.cu", "ep::spin_ns")((1,), (1,), (np.int64(delay_ns),))  # the current stream
         out_x, count, handle, _, h = buf.low_latency_dispatch(
             _dev(x, case.lib), _dev(idx, case.lib), MAX_TOKENS, E, cumulative_local_expert_recv_stats=stats,
             dispatch_wait_recv_cost_stats=wait_stats[0], use_fp8=case.use_fp8, round_scale=case.round_scale,

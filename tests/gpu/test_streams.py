@@ -23,7 +23,7 @@ def _spin(stream_ptr: int, device_id: int) -> None:
 
     from cupy_ep import jit
     with cupy.cuda.Device(device_id):
-        jit.get_kernel("timing.cu", "ep::spin_ns")((1,), (1,), (np.int64(SPIN_NS),),
+        jit.get_kernel("probes/timing.cu", "ep::spin_ns")((1,), (1,), (np.int64(SPIN_NS),),
                                                     stream=cupy.cuda.ExternalStream(stream_ptr, device_id))
 
 

@@ -1,4 +1,4 @@
-// ll_transport.cuh: how the low-latency kernels reach a peer they cannot store to. low_latency.cu stores straight
+// transport/ll.cuh: how the low-latency kernels reach a peer they cannot store to. low_latency.cu stores straight
 // into every peer whose buffer is mapped in this process (peer_bases[pe] != 0) and calls these for the others.
 // Two builds of low_latency.cu, chosen by the host (cupy_ep/cuda_low_latency.py, Buffer(low_latency_transport=)):
 //
@@ -18,7 +18,7 @@
 #pragma once
 
 #ifdef CUPY_EP_NVSHMEM
-#include "nvshmem.cuh"
+#include "transport/nvshmem.cuh"
 
 namespace ep {
 __device__ __forceinline__ void ll_put_int(int* dst, int value, int pe) { nvshmem_int_p(dst, value, pe); }

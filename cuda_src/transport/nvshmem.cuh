@@ -1,4 +1,4 @@
-// nvshmem.cuh: NVSHMEM's device API for kernels compiled by NVRTC (relocatable, linked with the pip wheel's
+// transport/nvshmem.cuh: NVSHMEM's device API for kernels compiled by NVRTC (relocatable, linked with the pip wheel's
 // libnvshmem_device.a by jit.py). Include it instead of <nvshmem.h>.
 #pragma once
 

@@ -1,4 +1,4 @@
-// rdma_transport.cuh: the RDMA-domain transport of the internode kernels, one small device interface with two
+// transport/rdma.cuh: the RDMA-domain transport of the internode kernels, one small device interface with two
 // implementations chosen at compile time (a template parameter of every internode kernel):
 //
 //   put_warp(dst_offset, src, bytes, pe)  warp-collective: copy `bytes` (multiple of 16) of local memory `src` to
@@ -12,7 +12,7 @@
 //   direct(offset, pe)                    the address at which this GPU reaches byte `offset` of PE pe's RDMA
 //                                         buffer by plain loads / stores, or nullptr when only puts reach it
 //
-// Offsets are from the base of the RDMA buffer, which has the same layout on every PE (buffer.cuh). PE = node
+// Offsets are from the base of the RDMA buffer, which has the same layout on every PE (common/layout.cuh). PE = node
 // index: the RDMA domain of a rank is the ranks with its GPU index, one per node.
 //
 // Direct path: where direct() is not null (always with IpcRdma; with NVSHMEM when nvshmem_ptr() maps the peer,
@@ -30,8 +30,8 @@
 //                cupy_ep/jit.py pairs with -rdc and the link against libnvshmem_device.a.
 // Nothing else differs between the two: the kernels see only this interface.
 #pragma once
-#include "common.cuh"
-#include "buffer.cuh"  // kMaxRdmaRanks
+#include "common/warp.cuh"
+#include "common/layout.cuh"  // kMaxRdmaRanks
 
 namespace ep {
 
@@ -65,7 +65,7 @@ struct IpcRdma {
     __device__ void put_warp(long long dst_offset, const void* src, long long bytes, int pe) const {
         int4* dst = reinterpret_cast<int4*>(remote(dst_offset, pe));
         // src was written by other warps of this block (made visible by the caller's fence): L2 loads, four in
-        // flight per lane (as internode.cu's copies) instead of one: a put is latency-bound otherwise.
+        // flight per lane (as internode's copies) instead of one: a put is latency-bound otherwise.
         warp_copy<true, 4>(dst, static_cast<const int4*>(src), bytes / 16);
     }
     __device__ void add(long long dst_offset, int value, int pe) const {
@@ -80,7 +80,7 @@ struct IpcRdma {
 }  // namespace ep
 
 #ifdef CUPY_EP_NVSHMEM
-#include "nvshmem.cuh"
+#include "transport/nvshmem.cuh"
 
 namespace ep {
 

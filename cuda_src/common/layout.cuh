@@ -1,4 +1,4 @@
-// buffer.cuh: the only place where communication buffers are carved.
+// common/layout.cuh: the only place where communication buffers are carved.
 //
 // Every rank's NVLink buffer (one cudaMalloc, opened by its peers through CUDA IPC) is
 //
@@ -13,9 +13,13 @@
 // cupy_ep/config.py mirrors these sums (dispatch_channel_bytes, combine_channel_bytes, NOTIFY_BYTES); a
 // GPU test compares both through carve_probe (intranode.cu).
 #pragma once
-#include "common.cuh"
+#include "common/warp.cuh"
 
 namespace ep {
+
+constexpr int kMaxNvlRanks = 8;          // ranks of one NVLink domain (mirrors config.MAX_NVL_RANKS)
+constexpr int kMaxLocalExperts = 1024;   // experts per rank (mirrors config.MAX_LOCAL_EXPERTS)
+constexpr int kMaxTopk = 32;             // mirrors config.MAX_TOPK
 
 constexpr long long kAlign = 128;
 constexpr long long kSignalBytes = 128;  // int barrier_signal[kMaxNvlRanks], padded
@@ -36,6 +40,10 @@ struct Carver {
 template <typename T>
 __device__ __forceinline__ T* at_offset(void* base, long long offset) {
     return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
+}
+
+__device__ __forceinline__ long long offset_in(const void* base, const void* p) {
+    return static_cast<const char*>(p) - static_cast<const char*>(base);
 }
 
 // [elements]: a plain array, not split by channel.
@@ -462,5 +470,18 @@ struct InternodeCombineNvl {
         total_end = c.offset;
     }
 };
+
+// Contiguous token range of a channel: blocks of ceil(T / C) (mirrors reference.channel_ranges).
+__device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int channel, int& begin, int& end) {
+    const int per = (num_tokens + num_channels - 1) / num_channels;
+    begin = min(per * channel, num_tokens);
+    end = min(begin + per, num_tokens);
+}
+// The same range as {begin, end}.
+__device__ __forceinline__ int2 channel_bounds(int num_tokens, int num_channels, int channel) {
+    int2 r;
+    channel_range(num_tokens, num_channels, channel, r.x, r.y);
+    return r;
+}
 
 }  // namespace ep

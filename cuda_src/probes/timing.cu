@@ -1,5 +1,5 @@
-// timing.cu: the benchmark's timing helper (the library does not use it).
-#include "common.cuh"
+// probes/timing.cu: the benchmark's timing helper (the library does not use it).
+#include "common/ptx.cuh"
 
 namespace ep {
 

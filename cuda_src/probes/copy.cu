@@ -1,7 +1,7 @@
-// copy.cu: the benchmark's ceiling. A plain SM-driven copy where every rank writes `num_int4` int4 into
+// probes/copy.cu: the benchmark's ceiling. A plain SM-driven copy where every rank writes `num_int4` int4 into
 // every peer's buffer at once (as dispatch does), with plain 16-byte stores. Rank r writes into slot r
 // of each peer's region starting at `dst_offset`.
-#include "common.cuh"
+#include "common/ptx.cuh"
 
 namespace ep {
 
