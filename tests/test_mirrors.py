@@ -140,3 +140,25 @@ def test_logfmt_constants_mirror_the_kernel():
     assert want <= used | {0x3F800000, 0x3F000000}
     assert used - {0x7FFFFF, 0x3F800000} <= want
     assert "(long long)L.hidden / 16 * 21" in text and logfmt.wire_bytes(7168) == 7168 // 16 * 21
+
+
+def _kernel_parameters(text: str, name: str) -> list[str]:
+    """The parameter names of ``__global__ ... name(...)`` in ``text``, in order."""
+    match = re.search(r"__global__ void (?:__launch_bounds__\([^()]*(?:\([^()]*\))?[^()]*\)\s*)?%s\s*\((.*?)\)\s*\{"
+                      % name, text, re.S)
+    assert match, f"__global__ {name} not found"
+    return [re.sub(r"\[.*\]", "", p).strip().split()[-1].lstrip("*&") for p in match.group(1).split(",")]
+
+
+def test_kernel_argument_records_are_the_kernels_signatures():
+    """Each launcher's record (cupy_ep/cuda/kernels.py) has its kernel's parameters, by name and in order: a
+    parameter added, removed or moved on one side only would pass its neighbours' values."""
+    from cupy_ep.cuda import kernels
+    assert len(kernels.RECORDS) == 9
+    for name, (filename, record) in kernels.RECORDS.items():
+        assert list(record._fields) == _kernel_parameters(source(filename), name), name
+
+
+def test_the_signature_reader_reads_a_launch_bounds_kernel():
+    text = "__global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)\nk(int4* a, const int b) {"
+    assert _kernel_parameters(text, "k") == ["a", "b"]

@@ -12,14 +12,12 @@ import numpy as np
 from .. import bootstrap, handles, interop, validate
 from .. import config as _config
 from ..backend_base import BackendBase
-from ..validate import intranode_warps as _warps
 from . import internode as cuda_internode
+from . import kernels
 from . import low_latency as cuda_low_latency
+from .intranode import IntranodePath
 from .runtime import Runtime, capturing
 
-_LAYOUT_THREADS = 256  # mirrors kLayoutThreads in layout.cu
-_NOTIFY_THREADS = 128
-_TMA_BYTES_PER_WARP = 8192  # mirrors kTmaChunkBytes in common/warp.cuh (dispatch/combine receivers' bulk-copy buffers)
 
 
 class CudaBackend(BackendBase):
@@ -91,6 +89,8 @@ class CudaBackend(BackendBase):
             self.comm_stream = self.runtime.comm_stream
             self._ctx = self.runtime.ctx
             self._torch_comm_stream = None  # get_comm_stream's torch view of comm_stream, made at first use
+            # the intranode path (cupy_ep/cuda/intranode.py) over the NVLink buffer of the domain
+            self._intranode = IntranodePath(self, self.runtime, self._nvl) if self._nvl is not None else None
             # low-latency mode: NVSHMEM world + symmetric buffer (cupy_ep/cuda/low_latency.py)
             self._ll = (cuda_low_latency.LowLatencyState(self, num_rdma_bytes, self.topology.num_nodes == 1,
                                                          ll_transport)
@@ -205,50 +205,16 @@ class CudaBackend(BackendBase):
                 per_rdma = (cupy.empty(self.topology.num_nodes, dtype=cupy.int32) if self._internode is not None
                             else None)
             columns = num_experts + self.num_ranks + (self.topology.num_nodes if per_rdma is not None else 0)
-            # one warp pass covers 32 / G tokens, G = the next power of two >= K (layout.cu)
-            tokens_per_block = (_LAYOUT_THREADS // 32) * (32 // (1 << max(num_topk - 1, 0).bit_length()))
-            grid = max(1, min(-(-num_tokens // tokens_per_block), 2 * self.num_device_sms))
-            ctype = "long long" if idx_name == "int64" else "int"
-            self.runtime.launch("layout.cu", f"ep::get_dispatch_layout<{ctype}>", grid, _LAYOUT_THREADS,
-                         (raw_idx, np.int32(num_tokens), np.int32(num_topk), np.int32(num_experts),
-                          np.int32(self.num_ranks), np.int32(self.topology.num_ranks_per_node),
-                          per_rank, per_rdma, per_expert, in_rank, self._workspace), shared_mem=4 * columns)
+            kernels.get_dispatch_layout(self.runtime, kernels.GetDispatchLayout(
+                raw_idx, np.int32(num_tokens), np.int32(num_topk), np.int32(num_experts), np.int32(self.num_ranks),
+                np.int32(self.topology.num_ranks_per_node), per_rank, per_rdma, per_expert, in_rank, self._workspace),
+                kernels.idx_ctype(idx_name), num_tokens, num_topk, columns, self.num_device_sms)
             event = self.runtime.finish(compute, async_finish, (raw_idx, per_rank, per_rdma, per_expert, in_rank),
-                                 kind)
+                                        kind)
         return (interop.wrap(per_rank, kind, "int32"), interop.wrap(per_rdma, kind, "int32"),
                 interop.wrap(per_expert, kind, "int32"), interop.wrap(in_rank, kind, "bool"), event)
 
     # ---- dispatch -----------------------------------------------------------------------------------
-    def _unpack_handle(self, handle, num_tokens: int, num_channels: int | None):
-        """The handle's raw arrays after checking dtypes, device and shapes; ``num_channels``: the channels
-        of the dispatch config (a cached dispatch must cut the tokens as the handle's did), or None (a
-        combine has its own)."""
-        if not isinstance(handle, (tuple, list)) or len(handle) != 6:
-            raise ValueError("handle: must be the 6-tuple returned by an intranode dispatch")
-        handles.check_origin(handle, getattr(self, "buffer_id", None))
-        names = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
-                 "is_token_in_rank", "send_head")
-        dtypes = ("int32", "int32", "int32", "int32", "bool", "int32")
-        raws = []
-        for name, dt, a in zip(names, dtypes, handle):
-            validate.check_array(a, f"handle.{name}", (dt,), device=self.device_id)
-            raws.append(interop.unwrap(a))
-        rpm, cpm, rcpm, src_idx, in_rank, send_head = raws
-        R = self.num_ranks
-        channels = num_channels if num_channels is not None else (cpm.shape[1] if cpm.ndim == 2 else -1)
-        expected = {"rank_prefix_matrix": (R, R), "channel_prefix_matrix": (R, channels),
-                    "recv_channel_prefix_matrix": (R, channels), "is_token_in_rank": (num_tokens, R),
-                    "send_head": (num_tokens, R)}
-        for name, a in zip(names, raws):
-            if name in expected and tuple(a.shape) != expected[name]:
-                sms = "" if num_channels is None else f", a dispatch config with {num_channels} channels"
-                raise ValueError(f"handle.{name}: expected shape {expected[name]} (this buffer, {num_tokens} tokens"
-                                 f"{sms}), got {tuple(a.shape)}; was the handle made by another buffer, other "
-                                 "inputs or another num_sms?")
-        if src_idx.ndim != 1:
-            raise ValueError(f"handle.recv_src_idx: must be 1-D, got shape {tuple(src_idx.shape)}")
-        return rpm, cpm, rcpm, src_idx, in_rank, send_head
-
     def _check_outside_buffer(self, a, name: str) -> None:
         """Refuse an input that lives in this buffer's NVLink memory (a zero-copy dispatch's recv_x): the call
         would overwrite it while reading it."""
@@ -257,17 +223,6 @@ class CudaBackend(BackendBase):
         if self._nvl is not None and self._nvl.ptr <= ptr < self._nvl.ptr + self._nvl.nbytes:
             raise ValueError(f"{name}: is a view of this buffer (a zero-copy dispatch's recv_x), which this call "
                              "overwrites; copy it first (or compute the expert outputs into a new array)")
-
-    def _direct_recv_x(self, rows: int, hidden: int, dtype, num_channels: int):
-        """The zero-copy dispatch's recv_x: ``[rows, hidden]`` of ``dtype``, a view of this rank's buffer at
-        DirectDispatchLayout's x (cuda_src/common/layout.cuh); it keeps the buffer object alive, not the memory's contents."""
-        import cupy
-        if rows == 0:
-            return cupy.empty((0, hidden), dtype=dtype)
-        offset = _config.SIGNAL_BYTES + _config.direct_dispatch_x_offset(num_channels)
-        nbytes = rows * hidden * cupy.dtype(dtype).itemsize
-        mem = cupy.cuda.UnownedMemory(self._nvl.ptr + offset, nbytes, self, self.device_id)
-        return cupy.ndarray((rows, hidden), dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
     def next_dispatch_epoch(self) -> int:
         """Count one more normal-mode dispatch (intranode or internode) and return its number: the ``epoch`` of the
@@ -306,7 +261,6 @@ class CudaBackend(BackendBase):
             Across nodes (cupy_ep/cuda/internode.py) ``num_tokens_per_rdma_rank`` is required and the handle is
             DeepEP's internode 10-tuple.
         """
-        import cupy
         self.check_usable()
         info = validate.check_x(x, self.device_id)
         cfg = self._resolve_config(config, "dispatch", max(info.hidden_bytes, 2 * info.hidden))
@@ -319,116 +273,14 @@ class CudaBackend(BackendBase):
         if self._internode is not None:
             if zero_copy:
                 raise NotImplementedError("zero_copy: only inside one NVLink domain (intranode) for now")
-            with self._device:
-                return self._internode.dispatch(
-                    info, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, cfg,
-                    previous_event, async_finish, allocate_on_comm_stream, self.check_values and not capturing())
-        R, T = self.num_ranks, info.num_tokens
-        C, num_own_blocks = cfg.intranode_dispatch_split(R)
-        cached = handle is not None
-        num_topk, idx_name, num_experts = 0, "int64", 0
-        if cached:
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("topk_idx/topk_weights: must be None in a cached dispatch (handle given)")
-            handle_raw = self._unpack_handle(handle, T, C)
-        else:
-            num_experts, num_topk, idx_name = validate.check_dispatch_layout_args(
-                num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                num_worst_tokens, R, T, self.device_id, self.check_values and not capturing())
-        S = info.num_scales
-        hidden_int4 = info.hidden_bytes // 16
-        # rows of a zero-copy output; 0: the ring dispatch
-        capacity = validate.check_intranode_dispatch_fits(
-            cfg, R, self.num_nvl_bytes, info.hidden_bytes, num_topk, S, zero_copy, num_worst_tokens,
-            int(handle_raw[3].shape[0]) if cached else None)
-
-        kind = interop.kind_of(info.x)
-        with self._device:
-            raw_x = interop.unwrap(info.x, "bfloat16" if info.dtype == "bfloat16" else "float8_e4m3fn")
-            raw_scales = interop.unwrap(info.scales)
-            compute = self.runtime.begin(kind, previous_event)
-            alloc_stream = self.comm_stream if allocate_on_comm_stream else compute
-            per_expert_list = None
-            if cached:
-                rpm, cpm, rcpm, src_idx, in_rank, send_head = handle_raw
-                num_recv = int(src_idx.shape[0])
-                if not zero_copy:  # a zero-copy dispatch_direct meets the ranks itself (its entry handshake)
-                    self.runtime.launch("intranode.cu", f"ep::cached_notify_dispatch<{R}>", 1, _NOTIFY_THREADS,
-                                 (self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
-                                  np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4),
-                                  np.int32(max(num_topk, 1)), np.int32(S), self._ctx))
-                raw_idx = raw_w = None
-            else:
-                in_rank = interop.unwrap(is_token_in_rank)
-                raw_idx = interop.unwrap(topk_idx)
-                raw_w = interop.unwrap(topk_weights)
-                with alloc_stream:
-                    rpm = cupy.empty((R, R), dtype=cupy.int32)
-                    cpm = cupy.empty((R, C), dtype=cupy.int32)
-                sync = num_worst_tokens == 0
-                if sync:
-                    self.runtime.recv_counter[0] = -1
-                self.runtime.launch("intranode.cu", f"ep::notify_dispatch<{R}>", 1 + R, _NOTIFY_THREADS,
-                             (interop.unwrap(num_tokens_per_rank), interop.unwrap(num_tokens_per_expert),
-                              np.int32(num_experts), in_rank, np.int32(T), np.int32(C), np.int32(expert_alignment),
-                              rpm, cpm, np.uint64(self.runtime.host.ptr) if sync else None,
-                              np.uint64(self.runtime.host.ptr + 4) if sync else None, self._nvl.ptr_table,
-                              np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
-                              np.int32(hidden_int4), np.int32(max(num_topk, 1)), np.int32(S), np.int32(capacity),
-                              self._ctx))
-                if sync:
-                    num_recv = self.runtime.wait_recv_counter()
-                    if zero_copy:
-                        self.check_health()  # notify_dispatch stopped every rank if a receiver's rows do not fit
-                    per_expert_list = [int(v) for v in self.runtime.expert_counters[: num_experts // R]]
-                else:
-                    num_recv = num_worst_tokens
-                with alloc_stream:
-                    src_idx = cupy.empty(num_recv, dtype=cupy.int32)
-                    rcpm = cupy.empty((R, C), dtype=cupy.int32)
-                    send_head = cupy.empty((T, R), dtype=cupy.int32)
-            with alloc_stream:
-                recv_x, recv_scales, recv_idx, recv_w = interop.alloc_dispatch_outputs(
-                    num_recv, info, raw_x, raw_scales, raw_idx, num_topk, with_x=not zero_copy)
-            ctype = "long long" if idx_name == "int64" else "int"
-            stride_t, stride_h = interop.scale_strides(raw_scales)
-            threads = _warps(R) * 32
-            if zero_copy:
-                recv_x = self._direct_recv_x(min(num_recv, capacity), info.hidden, raw_x.dtype, C)
-                self.runtime.launch(
-                    "intranode.cu", f"ep::dispatch_direct<{R}, {ctype}>", cfg.num_sms, threads,
-                    (recv_scales, None if cached else src_idx, recv_idx, recv_w, None if cached else rcpm,
-                     None if cached else send_head, raw_x, raw_scales, raw_idx, raw_w, in_rank, cpm, rpm,
-                     np.int32(T), np.int32(num_recv), np.int32(hidden_int4), np.int32(num_topk),
-                     np.int32(num_experts), np.int32(S), np.int64(stride_t), np.int64(stride_h),
-                     self._nvl.ptr_table, np.int32(self.rank), np.int32(C), np.int32(capacity),
-                     np.int32(cfg.zero_copy_local_blocks(R)), np.int32(cached), self._ctx),
-                    shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
-            else:
-                self.runtime.launch(
-                    "intranode.cu", f"ep::dispatch<{R}, {ctype}>", 2 * C + num_own_blocks, threads,
-                    (recv_x, recv_scales, None if cached else src_idx, recv_idx, recv_w, None if cached else rcpm,
-                     None if cached else send_head, raw_x, raw_scales, raw_idx, raw_w, in_rank,
-                     cpm, rpm, np.int32(T), np.int32(num_worst_tokens), np.int32(hidden_int4),
-                     np.int32(num_topk), np.int32(num_experts), np.int32(S), np.int64(stride_t), np.int64(stride_h),
-                     self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
-                     np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
-                     self._ctx),
-                    shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
-            keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, rpm, cpm, rcpm,
-                    src_idx, send_head, in_rank)
-            event = self.runtime.finish(compute, async_finish, keep, kind)
-
-        out_x = interop.wrap_recv_x(recv_x, recv_scales, kind, info)
-        if cached:
-            return out_x, None, None, None, None, event
-        out_handle = handles.DispatchHandle((
-            interop.wrap(rpm, kind, "int32"), interop.wrap(cpm, kind, "int32"), interop.wrap(rcpm, kind, "int32"),
-            interop.wrap(src_idx, kind, "int32"), is_token_in_rank, interop.wrap(send_head, kind, "int32")),
-            self.buffer_id, self.next_dispatch_epoch())
-        return (out_x, interop.wrap(recv_idx, kind, idx_name), interop.wrap(recv_w, kind, "float32"),
-                per_expert_list if per_expert_list is not None else [], out_handle, event)
+            return self._internode.dispatch(
+                info, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, cfg,
+                previous_event, async_finish, allocate_on_comm_stream, self.check_values and not capturing())
+        return self._intranode.dispatch(
+            info, cfg, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+            expert_alignment, num_worst_tokens, previous_event, async_finish, allocate_on_comm_stream, zero_copy,
+            self.check_values and not capturing())
 
     # ---- combine ------------------------------------------------------------------------------------
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
@@ -450,7 +302,6 @@ class CudaBackend(BackendBase):
             ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, EventOverlap)``: an fp32
             sum (0 + bias0 + bias1 + contributions in ascending rank order) rounded once to bf16.
         """
-        import cupy
         self.check_usable()
         if self._internode is not None:
             if zero_copy:
@@ -461,9 +312,8 @@ class CudaBackend(BackendBase):
                                            num_channels)
                 self._check_sms(cfg)
                 return cfg
-            with self._device:
-                return self._internode.combine(x, handle, topk_weights, bias, config_getter, previous_event,
-                                               async_finish, allocate_on_comm_stream)
+            return self._internode.combine(x, handle, topk_weights, bias, config_getter, previous_event,
+                                           async_finish, allocate_on_comm_stream)
         num_recv, hidden = validate.check_combine_x(x, self.device_id)
         self._check_outside_buffer(x, "x")
         zero_copy = validate.check_flag(zero_copy, "zero_copy")
@@ -473,48 +323,8 @@ class CudaBackend(BackendBase):
         cfg = self._resolve_config(config, "combine", hidden * 2)
         self._check_sms(cfg)
         validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        num_tokens = int(handle[4].shape[0]) if hasattr(handle[4], "shape") else 0
-        R, C = self.num_ranks, cfg.num_channels
-        rpm, _, _, src_idx, in_rank, send_head = self._unpack_handle(handle, num_tokens, None)
-        if int(src_idx.shape[0]) != num_recv:
-            raise ValueError(f"x: has {num_recv} rows but the handle's dispatch received {src_idx.shape[0]}")
-        num_topk = validate.check_combine_topk_weights(topk_weights, num_recv, self.device_id) or 1
-        biases = validate.check_bias(bias, num_tokens, hidden, self.device_id)
-        hidden_int4 = hidden * 2 // 16
-        # rows per source rank of a zero-copy combine; 0: the ring combine
-        capacity = validate.check_intranode_combine_fits(cfg, R, self.num_nvl_bytes, hidden, num_topk, num_tokens,
-                                                         zero_copy)
-
-        kind = interop.kind_of(x)
-        with self._device:
-            raw_x = interop.unwrap(x)
-            raw_w = interop.unwrap(topk_weights)
-            raw_b = [interop.unwrap(b) for b in biases]
-            compute = self.runtime.begin(kind, previous_event)
-            with (self.comm_stream if allocate_on_comm_stream else compute):
-                out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
-                out_w = cupy.empty((num_tokens, num_topk), dtype=cupy.float32) if raw_w is not None else None
-            if zero_copy:  # combine_direct meets the ranks itself (its entry handshake): no notify kernel
-                self.runtime.launch("intranode.cu", f"ep::combine_direct<{R}>", cfg.num_sms, _warps(R) * 32,
-                             (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, send_head, np.int32(num_tokens),
-                              np.int32(hidden_int4), np.int32(num_topk), self._nvl.ptr_table, np.int32(self.rank),
-                              np.int32(capacity), np.int32(_config.DIRECT_COMBINE_ROWS_PER_FLAG),
-                              np.int32(cfg.zero_copy_combine_senders(R)), self._ctx),
-                             shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
-            else:
-                self.runtime.launch("intranode.cu", f"ep::cached_notify_combine<{R}>", 1, _NOTIFY_THREADS,
-                             (self._nvl.ptr_table, np.int32(self.rank), np.int32(C),
-                              np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4),
-                              np.int32(num_topk), np.int32(num_tokens), self._ctx))
-                self.runtime.launch("intranode.cu", f"ep::combine<{R}>", 2 * C, _warps(R) * 32,
-                             (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], rpm, src_idx, send_head,
-                              np.int32(num_tokens), np.int32(hidden_int4), np.int32(num_topk), self._nvl.ptr_table,
-                              np.int32(self.rank), np.int32(cfg.num_max_nvl_chunked_send_tokens),
-                              np.int32(cfg.num_max_nvl_chunked_recv_tokens), self._ctx),
-                             shared_mem=_warps(R) * _TMA_BYTES_PER_WARP)
-            event = self.runtime.finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, rpm, src_idx, send_head),
-                                 kind)
-        return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
+        return self._intranode.combine(x, num_recv, hidden, handle, topk_weights, bias, cfg, previous_event,
+                                       async_finish, allocate_on_comm_stream, zero_copy)
 
     # ---- low-latency mode (the logic lives in cuda_low_latency.LowLatencyState) ----------------------
     def _low_latency(self):
@@ -625,8 +435,7 @@ class CudaBackend(BackendBase):
             if self._internode is not None:
                 self._internode.barrier()
             else:
-                self.runtime.launch("intranode.cu", f"ep::barrier<{self.num_ranks}>", 1, 32,
-                             (self._nvl.ptr_table, np.int32(self.rank), self._ctx))
+                self._intranode.barrier()
             self.comm_stream.synchronize()
         self.check_health()
 
