@@ -290,7 +290,8 @@ class Buffer:
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False):
-        """Send every (token, top-k slot) to its expert's rank, into fixed per-expert slots (collective).
+        """Send every (token, top-k slot) to its expert's rank, into fixed per-expert slots (collective; on the GPU
+        no host sync, CUDA-graph capturable).
 
         Args:
             x: bf16 ``[T, H]`` contiguous, ``H % 128 == 0`` (``H % 512 == 0`` with ``use_fp8``, as DeepEP),
@@ -304,10 +305,12 @@ class Buffer:
                 expert, on the GPU. The host backend has no device waits: checked, left unchanged.
             use_fp8, round_scale, use_ue8m0: the FP8 cast of :func:`reference.per_token_cast_to_fp8`
                 (``use_ue8m0`` needs ``round_scale``; both are ignored without ``use_fp8``).
-            async_finish: checked only (no event on the host); not together with ``return_recv_hook``.
-            return_recv_hook: return a callable ``hook``; DeepEP's outputs are final only after ``hook()``.
-                The host does all the work in this call, so the hook does nothing; call it anyway, once and
-                before the next low-latency call (the GPU backend's rule: RuntimeError otherwise).
+            async_finish: return an event to wait on instead of ordering the caller's stream after the call (the
+                host backend's calls are synchronous: checked only); not together with ``return_recv_hook``.
+            return_recv_hook: return a callable ``hook``; DeepEP's outputs are final only after ``hook()``. On the
+                GPU this call launches the send phase and the hook the receive phase; the host backend does all
+                the work in this call and its hook does nothing. Call it once and before the next low-latency
+                call (RuntimeError otherwise).
 
         Returns:
             ``(recv_x | (recv_x, recv_x_scales), recv_count, handle, EventOverlap, hook)``: ``recv_x``
@@ -317,8 +320,8 @@ class Buffer:
             :class:`~cupy_ep.handles.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32, layout_range
             [L, R] int64, M, H, E)`` with ``.topk_slots [T, K] int32``; ``hook`` None unless
             ``return_recv_hook``. Rows of local expert e: by source rank, then token, then k (see
-            :func:`reference.low_latency_dispatch`); rows past ``recv_count[e]`` are zero here but
-            undefined on the GPU."""
+            :func:`reference.low_latency_dispatch`); rows past ``recv_count[e]`` are undefined (zero on
+            the host backend)."""
         impl = self.impl
         with impl.scope:
             return impl.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -342,7 +345,7 @@ class Buffer:
                 ``2^(step/2) - 1`` per partial value, 2.2 % at worst). Each rank chooses for its own tokens; not
                 together with ``zero_copy`` (as in DeepEP) or ``bf16_partials``.
             zero_copy: take the expert outputs from :meth:`get_next_low_latency_combine_buffer` instead of x.
-            async_finish, return_recv_hook: as in :meth:`low_latency_dispatch` (the hook does nothing).
+            async_finish, return_recv_hook: as in :meth:`low_latency_dispatch`.
             out: optional bf16 ``[T, H]`` written in place and returned.
             combine_wait_recv_cost_stats: ``[R] int64`` or None; ``+=`` in place, per source rank, the SM clock
                 cycles the receive phase waited for that rank's partial sums of this rank's tokens, on the GPU
@@ -364,8 +367,8 @@ class Buffer:
     def get_next_low_latency_combine_buffer(self, handle):
         """The bf16 ``[L, R*M, H]`` array a ``zero_copy`` combine with this handle's shape reads (local).
 
-        Owned by the buffer and kept between calls (DeepEP hands out a view of its next RDMA send buffer;
-        the host keeps one array, re-made, zeroed, when the shape changes). Fill it, then call
+        Owned by the buffer (on the GPU a view of the send region of the buffer the next call uses, as DeepEP's;
+        the host backend keeps one array, re-made, zeroed, when the shape changes). Fill it, then call
         :meth:`low_latency_combine` with ``zero_copy=True``."""
         impl = self.impl
         with impl.scope:

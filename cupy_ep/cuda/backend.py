@@ -140,8 +140,7 @@ class CudaBackend(BackendBase):
         self.runtime.unusable_reason = reason
 
     def check_health(self) -> None:
-        """Raise ``CommTimeoutError`` if a device wait of this buffer timed out, or ``CallMismatchError`` if the
-        ranks disagreed about a call (the buffer is then unusable)."""
+        """See :meth:`cupy_ep.Buffer.check_health`."""
         self.runtime.check_health()
 
     def check_usable(self) -> None:
@@ -176,17 +175,7 @@ class CudaBackend(BackendBase):
     # ---- layout -------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
-        """Routing counts of this rank's tokens.
-
-        Args:
-            topk_idx: ``[T, K]`` int64 or int32, -1 = no expert.
-            num_experts: E, a multiple of the rank count.
-
-        Returns:
-            ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [N] int32 (internode; None inside one
-            node), num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, EventOverlap)``, arrays of
-            ``topk_idx``'s kind.
-        """
+        """See :meth:`cupy_ep.Buffer.get_dispatch_layout`."""
         import cupy
         self.check_usable()
         validate.check_num_experts(num_experts, self.num_ranks)
@@ -234,33 +223,7 @@ class CudaBackend(BackendBase):
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
                  async_finish: bool = False, allocate_on_comm_stream: bool = False, zero_copy: bool = False):
-        """Send every token to the ranks that own its experts.
-
-        Args:
-            x: BF16 ``[T, H]``, or the FP8 pair ``(x_e4m3 [T, H] float8_e4m3fn/uint8, scales [T, ceil(H/128)]
-                float32, any strides)``.
-            handle: a previous dispatch's handle for a cached dispatch (no CPU sync; topk must be None).
-            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from ``get_dispatch_layout``.
-            topk_idx, topk_weights: ``[T, K]`` int64/int32 and float32, both or neither.
-            expert_alignment: per-expert receive counts are rounded up to this.
-            num_worst_tokens: > 0 = no CPU sync: outputs have this many rows (CUDA-graph capturable).
-            config: ``Config``; default ``get_dispatch_config(R)``.
-            zero_copy: the senders store every row straight into its final row in the receiver's NVLink
-                buffer, and ``recv_x`` is a view of that buffer (no ring, no receiver copy: the fast path). The
-                view is valid until the next dispatch or combine on this buffer; copy it to keep it. It holds
-                ``config.direct_dispatch_capacity(num_nvl_bytes, ...)`` rows; more stops the buffer on every rank
-                (a CommError, at once where the count is known on the host: a dispatch that syncs; otherwise at
-                the next call). ``config.num_sms`` blocks (``config.zero_copy_local_blocks(R)`` of them copy the
-                rank's own rows); a cached call runs no notify kernel (an entry handshake inside the kernel). The
-                handle is the same as without it (combine and cached dispatch take either).
-
-        Returns:
-            ``(recv_x | (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
-            num_recv_tokens_per_expert_list, handle, EventOverlap)``; rows ordered by (source rank, source
-            token). Cached mode returns ``(recv_x[, scales], None, None, None, None, EventOverlap)``.
-            Across nodes (cupy_ep/cuda/internode.py) ``num_tokens_per_rdma_rank`` is required and the handle is
-            DeepEP's internode 10-tuple.
-        """
+        """See :meth:`cupy_ep.Buffer.dispatch`."""
         self.check_usable()
         info = validate.check_x(x, self.device_id)
         cfg = self._resolve_config(config, "dispatch", max(info.hidden_bytes, 2 * info.hidden))
@@ -285,23 +248,7 @@ class CudaBackend(BackendBase):
     # ---- combine ------------------------------------------------------------------------------------
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False, zero_copy: bool = False):
-        """Send expert outputs back to the tokens' owners and sum them there.
-
-        Args:
-            x: BF16 ``[N, H]``, one row per row of the dispatch output that made ``handle``.
-            handle: the dispatch handle (not modified).
-            topk_weights: ``[N, K]`` float32 or None; summed per token like x.
-            bias: None, a ``[T, H]`` bf16 array, or a pair; added first.
-            zero_copy: the expert ranks store the rows straight into the owners' NVLink buffers and the owners
-                reduce them as they land (no ring: the fast path). The buffer must hold the owner's tokens from
-                every rank: ``config.direct_combine_capacity(num_nvl_bytes, R, 2 * H, K)`` rows per rank, at least
-                T (``config.direct_combine_bytes`` sizes it). ``config.num_sms`` blocks:
-                ``config.zero_copy_combine_senders(R)`` store, the rest reduce. Same result, bit for bit.
-
-        Returns:
-            ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, EventOverlap)``: an fp32
-            sum (0 + bias0 + bias1 + contributions in ascending rank order) rounded once to bf16.
-        """
+        """See :meth:`cupy_ep.Buffer.combine`."""
         self.check_usable()
         if self._internode is not None:
             if zero_copy:
@@ -336,10 +283,7 @@ class CudaBackend(BackendBase):
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
-        """Collective: zero both low-latency signal areas between two NVSHMEM barriers (needed after the
-        shapes change; synchronous). With ``enable_shrink``: collective over the ranks unmasked here only (a rank
-        that does not come within the timeout is masked), and it restarts the buffers' alternation and epochs, so
-        that a rank unmasked again takes part in the next call."""
+        """See :meth:`cupy_ep.Buffer.clean_low_latency_buffer`."""
         self._low_latency().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.check_health()
 
@@ -396,40 +340,24 @@ class CudaBackend(BackendBase):
         return self._ll
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mask (``mask=True``) or unmask a rank in this rank's view, from the next low-latency call on (on the
-        current stream, after the previous low-latency call; a CUDA-graph replay on another stream must be ordered
-        after it by the caller; not collective). A masked rank is neither sent to nor waited for: its
-        experts' top-k entries count as not selected, it contributes no tokens, its combine partials are absent.
-        A low-latency wait that times out masks its peer by itself. Unmasking a rank that missed calls or was
-        masked while alive needs :meth:`clean_low_latency_buffer` on every rank taking part before the next call.
-
-        Args:
-            rank_to_mask: int in ``[0, num_ranks)``.
-            mask: bool; True masks, False unmasks.
-        """
+        """See :meth:`cupy_ep.Buffer.low_latency_update_mask_buffer`."""
         ll = self._shrink()
         rank = validate.check_rank_to_mask(rank_to_mask, self.num_ranks)
         ll.update_mask(rank, validate.check_flag(mask, "mask"))
 
     def low_latency_query_mask_buffer(self, mask_status) -> None:
-        """Fill ``mask_status`` with this rank's mask (1 = masked, 0 = not), on the caller's current stream after
-        the previous low-latency calls (not collective).
-
-        Args:
-            mask_status: ``[num_ranks]`` int32, contiguous, a CuPy array or CUDA torch tensor on this buffer's GPU.
-        """
+        """See :meth:`cupy_ep.Buffer.low_latency_query_mask_buffer`."""
         ll = self._shrink()
         validate.check_mask_status(mask_status, self.num_ranks, self.device_id)
         ll.query_mask(mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank in this rank's view (as :meth:`low_latency_update_mask_buffer` with ``mask=False``
-        for each; not collective)."""
+        """See :meth:`cupy_ep.Buffer.low_latency_clean_mask_buffer`."""
         self._shrink().clean_mask()
 
     # ---- tests / tools ------------------------------------------------------------------------------
     def barrier(self) -> None:
-        """Device-side barrier of all ranks on the communication stream (tests and benchmarks)."""
+        """See :meth:`cupy_ep.Buffer.barrier`."""
         self.check_usable()
         with self._device:
             if self._internode is not None:

@@ -480,36 +480,7 @@ class HostBackend(BackendBase):
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False):
-        """Send every (token, top-k slot) to its expert's rank, into fixed per-expert slots (collective).
-
-        Args:
-            x: bf16 ``[T, H]`` contiguous, ``H % 128 == 0`` (``H % 512 == 0`` with ``use_fp8``, as DeepEP),
-                ``T <= num_max_dispatch_tokens_per_rank``.
-            topk_idx: ``[T, K]`` int32/int64, ``K <= 11`` (DeepEP's ``kNumMaxTopK``), -1 = no expert.
-            num_max_dispatch_tokens_per_rank: M, the same on every rank; ``R * M % 4 == 0`` (DeepEP: TMA).
-            num_experts: E, a multiple of R; rank r owns experts ``[r*L, (r+1)*L)``, L = E/R.
-            cumulative_local_expert_recv_stats: ``[L] int32`` or None; ``+= recv_count`` in place.
-            dispatch_wait_recv_cost_stats: ``[R] int64`` or None; ``+=`` in place, per source rank, the SM clock
-                cycles (clock64, DeepEP's unit) the receive phase waited for that rank's count of each local
-                expert, on the GPU. The host backend has no device waits: checked, left unchanged.
-            use_fp8, round_scale, use_ue8m0: the FP8 cast of :func:`reference.per_token_cast_to_fp8`
-                (``use_ue8m0`` needs ``round_scale``; both are ignored without ``use_fp8``).
-            async_finish: checked only (no event on the host); not together with ``return_recv_hook``.
-            return_recv_hook: return a callable ``hook``; DeepEP's outputs are final only after ``hook()``.
-                The host does all the work in this call, so the hook does nothing; call it anyway, once and
-                before the next low-latency call (the GPU backend's rule: RuntimeError otherwise).
-
-        Returns:
-            ``(recv_x | (recv_x, recv_x_scales), recv_count, handle, EventOverlap, hook)``: ``recv_x``
-            ``[L, R*M, H]`` bf16 (or float8_e4m3fn with ``use_fp8``); ``recv_x_scales`` ``[L, R*M, H/128]``
-            float32 or (UE8M0) ``[L, R*M, H/512]`` int32, column-major in the last two dims (a transposed
-            view of a ``[L, S, R*M]`` array, as DeepEP); ``recv_count [L] int32``; ``handle``: a
-            :class:`~cupy_ep.handles.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32, layout_range
-            [L, R] int64, M, H, E)`` with ``.topk_slots [T, K] int32``; ``hook`` None unless
-            ``return_recv_hook``. Rows of local expert e: by source rank, then token, then k (see
-            :func:`reference.low_latency_dispatch`); rows past ``recv_count[e]`` are zero here but
-            undefined on the GPU.
-        """
+        """See :meth:`cupy_ep.Buffer.low_latency_dispatch`."""
         self.check_usable()
         args, notes = self._agree("low_latency_dispatch", lambda: self._check_low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
@@ -611,35 +582,7 @@ class HostBackend(BackendBase):
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
                             out=None, combine_wait_recv_cost_stats=None, bf16_partials: bool = False):
-        """Send the expert outputs back to the token owners and reduce them *with* the weights (collective).
-
-        Args:
-            x: bf16 ``[L, R*M, H]`` contiguous, laid out as this rank's dispatch output. Ignored with
-                ``zero_copy`` (may be None then; checked when given).
-            topk_idx, topk_weights: ``[T, K]`` int32/int64 and float32: the routing this rank gave to the
-                dispatch that made ``handle`` (``T <= M``), and the weights.
-            handle: the dispatch's :class:`~cupy_ep.handles.LowLatencyHandle` (``(src_info, layout_range, M,
-                H, E)`` and ``.topk_slots``; not modified). ``topk_idx`` must have its ``topk_slots``' shape.
-            use_logfmt: this rank's tokens' partial sums cross as LogFMT-10 (:mod:`cupy_ep.logfmt`: 10 bits per
-                value and 8 bytes per 128, under half the 24-bit bytes; a relative error of at most
-                ``2^(step/2) - 1`` per partial value, 2.2 % at worst). Each rank chooses for its own tokens; not
-                together with ``zero_copy`` (as in DeepEP) or ``bf16_partials``.
-            zero_copy: take the expert outputs from :meth:`get_next_low_latency_combine_buffer` instead of x.
-            async_finish, return_recv_hook: as in :meth:`low_latency_dispatch` (the hook does nothing).
-            out: optional bf16 ``[T, H]`` written in place and returned.
-            combine_wait_recv_cost_stats: ``[R] int64`` or None; ``+=`` in place, per source rank, the SM clock
-                cycles the receive phase waited for that rank's partial sums of this rank's tokens, on the GPU
-                (this rank's own partials need no wait in a one-launch combine: its entry grows only in hook
-                mode). The host backend: checked, left unchanged.
-            bf16_partials: round each expert rank's partial sum of this rank's tokens to bf16 instead of 24 bits
-                (on the GPU a third fewer bytes cross NVLink, at the price of a second bf16 rounding). Each rank
-                chooses for its own tokens; the ranks need not agree.
-
-        Returns:
-            ``(combined_x [T, H] bf16, EventOverlap, hook)``: per token, fp32 ``sum_k w[t, k] * y`` (-1
-            skipped): per expert rank over k ascending, rounded to 24 bits (or bf16), then over the ranks
-            ascending, rounded to bf16 once (:func:`reference.low_latency_combine`).
-        """
+        """See :meth:`cupy_ep.Buffer.low_latency_combine`."""
         self.check_usable()
         args, notes = self._agree("low_latency_combine", lambda: self._check_low_latency_combine(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
@@ -744,11 +687,7 @@ class HostBackend(BackendBase):
         return args, same, notify
 
     def get_next_low_latency_combine_buffer(self, handle):
-        """The bf16 ``[L, R*M, H]`` array a ``zero_copy`` combine with this handle's shape reads (local).
-
-        Owned by the buffer and kept between calls (DeepEP hands out a view of its next RDMA send buffer;
-        the host keeps one array, re-made, zeroed, when the shape changes). Fill it, then call
-        :meth:`low_latency_combine` with ``zero_copy=True``."""
+        """See :meth:`cupy_ep.Buffer.get_next_low_latency_combine_buffer`."""
         self.check_usable()
         self._require_low_latency_mode()
         _, _, max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
