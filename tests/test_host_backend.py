@@ -284,7 +284,7 @@ def test_destroy_is_collective_and_idempotent(comm):
     buf.destroy()
     with Buffer(comm, backend="host") as other:
         assert other.backend == "host"
-    assert all_ok(comm, other._destroyed)
+    assert all_ok(comm, other.impl._destroyed)
 
 
 def test_fp8_e4m3_dtype_comes_back(comm, host_buffer):
