@@ -247,7 +247,7 @@ __global__ void internode_put_bandwidth(char* rdma_base, const unsigned long lon
     if (lane_id() == 0) rdma.quiet();
 }
 
-// Layout sums for the size test (mirrors cupy_ep.config.internode_layout):
+// Layout sums for the GPU size test (the same as cupy_ep.config.internode_layout):
 // out[0] RDMA channel-area start, out[1] RDMA dispatch end, out[2] RDMA combine end, out[3] NVLink channel-area
 // start, out[4] NVLink dispatch end, out[5] NVLink combine end, out[6] dispatch token bytes, out[7] combine
 // token bytes.

@@ -12,8 +12,6 @@
 
 namespace ep {
 
-constexpr int kLayoutThreads = 256;  // mirrors cuda_backend._LAYOUT_THREADS
-
 // workspace: [0] ticket, then the accumulator [num_columns] at +32 ints; both 0 between calls.
 template <typename IdxT>
 __global__ void __launch_bounds__(kLayoutThreads) get_dispatch_layout(

@@ -1,6 +1,7 @@
 """``Config`` (SM count and ring sizes), the default tables, buffer-size hints and tuned-config loading.
 
-The size arithmetic here mirrors ``cuda_src/common/layout.cuh`` exactly: the NVLink buffer of every rank is
+The size arithmetic here is ``cuda_src/common/layout.cuh``'s, sum for sum (tests/test_mirrors.py compiles
+static_asserts that compare them; :mod:`cupy_ep.layout` owns the limits both use): the NVLink buffer of every rank is
 
     [signals: 128 B][notify area: NOTIFY_BYTES][channel area: max(dispatch carve, combine carve)]
 
@@ -17,14 +18,10 @@ from pathlib import Path
 
 from .reference import LOW_LATENCY_MAX_TOPK
 
-# Mirrors of the constants in cuda_src/common/layout.cuh and cuda_src/common/wait.cuh.
-MAX_NVL_RANKS = 8
-MAX_LOCAL_EXPERTS = 1024
-MAX_TOPK = 32
+from .layout import (ALIGN, CALL_WORDS, LL_MAX_EXPERTS, LL_MAX_RANKS, LL_MAX_TOKENS, MAX_LOCAL_EXPERTS,  # noqa: F401
+                     MAX_NVL_RANKS, MAX_RDMA_RANKS, MAX_TOPK, SIGNAL_BYTES)
+
 MAX_HIDDEN_BYTES = 65536          # 32768 bf16 elements; the kernels loop, so this is only a sanity bound
-ALIGN = 128
-SIGNAL_BYTES = 128
-CALL_WORDS = 8  # mirrors kCallWords in cuda_src/common/layout.cuh (the call-agreement check of the notify kernels)
 WORKSPACE_BYTES = 1 << 20     # get_dispatch_layout: ticket + one accumulator int per expert, rank and node column
 
 
@@ -355,19 +352,14 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
     return max(((total + ALIGN) // ALIGN) * ALIGN, ours)
 
 
-#: Low-latency kernel limits (mirrors kLLMaxExperts / kLLMaxRanks in cuda_src/low_latency/common.cuh, kLLMaxTopk in
-#: cuda_src/common/layout.cuh; the top-k limit is the reference's).
-LL_MAX_EXPERTS = 4096
-LL_MAX_RANKS = 64
+#: Low-latency top-k limit (the reference's; kLLMaxTopk in cuda_src/common/layout.cuh). LL_MAX_EXPERTS, LL_MAX_RANKS
+#: and LL_MAX_TOKENS (a slot and an expert share one int32 in the combine's meta) are cupy_ep/layout.py's.
 LL_MAX_TOPK = LOW_LATENCY_MAX_TOPK
-#: Max num_max_dispatch_tokens_per_rank (kLLMaxTokens in low_latency/combine.cuh: a slot and an expert share one int32 in
-#: the combine's meta, the expert in the low 12 bits).
-LL_MAX_TOKENS = 1 << 19
 
 
 def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                        num_experts: int) -> dict:
-    """Byte sizes and offsets of the GPU's ``LowLatencyLayout`` (cuda_src/common/layout.cuh), which it mirrors.
+    """Byte sizes and offsets of the GPU's ``LowLatencyLayout`` (cuda_src/common/layout.cuh), sum for sum.
 
     Two buffers alternate, laid out ``[sig0][sig1][send0][send1][recv0][recv1]``; M tokens, E experts, R ranks,
     K = 11 (``LOW_LATENCY_MAX_TOPK``)::
@@ -408,10 +400,8 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Internode buffers (mirrors the Internode* structs of cuda_src/common/layout.cuh; internode_carve_probe compares)
+# Internode buffers (the Internode* structs of cuda_src/common/layout.cuh; the layout probe compares)
 # ---------------------------------------------------------------------------------------------------------
-#: Nodes the internode kernels support (one warp lane each; mirrors kMaxRdmaRanks in common/layout.cuh).
-MAX_RDMA_RANKS = 32
 _NVL_NOTIFY_INTS = CALL_WORDS + MAX_RDMA_RANKS + MAX_LOCAL_EXPERTS   # kNvlNotifyInts
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 
 from . import config as _config
-from . import interop
+from . import ids, interop
 from .config import MAX_HIDDEN_BYTES, MAX_LOCAL_EXPERTS, MAX_TOPK
 
 
@@ -371,22 +371,23 @@ def check_buffer_view(nbytes: int, itemsize: int, size, offset, region: str) -> 
 
 # ---- what the buffer and the kernels can hold (the host backend refuses the same calls as the GPU) ---------------
 def intranode_warps(num_ranks: int) -> int:
-    """Warps of an intranode dispatch/combine block (mirrors Groups<kNumRanks> in cuda_src/intranode/groups.cuh)."""
-    return (24 // num_ranks) * num_ranks
+    """Warps of an intranode dispatch/combine block (Groups<kNumRanks>::kWarps in cuda_src/intranode/groups.cuh;
+    tests/test_mirrors.py compares at compile time)."""
+    return (ids.INTRANODE_WARPS // num_ranks) * num_ranks
 
 
 def intranode_remote_warps(num_ranks: int) -> int:
-    """Sender warps per remote peer (mirrors RemoteGroups<kNumRanks>::kWarpsPerPeer, cuda_src/intranode/groups.cuh)."""
-    per_rank, remote = 24 // num_ranks, max(num_ranks - 1, 1)
+    """Sender warps per remote peer (RemoteGroups<kNumRanks>::kWarpsPerPeer, cuda_src/intranode/groups.cuh)."""
+    per_rank, remote = ids.INTRANODE_WARPS // num_ranks, max(num_ranks - 1, 1)
     return max(intranode_warps(num_ranks) // remote, per_rank)
 
 
 def intranode_dispatch_batch(num_ranks: int) -> int:
-    """Ring slots a dispatch sender claims at once (mirrors RemoteGroups<kNumRanks>::kBatchTokens)."""
+    """Ring slots a dispatch sender claims at once (RemoteGroups<kNumRanks>::kBatchTokens)."""
     return -(-intranode_remote_warps(num_ranks) * 4 // 32) * 32
 
 
-COMBINE_TOKENS_PER_WARP = 2  # mirrors kCombineTokensPerWarp in cuda_src/intranode/combine.cuh
+COMBINE_TOKENS_PER_WARP = ids.COMBINE_TOKENS_PER_WARP  # kCombineTokensPerWarp in cuda_src/intranode/combine.cuh
 
 
 def check_nvl_bytes(needed: int, num_nvl_bytes: int, what: str) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupy_ep import config, reference
+from cupy_ep import config, ids, reference
 from cupy_ep.cuda.low_latency import set_nvshmem_env
 
 
@@ -281,8 +281,7 @@ def _send_model(rank, x_cast, scales, topk_idx, M, E, R, recv, signals, lay, log
                 hist[e] += 1
 
 
-_LL_THREADS = int(re.search(r"constexpr int kLLThreads = (\d+);",
-                            (Path(__file__).resolve().parents[1] / "cuda_src" / "low_latency" / "common.cuh").read_text()).group(1))
+_LL_THREADS = ids.LL_DISPATCH_THREADS  # kLLThreads
 
 
 def _scan_counts_model(counts, threads):

@@ -1,10 +1,16 @@
-"""The Python tables that turn a device failure record into an exception mirror the CUDA enums: a role or
-kernel added on one side only would surface as a bare number (or the wrong name) in CommError messages."""
+"""What Python and the kernels share. cupy_ep/ids.py and cupy_ep/layout.py own the kernel ids, roles, block shapes
+and limits and emit them into the generated header common/ids.cuh; config.py's buffer sums are compared with
+common/layout.cuh's structs by static_asserts compiled here with NVRTC (no GPU); the rest of the shared tables are
+compared with the CUDA text."""
 import re
 from pathlib import Path
 
-from cupy_ep import validate
+import pytest
+
+from cupy_ep import config, ids, jit, layout, validate
+from cupy_ep.cuda import internode as cuda_internode
 from cupy_ep.cuda import runtime
+from cupy_ep.errors import CompileError
 
 SRC = Path(__file__).resolve().parent.parent / "cuda_src"
 
@@ -34,22 +40,118 @@ def snake(camel: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", camel).lower()
 
 
-def test_role_names_mirror_the_cuda_enums():
-    expected = {v: snake(n[len("kRole"):]) for n, v in enum_values(source("common/wait.cuh"), "Role").items()}
-    for name, value in enum_values(source("internode/roles.cuh"), "WarpRole").items():
-        if name == "kIdle":
-            continue  # never waits, never reports
-        expected[value] = snake(name[len("kRole"):]) if name.startswith("kRole") else name
-    assert runtime.ROLE_NAMES == expected
+# ---- the generated header is the only definition ------------------------------------------------------------------
+def test_generated_header_defines_what_python_owns_and_cuda_src_does_not():
+    header = jit.generated_headers()[ids.HEADER_NAME]
+    text = source(".")
+    for enum, members in (("KernelId", ids.KERNELS), ("Role", ids.ROLES), ("WarpRole", ids.WARP_ROLES),
+                          ("CallOp", ids.CALL_OPS), ("InternodeCallOp", ids.INTERNODE_CALL_OPS)):
+        assert enum_values(header, enum) == {m: v for m, _, v in members}
+        assert not re.search(r"enum\s+" + enum + r"\b", text), f"cuda_src/ defines {enum} again"
+    for c in ids.constants():
+        assert f"constexpr {c.ctype} {c.name} = {c.value};" in header
+        assert not re.search(r"constexpr[^;=]*\b" + c.name + r"\s*=", text), f"cuda_src/ defines {c.name} again"
+    # every header that uses them includes the generated one (directly or through common/warp.cuh / wait.cuh)
+    assert '#include "common/ids.cuh"' in source("common/warp.cuh") and '#include "common/ids.cuh"' in \
+        source("common/wait.cuh")
 
 
-def test_kernel_names_cover_every_kernel_id():
-    ids = enum_values(source("common/wait.cuh"), "KernelId")
-    assert sorted(runtime.KERNEL_NAMES) == sorted(ids.values())
-    # the name is the kernel's own (snake case of the enum without the kKernel prefix), where it has one
-    by_value = {v: snake(n[len("kKernel"):]) for n, v in ids.items()}
-    for value, name in runtime.KERNEL_NAMES.items():
-        assert name == by_value[value] or (value == 1 and name == "get_dispatch_layout"), (value, name)
+def test_generated_header_is_part_of_the_kernel_cache_key(monkeypatch):
+    jit.source_hash.cache_clear()
+    try:
+        first = jit.source_hash()
+        monkeypatch.setattr(ids, "LAYOUT_THREADS", ids.LAYOUT_THREADS * 2)
+        jit.source_hash.cache_clear()
+        assert jit.source_hash() != first
+    finally:
+        monkeypatch.undo()
+        jit.source_hash.cache_clear()
+    assert jit.source_hash() == first
+
+
+def test_names_of_kernels_and_roles():
+    """The name a failure record gives a kernel is the kernel's own (snake case of the enum member without the
+    kKernel prefix, where it has one); a wait role's is its snake case; every value is named once."""
+    for member, name, _ in ids.KERNELS:
+        assert name == snake(member[len("kKernel"):]) or (member, name) == ("kKernelLayout", "get_dispatch_layout")
+    for member, name, _ in ids.ROLES:
+        assert name == snake(member[len("kRole"):])
+    values = [v for _, _, v in ids.KERNELS]
+    assert len(set(values)) == len(values)
+    roles = [v for _, _, v in ids.ROLES + ids.WARP_ROLES]
+    assert len(set(roles)) == len(roles)
+    assert runtime.KERNEL_NAMES == ids.KERNEL_NAMES and runtime.ROLE_NAMES == ids.ROLE_NAMES
+    assert ids.ROLE_NAMES[22] == "capacity" and 21 not in ids.ROLE_NAMES  # kIdle never reports
+
+
+def test_failure_record_layout_matches_the_struct():
+    """runtime.RECORD_DTYPE (how the host reads a failure record) has TimeoutRecord's offsets and size."""
+    dtype = runtime.RECORD_DTYPE
+    lines = ['#include "common/wait.cuh"']
+    lines += [f"static_assert(__builtin_offsetof(ep::TimeoutRecord, {name}) == {dtype.fields[name][1]}, "
+              f'"TimeoutRecord::{name}");' for name in dtype.names]
+    lines += [f'static_assert(sizeof(ep::TimeoutRecord) == {dtype.itemsize}, "TimeoutRecord size");',
+              "__global__ void record_probe_kernel() {}"]
+    jit.compile_only("record_probe.cu", ["record_probe_kernel"], source="\n".join(lines))
+    assert len(runtime.CALL_WORDS) == layout.CALL_WORDS
+
+
+# ---- layout sums: config.py against common/layout.cuh, at compile time ------------------------------------------
+#: (channels, ranks, slots, hidden_bytes, topk, scales): odd sizes too, so that every rounding shows.
+INTRANODE = [(1, 1, 1, 16, 1, 0), (24, 8, 512, 14336, 8, 56), (20, 3, 257, 7168 + 16, 9, 57), (2, 5, 33, 48, 32, 1),
+             (12, 2, 4096, 8192, 0, 0)]
+#: internode_layout's arguments: (nodes, GPUs per node, channels, RDMA slots, NVL slots, hidden_bytes, scales, topk)
+INTERNODE = [(2, 1, 1, 16, 32, 16, 0, 1), (2, 8, 10, 128, 256, 14336, 0, 8), (4, 8, 12, 64, 288, 7168, 56, 8),
+             (3, 2, 5, 33, 65, 7168 + 16, 57, 9), (32, 8, 24, 128, 512, 14336, 112, 32)]
+#: (max tokens, hidden, ranks, experts)
+LOW_LATENCY = [(1, 128, 1, 1), (128, 7168, 16, 256), (257, 2048, 3, 9), (512, 7168, 64, 4096), (33, 4096, 8, 72)]
+
+
+def test_layout_sums_match_the_cuda_structs():
+    """config.py's sums (intranode, zero-copy, internode, low-latency) equal the carves of common/layout.cuh,
+    evaluated by the compiler in static_asserts (a mismatch is a compile error naming the sum and the shape)."""
+    text = layout.layout_probe_source(INTRANODE, INTERNODE, LOW_LATENCY)
+    assert text.count("static_assert") == 1 + 5 * len(INTRANODE) + 8 * len(INTERNODE) + 15 * len(LOW_LATENCY)
+    result = jit.compile_only("layout_probe.cu", ["layout_probe_kernel"], source=text)
+    assert result.cubin[:4] == b"\x7fELF"
+
+
+def test_a_layout_sum_changed_on_one_side_fails_to_compile(monkeypatch):
+    monkeypatch.setattr(config, "combine_channel_bytes", lambda *a: 128)
+    with pytest.raises(CompileError) as e:
+        jit.compile_only("layout_probe.cu", ["layout_probe_kernel"],
+                         source=layout.layout_probe_source(INTRANODE[:1]))
+    assert 'static assertion failed with "combine_channel_bytes intranode (1, 1, 1, 16, 1, 0)' in e.value.log
+
+
+def test_block_shapes_match_the_cuda_templates():
+    """validate's intranode warp groups and cuda_internode's block sizes equal Groups / RemoteGroups
+    (intranode/groups.cuh) and DispatchShape / CombineShape (internode/roles.cuh), at compile time."""
+    lines = ['#include "intranode/groups.cuh"', '#include "internode/roles.cuh"', "using namespace ep;"]
+    for r in range(1, 9):
+        remote = f"intranode::RemoteGroups<{r}>"
+        lines += [f"static_assert(intranode::Groups<{r}>::kWarps == {validate.intranode_warps(r)});",
+                  f"static_assert({remote}::kWarpsPerPeer == {validate.intranode_remote_warps(r)});",
+                  f"static_assert({remote}::kBatchTokens == {validate.intranode_dispatch_batch(r)});"]
+    for g in range(1, 9):
+        lines.append(f"static_assert(internode::DispatchShape<{g}>::kThreads == "
+                     f"{cuda_internode.threads('dispatch', 2, g)});")
+        for n in (2, 3, 8, 16, 17, 32):
+            lines.append(f"static_assert(internode::CombineShape<{n}, {g}>::kThreads == "
+                         f"{cuda_internode.threads('combine', n, g)});")
+    lines.append("__global__ void shapes_probe_kernel() {}")
+    jit.compile_only("shapes_probe.cu", ["shapes_probe_kernel"], source="\n".join(lines))
+    # by hand from the C++: R-1 remote peers share Groups' warps where that gives each more than 24 / R
+    warps = {1: 24, 2: 24, 3: 12, 4: 8, 5: 5, 6: 4, 7: 3, 8: 3}
+    assert {r: validate.intranode_remote_warps(r) for r in warps} == warps
+    assert [validate.intranode_dispatch_batch(r) for r in (2, 3, 4, 8)] == [96, 64, 32, 32]
+
+
+def test_low_latency_top_k_bound_is_the_references():
+    from cupy_ep import reference
+    m = re.search(r"constexpr int kLLMaxTopk\s*=\s*(\d+);", source("common/layout.cuh"))
+    assert int(m.group(1)) == config.LL_MAX_TOPK == reference.LOW_LATENCY_MAX_TOPK
+    assert layout.LL_MAX_TOKENS == 1 << 19 and layout.LL_MAX_EXPERTS <= 1 << layout.LL_ENTRY_SLOT_SHIFT
 
 
 def test_low_latency_stamp_names_mirror_the_enum():
@@ -79,45 +181,15 @@ def test_phase_breakdown_is_relative_to_the_earliest_send_start():
     assert cll.phase_breakdown(np.zeros((2, len(cll.STAMP_NAMES)), dtype=np.int64)) == {}
 
 
-def test_dispatch_sender_groups_mirror_remote_groups():
-    """validate's sender-warp and batch sizes (both backends refuse by them) follow RemoteGroups in
-    intranode/groups.cuh (a smaller Python value would let through a ring the sender can never fill: a hang, not an
-    error)."""
-    text = source("intranode/groups.cuh")
-    assert "kBatchWindows = (kWarpsPerPeer * 4 + kWarpSize - 1) / kWarpSize;" in text
-    assert "kWarpsPerRank = 24 / kNumRanks;" in text
-    # by hand from the C++: R-1 remote peers share Groups' warps where that gives each more than 24 / R
-    warps = {1: 24, 2: 24, 3: 12, 4: 8, 5: 5, 6: 4, 7: 3, 8: 3}
-    for r, w in warps.items():
-        assert validate.intranode_remote_warps(r) == w, r
-        assert validate.intranode_dispatch_batch(r) == -(-w * 4 // 32) * 32
-    assert [validate.intranode_dispatch_batch(r) for r in (2, 3, 4, 8)] == [96, 64, 32, 32]
-
-
-def test_low_latency_limits_mirror_the_cuda_constants():
-    from cupy_ep import config, reference
-
-    def constant(text: str, name: str) -> int:
-        return int(re.search(r"constexpr int " + name + r"\s*=\s*(\d+);", text).group(1))
-    assert constant(source("common/layout.cuh"), "kLLMaxTopk") == config.LL_MAX_TOPK == reference.LOW_LATENCY_MAX_TOPK
-    assert constant(source(*LL), "kLLMaxExperts") == config.LL_MAX_EXPERTS
-    assert constant(source(*LL), "kLLMaxRanks") == config.LL_MAX_RANKS
-    # the combine's entry code: slot << kEntrySlotShift | expert in an int32
-    shift = constant(source(*LL), "kEntrySlotShift")
-    assert "constexpr int kLLMaxTokens = 1 << (31 - kEntrySlotShift);" in source(*LL)
-    assert config.LL_MAX_TOKENS == 1 << (31 - shift) and config.LL_MAX_EXPERTS <= 1 << shift
-
-
 def test_low_latency_combine_shared_memory_mirrors_the_kernel():
     """combine_stage_bytes sizes the dynamic shared memory the kernel's stage_slot indexes: its constants are the
     kernel's, and at the largest top-k it fits a block with the kernel's static shared memory (~19 KB)."""
     from cupy_ep.cuda import low_latency as cll
     from cupy_ep import reference
     text = source(*LL)
-    assert f"constexpr int kCombineChunks = {cll._COMBINE_CHUNKS};" in text
-    assert f"constexpr int kLLCombineThreads = {cll._COMBINE_THREADS};" in text
+    assert (cll._COMBINE_CHUNKS, cll._COMBINE_THREADS) == (ids.LL_COMBINE_CHUNKS, ids.LL_COMBINE_THREADS)
     # the dispatch is launched with the block size its __launch_bounds__ and its warp roles assume
-    assert f"constexpr int kLLThreads = {cll._THREADS};" in text
+    assert cll._THREADS == ids.LL_DISPATCH_THREADS and "__launch_bounds__(kLLThreads, 1)" in text
     assert "stage + (i * kCombineChunks + q) * kLLCombineThreads + threadIdx.x" in text
     assert cll.combine_stage_bytes(reference.LOW_LATENCY_MAX_TOPK) + 20 * 1024 <= 227 * 1024
 

@@ -69,8 +69,8 @@ __device__ __forceinline__ void zero_range(void* base, long long begin, long lon
 
 // Call agreement (as intranode.cu): the words ride at the start of the notify vectors; every rank compares
 // those of its RDMA peers and of its node peers with its own. A difference stops the buffer with a
-// kRoleCallCheck record (peer = the global rank that disagreed).
-enum InternodeCallOp : int { kOpInternodeDispatch = 11, kOpInternodeCachedDispatch = 12, kOpInternodeCombine = 13 };
+// kRoleCallCheck record (peer = the global rank that disagreed). The first word is an InternodeCallOp
+// (common/ids.cuh, from cupy_ep/ids.py).
 
 __device__ bool check_words(const int* theirs, const int* mine, int peer, const DeviceCtx* ctx, int kernel) {
     bool ok = true;

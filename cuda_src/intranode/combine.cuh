@@ -11,7 +11,7 @@
 
 namespace ep::intranode {
 
-constexpr int kCombineTokensPerWarp = 2;
+// kCombineTokensPerWarp: common/ids.cuh (cupy_ep/ids.py).
 
 // First index i in [0, n) with a[i] >= key (n if none) of an ascending array; every lane returns it. Each
 // step loads 32 evenly spaced probes at once and narrows [lo, hi) 32-fold (3 dependent loads for 32K rows).

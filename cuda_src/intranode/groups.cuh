@@ -1,6 +1,6 @@
 // intranode/groups.cuh: how the warps of a dispatch / combine block are grouped over the peer ranks.
 #pragma once
-#include "common/warp.cuh"
+#include "common/warp.cuh"  // and common/ids.cuh: kIntranodeWarps
 
 namespace ep::intranode {
 
@@ -12,10 +12,10 @@ struct RoleOf {
     int target;
 };
 
-// Warps of a dispatch/combine block, grouped per peer rank (24 warps, or the largest multiple of R below).
+// Warps of a dispatch/combine block, grouped per peer rank (kIntranodeWarps = 24, or the largest multiple of R below).
 template <int kNumRanks>
 struct Groups {
-    static constexpr int kWarpsPerRank = 24 / kNumRanks;
+    static constexpr int kWarpsPerRank = kIntranodeWarps / kNumRanks;
     static constexpr int kWarps = kWarpsPerRank * kNumRanks;
     static constexpr int kThreads = kWarps * kWarpSize;
     static constexpr int kThreadsPerRank = kWarpsPerRank * kWarpSize;
@@ -34,7 +34,7 @@ struct RemoteGroups {
     // The dispatch sender claims ring slots for a batch of windows of 32 tokens at a time, enough for about
     // four rows per warp: one barrier per window would leave most warps waiting for the one with an extra row.
     static constexpr int kBatchWindows = (kWarpsPerPeer * 4 + kWarpSize - 1) / kWarpSize;
-    static constexpr int kBatchTokens = kBatchWindows * kWarpSize;  // mirrors cuda_backend._dispatch_batch
+    static constexpr int kBatchTokens = kBatchWindows * kWarpSize;  // = validate.intranode_dispatch_batch
 
     // This warp's group: the peer it serves (-1: the warp idles) and its index in the group.
     __device__ static int peer_of_warp(int rank) {

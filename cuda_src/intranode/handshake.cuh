@@ -43,9 +43,8 @@ __device__ __forceinline__ void zero_ints(int* p, long long n) {
 // call_words[my rank] between its first two barriers, and after the second compares every row with its
 // own; any difference stops the buffer on every rank (the comparison is symmetric) with a record that the
 // host raises as CallMismatchError. Nothing of the call has touched a ring by then.
+// The first word is the CallOp (common/ids.cuh: cupy_ep/ids.py owns the values and names them in messages).
 // ---------------------------------------------------------------------------------------------------
-enum CallOp : int { kOpDispatch = 1, kOpCachedDispatch = 2, kOpCombine = 3, kOpDirectDispatch = 4,
-                    kOpCachedDirectDispatch = 5, kOpDirectCombine = 6 };
 
 struct CallWords {
     int w[kCallWords];

@@ -35,9 +35,9 @@ constexpr int kCombineBatch = kLLCombineThreads / kWarpSize - 1;
 
 // A top-k entry as the combine sees it (the owner's meta carries these; this rank's own come from its arguments):
 // the expert and the slot the dispatch gave it (the handle's topk_slots) in one int, slot << kEntrySlotShift |
-// expert, or -1 when the entry has no expert or was not sent (slot -1). The slots are below M <= kLLMaxTokens.
-constexpr int kEntrySlotShift = 12;
-constexpr int kLLMaxTokens = 1 << (31 - kEntrySlotShift);  // mirrors config.LL_MAX_TOKENS
+// expert, or -1 when the entry has no expert or was not sent (slot -1). The slots are below M <= kLLMaxTokens
+// (kEntrySlotShift comes from cupy_ep/layout.py, which derives LL_MAX_TOKENS the same way).
+constexpr int kLLMaxTokens = 1 << (31 - kEntrySlotShift);
 static_assert(kLLMaxExperts <= 1 << kEntrySlotShift, "an expert id must fit below the slot's bits");
 __device__ __forceinline__ int entry_code(long long expert, int slot, int num_experts) {
     return expert >= 0 && expert < num_experts && slot >= 0 ? (slot << kEntrySlotShift) | (int)expert : -1;
@@ -131,8 +131,7 @@ __device__ __forceinline__ int tokens_of_block(int T, int index, int count) {
 // copied at once into the thread's slots of the combine's dynamic shared memory by cp.async, which holds no
 // registers while they travel (in registers, 2 chunks x 4 rows spilled), so a token's rows cost one round of
 // loads per thread, not one per chunk and 4 rows. The slots: [entry i][chunk q][thread], 16 bytes each
-// (combine_stage_bytes on the host: kLLCombineThreads x kCombineChunks x K x 16).
-constexpr int kCombineChunks = 2;
+// (combine_stage_bytes on the host: kLLCombineThreads x kCombineChunks x K x 16; both from cupy_ep/ids.py).
 __device__ __forceinline__ int4* stage_slot(int4* stage, int i, int q) {
     return stage + (i * kCombineChunks + q) * kLLCombineThreads + threadIdx.x;
 }

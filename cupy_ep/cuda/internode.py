@@ -37,16 +37,16 @@ import time
 
 import numpy as np
 
-from .. import bootstrap, handles, interop, jit, validate
+from .. import bootstrap, handles, ids, interop, jit, validate
 from .. import config as _config
 from ..errors import CommTimeoutError
 
 _FILE = "internode.cu"
-_NOTIFY_THREADS = 256            # kNotifyThreads
-_SENDER_WARPS = 6                # kDispatchSenderWarps
-_COMBINE_RECV_WARPS = 6          # kCombineRecvWarps
-_MAX_COMBINE_FORWARDER_WARPS = 16
-_OP_CACHED_DISPATCH, _OP_COMBINE = 12, 13   # InternodeCallOp
+_NOTIFY_THREADS = ids.INTERNODE_NOTIFY_THREADS                      # kNotifyThreads
+_SENDER_WARPS = ids.INTERNODE_DISPATCH_SENDER_WARPS                  # kDispatchSenderWarps
+_COMBINE_RECV_WARPS = ids.INTERNODE_COMBINE_RECV_WARPS               # kCombineRecvWarps
+_MAX_COMBINE_FORWARDER_WARPS = ids.INTERNODE_MAX_COMBINE_FORWARDER_WARPS
+_OP_CACHED_DISPATCH, _OP_COMBINE = ids.OP["kOpInternodeCachedDispatch"], ids.OP["kOpInternodeCombine"]
 _FORCE_PUT_ENV = "CUPY_EP_INTERNODE_FORCE_PUT"
 TRANSPORTS = ("nvshmem", "ipc")
 _TRANSPORT_TYPES = {"nvshmem": "ep::NvshmemRdma", "ipc": "ep::IpcRdma"}
@@ -110,7 +110,8 @@ def check_config(cfg: _config.Config, num_nodes: int, kind: str) -> None:
 
 
 def threads(kind: str, num_nodes: int, gpus_per_node: int) -> int:
-    """Block size of the dispatch / combine kernel (mirrors DispatchShape / CombineShape in internode/roles.cuh)."""
+    """Block size of the dispatch / combine kernel (DispatchShape / CombineShape in internode/roles.cuh;
+    tests/test_mirrors.py compares at compile time)."""
     if kind == "dispatch":
         return (_SENDER_WARPS + 1 + gpus_per_node) * 32
     even = gpus_per_node + _COMBINE_RECV_WARPS + 1

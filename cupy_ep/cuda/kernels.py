@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .. import ids
 from ..validate import intranode_warps
 
 LAYOUT, INTRANODE = "layout.cu", "intranode.cu"
-LAYOUT_THREADS = 256        # kLayoutThreads (layout.cu)
-NOTIFY_THREADS = 128        # the notify kernels' block
-TMA_BYTES_PER_WARP = 8192   # kTmaChunkBytes (common/warp.cuh): a receiver warp's bulk-copy buffer
+LAYOUT_THREADS = ids.LAYOUT_THREADS           # kLayoutThreads
+NOTIFY_THREADS = 128                          # the notify kernels' block
+TMA_BYTES_PER_WARP = ids.TMA_CHUNK_BYTES      # kTmaChunkBytes: a receiver warp's bulk-copy buffer
 
 
 def data_threads(num_ranks: int) -> int:

@@ -67,7 +67,7 @@ import os
 import numpy as np
 
 from .. import config as _config
-from .. import bootstrap, handles, interop, jit, validate
+from .. import bootstrap, handles, ids, interop, jit, validate
 from ..event import EventOverlap, RecvHooks
 from ..handles import LowLatencyHandle
 from ..reference import LOW_LATENCY_MAX_TOPK
@@ -77,9 +77,9 @@ _FILE = "low_latency.cu"
 TRANSPORTS = ("nvshmem", "ipc")
 _TRANSPORT_ENV = "CUPY_EP_LL_TRANSPORT"
 _FORCE_PUT_ENV = "CUPY_EP_LL_FORCE_PUT"
-_THREADS = 512                  # kLLThreads (dispatch)
-_COMBINE_THREADS = 512          # kLLCombineThreads
-_COMBINE_CHUNKS = 2             # kCombineChunks
+_THREADS = ids.LL_DISPATCH_THREADS              # kLLThreads (dispatch)
+_COMBINE_THREADS = ids.LL_COMBINE_THREADS       # kLLCombineThreads
+_COMBINE_CHUNKS = ids.LL_COMBINE_CHUNKS         # kCombineChunks
 
 
 def combine_stage_bytes(num_topk: int) -> int:

@@ -12,33 +12,25 @@ import time
 
 import numpy as np
 
-from .. import bootstrap, interop, jit
+from .. import bootstrap, ids, interop, jit
 from .. import config as _config
 from ..errors import CallMismatchError, CommError, CommTimeoutError
 from ..event import EventOverlap, HostEvent
 
-KERNEL_NAMES = {1: "get_dispatch_layout", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch",
-                 5: "cached_notify_combine", 6: "combine", 7: "barrier", 8: "low_latency_dispatch",
-                 9: "low_latency_combine", 10: "internode_notify_dispatch", 11: "internode_cached_notify",
-                 12: "internode_dispatch", 13: "internode_combine", 14: "dispatch_direct", 15: "combine_direct"}
-ROLE_NAMES = {0: "barrier", 1: "sender", 2: "receiver", 3: "notify", 4: "call_check",
-               6: "buffer_reuse", 7: "zero_copy_capacity", 8: "entry",
-               # internode/roles.cuh WarpRole
-               10: "kRDMASender", 11: "kRDMASenderCoordinator", 12: "kRDMAAndNVLForwarder",
-               13: "kForwarderCoordinator", 14: "kNVLReceivers", 15: "kNVLSender", 16: "kNVLAndRDMAForwarder",
-               17: "kRDMAReceiver", 18: "kCoordinator", 19: "rdma_barrier", 20: "nvl_barrier", 22: "capacity"}
-# Mirror of the CallWords a notify kernel compares (intranode/handshake.cuh): index -> name.
+KERNEL_NAMES, ROLE_NAMES = ids.KERNEL_NAMES, ids.ROLE_NAMES
+# The CallWords a notify kernel compares (intranode/handshake.cuh, kCallWords of them): index -> name.
 CALL_WORDS = ("op", "num_channels", "num_max_nvl_chunked_recv_tokens", "hidden_int4", "num_topk",
-               "num_scales", "num_experts", "zero_copy_capacity")
-CALL_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "zero-copy dispatch",
-             5: "zero-copy cached dispatch", 6: "zero-copy combine"}
-# Mirror of cuda_src/common/wait.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64).
+              "num_scales", "num_experts", "zero_copy_capacity")
+CALL_OPS = ids.CALL_OP_NAMES
+# cuda_src/common/wait.cuh TimeoutRecord (int flag, rank, kernel, role, channel, peer; 4 x int64; test_mirrors.py).
 RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), ("role", "<i4"),
-                          ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
-                          ("expected", "<i8"), ("elapsed_ns", "<i8")])
-# Mirror of DeviceCtx (u64 timeout_ns, TimeoutRecord*, int* abort_flag, int rank, int num_ranks, int* shrink_mask).
+                         ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
+                         ("expected", "<i8"), ("elapsed_ns", "<i8")])
+# DeviceCtx (u64 timeout_ns, TimeoutRecord*, int* abort_flag, int rank, int num_ranks, int* shrink_mask; compared
+# in tests/test_cuda_low_latency_shrink.py).
 CTX_DTYPE = np.dtype([("timeout_ns", "<u8"), ("record", "<u8"), ("abort_flag", "<u8"),
-                       ("rank", "<i4"), ("num_ranks", "<i4"), ("shrink_mask", "<u8")])
+                      ("rank", "<i4"), ("num_ranks", "<i4"), ("shrink_mask", "<u8")])
+
 
 def capturing() -> bool:
     """True while the caller's current stream is being captured into a CUDA graph (no host syncs allowed): CuPy's,
