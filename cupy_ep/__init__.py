@@ -26,10 +26,11 @@ from .errors import (BackendUnavailableError, BufferUnusableError, CallMismatchE
                      CommTimeoutError, CompileError, CupyEpError)
 
 _LAZY = {"Buffer": "buffer", "gpu_available": "buffer", "Config": "config", "EventOverlap": "event",
-         "start_mpi": "mpi_start"}
+         "start_mpi": "mpi_start", "start_world": "mpi_start"}
 
 __all__ = ["Buffer", "Config", "EventOverlap", "CupyEpError", "CompileError", "CommError", "CommTimeoutError",
-           "CallMismatchError", "BufferUnusableError", "BackendUnavailableError", "gpu_available", "start_mpi"]
+           "CallMismatchError", "BufferUnusableError", "BackendUnavailableError", "gpu_available", "start_mpi",
+           "start_world"]
 __version__ = "0.1.0"
 
 

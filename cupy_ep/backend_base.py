@@ -30,10 +30,15 @@ class BackendBase:
                  explicitly_destroy: bool = False, enable_shrink: bool = False, *,
                  backend: str | None = None, device: int | None = None, timeout_s: float | None = None,
                  num_ranks_per_node: int | None = None, check_values: bool = True):
-        if comm is None:
-            from mpi4py import MPI
-            comm = MPI.COMM_WORLD
+        try:
+            self.timeout_s = float(timeout_s) if timeout_s is not None else default_timeout_s()
+        except (TypeError, ValueError):
+            raise TypeError(f"timeout_s: must be a number of seconds, got {timeout_s!r}") from None
+        if not self.timeout_s > 0:  # also refuses NaN
+            raise ValueError(f"timeout_s: must be positive, got {self.timeout_s}")
+        from .bootstrap import as_comm
         from .validate import check_comm
+        comm = as_comm(comm, timeout_s=self.timeout_s)
         check_comm(comm)
         self.comm = comm
         self.rank = comm.Get_rank()
@@ -45,12 +50,6 @@ class BackendBase:
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
-        try:
-            self.timeout_s = float(timeout_s) if timeout_s is not None else default_timeout_s()
-        except (TypeError, ValueError):
-            raise TypeError(f"timeout_s: must be a number of seconds, got {timeout_s!r}") from None
-        if not self.timeout_s > 0:  # also refuses NaN
-            raise ValueError(f"timeout_s: must be positive, got {self.timeout_s}")
         self.check_values = check_values
         self._destroyed = False
 

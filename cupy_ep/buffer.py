@@ -42,7 +42,10 @@ class Buffer:
     """Expert-parallel communication buffer of one rank (DeepEP V1 compatible).
 
     Args:
-        comm: mpi4py communicator of the expert-parallel group (default ``MPI.COMM_WORLD``).
+        comm: the expert-parallel group: an mpi4py communicator, a ``torch.distributed.ProcessGroup`` (NCCL or
+            gloo; the ranks then talk through torch.distributed's store, :mod:`cupy_ep.bootstrap.torch_group`),
+            or None: torch.distributed's default group when it is initialized and MPI is not started (nor
+            ``CUPY_EP_BOOTSTRAP=mpi`` set), else ``MPI.COMM_WORLD`` (:func:`cupy_ep.bootstrap.as_comm`).
         num_nvl_bytes: bytes of the NVLink (CUDA IPC) buffer; size it with
             ``Config.get_nvl_buffer_size_hint`` or :meth:`get_nvl_buffer_size_hint`.
         num_rdma_bytes: bytes of the NVSHMEM symmetric buffer; 0 for the intranode normal mode, and at

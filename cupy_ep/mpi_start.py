@@ -12,6 +12,10 @@ have done besides (the error handler ``rc.errors`` asks for, ``MPI_Finalize`` at
     MPI = start_mpi().MPI          # instead of: from mpi4py import MPI
     comm = MPI.COMM_WORLD
 
+Under torchrun, :func:`start_world` starts torch.distributed instead (the same preload beside its rendezvous) and
+never imports ``mpi4py.MPI``; elsewhere it is :func:`start_mpi`. Both leave the job's communicator in
+:attr:`Started.comm`.
+
 Call it before anything imports ``mpi4py.MPI``. Where MPI is already up (mpi4py imported the usual way), it
 only runs the imports, in this thread. Where ``libmpi`` cannot be found in the process, it falls back to
 ``MPI.Init_thread()`` (correct, just not overlapped) and says so in :attr:`Started.how`.
@@ -36,7 +40,11 @@ class Started:
     """What :func:`start_mpi` did, with its times in seconds (this process's view).
 
     ``how``: ``"overlapped"`` (MPI_Init_thread through ctypes while the preload thread ran), ``"mpi4py"`` (the
-    fallback: ``MPI.Init_thread()`` then the preload), or ``"already"`` (MPI was up before the call).
+    fallback: ``MPI.Init_thread()`` then the preload), ``"already"`` (MPI was up before the call), or under
+    torchrun (:func:`start_world`) ``"torchrun"`` (``init_process_group`` while the preload ran) or
+    ``"torchrun-already"`` (torch.distributed was initialized before the call); ``MPI`` is then None.
+    ``comm``: the job's communicator (``MPI.COMM_WORLD``, or a :class:`cupy_ep.bootstrap.TorchComm` of
+    torch.distributed's default group).
     ``mpi_init_s``: MPI_Init_thread plus a barrier over COMM_WORLD after the preload (the ranks' start-up skew
     is MPI's too).
     ``preload_s``: the preload's own duration; ``preload_wait_s``: how long this thread waited for it after MPI.
@@ -51,6 +59,7 @@ class Started:
     gpu: bool | None
     t_begin: float = 0.0
     t_end: float = 0.0
+    comm: object = None
 
 
 _started: Started | None = None
@@ -86,6 +95,23 @@ def _run_preload(preload: Callable[[], bool | None], out: dict) -> None:
     except BaseException as e:  # re-raised in the calling thread, which owns the error
         out["error"] = e
     out["s"] = time.perf_counter() - t0
+
+
+def _start_preload(preload, out: dict) -> threading.Thread | None:
+    """``preload`` running in a daemon thread (None without one); :func:`_join_preload` waits for it."""
+    if preload is None:
+        return None
+    thread = threading.Thread(target=_run_preload, args=(preload, out), name="cupy_ep-preload", daemon=True)
+    thread.start()
+    return thread
+
+
+def _join_preload(thread: threading.Thread | None, out: dict) -> None:
+    """Wait for the preload thread; ``out["wait"]``: how long this thread waited for it."""
+    if thread is not None:
+        t1 = time.perf_counter()
+        thread.join()
+        out["wait"] = time.perf_counter() - t1
 
 
 def _mpi_init_ctypes(MPI, level: int) -> bool:
@@ -140,10 +166,7 @@ def start_mpi(preload: Callable[[], bool | None] | None = default_preload) -> St
             _run_preload(preload, out)
         init_s = 0.0
     else:
-        thread = threading.Thread(target=_run_preload, args=(preload, out), name="cupy_ep-preload", daemon=True) \
-            if preload is not None else None
-        if thread is not None:
-            thread.start()
+        thread = _start_preload(preload, out)
         level = getattr(MPI, _THREAD_LEVELS.get(str(mpi4py.rc.thread_level), "THREAD_MULTIPLE"))
         if _mpi_init_ctypes(MPI, level):
             how = "overlapped" if thread is not None else "ctypes"
@@ -155,10 +178,7 @@ def start_mpi(preload: Callable[[], bool | None] | None = default_preload) -> St
         # rc.finalize says), so this does; exit hooks registered later (a Buffer's) run before it
         atexit.register(_finalize_at_exit, MPI)
         init_s = time.perf_counter() - t0
-        if thread is not None:
-            t1 = time.perf_counter()
-            thread.join()
-            out["wait"] = time.perf_counter() - t1
+        _join_preload(thread, out)
         # The ranks' start-up skew, counted as MPI's; after the join, because a rank that waits here busy-polls a
         # core that its own preload (or a rank's sharing the host) would want.
         t2 = time.perf_counter()
@@ -168,5 +188,42 @@ def start_mpi(preload: Callable[[], bool | None] | None = default_preload) -> St
         raise out["error"]
     _started = Started(MPI=MPI, how=how, mpi_init_s=init_s, preload_s=out.get("s", 0.0),
                        preload_wait_s=out.get("wait", out.get("s", 0.0)), gpu=out.get("gpu"), t_begin=t0,
-                       t_end=time.perf_counter())
+                       t_end=time.perf_counter(), comm=MPI.COMM_WORLD)
+    return _started
+
+
+def start_world(preload: Callable[[], bool | None] | None = default_preload, torch_backend: str | None = None
+                ) -> Started:
+    """:func:`start_mpi`, or under torchrun (:func:`cupy_ep.bootstrap.launched_by_torchrun`, or
+    ``CUPY_EP_BOOTSTRAP=torch``) ``torch.distributed.init_process_group`` from torchrun's environment while
+    ``preload`` runs in a thread; ``Started.comm`` is then a :class:`cupy_ep.bootstrap.TorchComm` of the default
+    group. ``torch_backend``: the group's backend (default ``CUPY_EP_TORCH_BACKEND``, else gloo: cupy_ep
+    exchanges only host objects, through the group's store, so NCCL is never needed). Idempotent."""
+    global _started
+    from . import bootstrap
+    if _started is not None:
+        return _started
+    import os
+    forced = os.environ.get("CUPY_EP_BOOTSTRAP", "").strip().lower()
+    if forced == "mpi" or bootstrap.mpi_started() or not (forced == "torch" or bootstrap.launched_by_torchrun()):
+        return start_mpi(preload)
+    import torch.distributed as dist
+
+    out: dict = {}
+    t0 = time.perf_counter()
+    how = "torchrun-already" if dist.is_initialized() else "torchrun"
+    thread = _start_preload(preload, out)  # beside the rendezvous (or, already up, just run)
+    if how == "torchrun":
+        dist.init_process_group(torch_backend or os.environ.get("CUPY_EP_TORCH_BACKEND") or "gloo")
+    init_s = time.perf_counter() - t0 if how == "torchrun" else 0.0
+    _join_preload(thread, out)
+    if "error" in out:
+        raise out["error"]
+    comm = bootstrap.TorchComm(None)
+    t2 = time.perf_counter()
+    comm.Barrier()  # the ranks' start-up skew, counted as the launcher's (as start_mpi's barrier)
+    init_s += time.perf_counter() - t2
+    _started = Started(MPI=None, how=how, mpi_init_s=init_s, preload_s=out.get("s", 0.0),
+                       preload_wait_s=out.get("wait", out.get("s", 0.0)), gpu=out.get("gpu"), t_begin=t0,
+                       t_end=time.perf_counter(), comm=comm)
     return _started

@@ -1,6 +1,7 @@
 """NVSHMEM host runtime through ctypes on the ``nvidia-nvshmem-cu13`` wheel's ``libnvshmem_host.so.3``.
 
-The unique id is made on rank 0 and broadcast with mpi4py; every rank then initialises with it
+The unique id is made on rank 0 and broadcast over the Buffer's communicator (mpi4py or torch.distributed:
+:mod:`cupy_ep.bootstrap`); every rank then initialises with it
 (``nvshmemx_set_attr_uniqueid_args`` + ``nvshmemx_hostlib_init_attr``). Kernels that use the device API are
 compiled relocatable and linked with ``libnvshmem_device.a`` by :mod:`cupy_ep.jit`; each loaded module then
 needs :meth:`Nvshmem.init_module` (it copies the device state into the module). NVSHMEM's documentation gives

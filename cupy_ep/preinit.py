@@ -7,10 +7,10 @@ a thread started first thing in ``cupy_ep/__init__.py`` creates this rank's cont
 numpy, CuPy and mpi4py and starts MPI. CuPy (the runtime API) later finds the primary context ready.
 
 Which GPU: the one :func:`cupy_ep.bootstrap.choose_device` will pick for a ``Buffer`` over ``MPI.COMM_WORLD``:
-``CUPY_EP_DEVICE`` if set, else the launcher's node-local rank (Open MPI, MPICH/Hydra, Slurm, MVAPICH) modulo the
-visible GPUs. Without a local rank (a plain ``python``), only ``cuInit`` runs (no context on any GPU). A
-``Buffer`` over a sub-communicator may pick another GPU; the preinit context then just sits unused on the
-guessed one (about 0.5 GB). ``CUPY_EP_PREINIT=0`` turns all of this off; nothing changes without a driver.
+``CUPY_EP_DEVICE`` if set, else the launcher's node-local rank (Open MPI, MPICH/Hydra, Slurm, MVAPICH,
+torchrun) modulo the visible GPUs. Without a local rank (a plain ``python``), only ``cuInit`` runs (no context on
+any GPU). A ``Buffer`` over a sub-communicator may pick another GPU; the preinit context then just sits unused on
+the guessed one (about 0.5 GB). ``CUPY_EP_PREINIT=0`` turns all of this off; nothing changes without a driver.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import os
 import threading
 
 _LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID",
-                    "MV2_COMM_WORLD_LOCAL_RANK")
+                    "MV2_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK")  # torchrun's last: an mpirun inside it inherits it
 _JOIN_TIMEOUT_S = 30.0
 
 _thread: threading.Thread | None = None

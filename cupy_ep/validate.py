@@ -598,8 +598,10 @@ def check_low_latency_ranks(num_ranks: int) -> None:
 
 
 def check_comm(comm) -> None:
-    """``comm`` must be a communicator (mpi4py's, or anything with its Get_rank / Get_size / allgather)."""
+    """``comm`` must be a communicator (:class:`cupy_ep.bootstrap.Comm`: mpi4py's, the torch adapter, or anything
+    with their Get_rank / Get_size / allgather / Barrier)."""
     missing = [m for m in ("Get_rank", "Get_size", "allgather", "Barrier") if not callable(getattr(comm, m, None))]
     if missing:
-        raise TypeError(f"comm: must be an mpi4py communicator (e.g. MPI.COMM_WORLD), got {type(comm).__name__} "
+        raise TypeError(f"comm: must be an mpi4py communicator (e.g. MPI.COMM_WORLD) or a torch.distributed "
+                        f"ProcessGroup, got {type(comm).__name__} "
                         f"(no {', '.join(missing)})")

@@ -3,6 +3,7 @@ densely in one process.
 
     mpiexec -n 4 python examples/moe_layer.py                          # on the GPU (one rank per GPU)
     CUPY_EP_BACKEND=host mpiexec -n 2 python examples/moe_layer.py     # without a GPU: CPU tensors
+    torchrun --nproc-per-node 2 examples/moe_layer.py                  # the same under torchrun (gloo)
 
 The block: a router (linear, top-k of the logits, softmax over the k chosen), ``E`` expert MLPs
 (``H -> F -> H``, GELU), each rank holding ``E / R`` of them, and the token dispatch / combine between. Every rank
@@ -19,10 +20,10 @@ from __future__ import annotations
 import sys
 
 import torch
-from mpi4py import MPI
 
 import cupy_ep
 import cupy_ep.torch as ep_torch
+from cupy_ep import bootstrap
 
 TOKENS, HIDDEN, FFN, EXPERTS_PER_RANK, TOPK, STEPS, LR = 32, 64, 32, 2, 2, 4, 0.5
 RTOL = 1e-2  # relative to the largest magnitude of each compared tensor: a few bf16 roundings (2^-8 each)
@@ -87,7 +88,7 @@ def close(name: str, got: torch.Tensor, want: torch.Tensor, errors: list) -> Non
 
 
 def main() -> int:
-    comm = MPI.COMM_WORLD
+    comm = bootstrap.world()  # MPI.COMM_WORLD, or under torchrun torch.distributed's default group (gloo)
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
     num_experts = EXPERTS_PER_RANK * num_ranks
     buf = cupy_ep.Buffer(comm, num_nvl_bytes=cupy_ep.Buffer.get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks))
@@ -111,8 +112,8 @@ def main() -> int:
         y = moe_expert_parallel(buf, x, router, w1, w2, num_experts)
         loss = ((y - target[mine]) ** 2).sum() / (num_ranks * TOKENS)
         loss.backward()
-        global_loss = comm.allreduce(float(loss.detach()), op=MPI.SUM)
-        router_grad = torch.from_numpy(comm.allreduce(router.grad.cpu().numpy(), op=MPI.SUM)).to(device)
+        global_loss = bootstrap.allreduce(comm, float(loss.detach()), "sum")
+        router_grad = torch.from_numpy(bootstrap.allreduce(comm, router.grad.cpu().numpy(), "sum")).to(device)
 
         # dense: the same parameters, the whole batch, one process
         d_router, d_w1, d_w2 = (params[k].clone().requires_grad_() for k in ("router", "w1", "w2"))
@@ -129,8 +130,8 @@ def main() -> int:
 
         with torch.no_grad():  # SGD: the router's summed gradient on every rank, each expert on its own rank
             params["router"] -= LR * router_grad
-            w1_all = torch.from_numpy(comm.allreduce(_scatter(d_w1.grad, w1.grad, local).cpu().numpy()))
-            w2_all = torch.from_numpy(comm.allreduce(_scatter(d_w2.grad, w2.grad, local).cpu().numpy()))
+            w1_all = torch.from_numpy(bootstrap.allreduce(comm, _scatter(d_w1.grad, w1.grad, local).cpu().numpy()))
+            w2_all = torch.from_numpy(bootstrap.allreduce(comm, _scatter(d_w2.grad, w2.grad, local).cpu().numpy()))
             params["w1"] -= LR * w1_all.to(device)
             params["w2"] -= LR * w2_all.to(device)
     if not losses[-1] < losses[0]:

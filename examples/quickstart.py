@@ -1,6 +1,7 @@
 """cupy_ep quick start: one MoE layer's dispatch and combine, checked against the numpy reference.
 
     mpiexec -n 2 python examples/quickstart.py
+    torchrun --nproc-per-node 2 examples/quickstart.py      # the same, over torch.distributed (gloo)
 
 Every rank makes random tokens and a random top-k routing, dispatches the tokens to the ranks that own their
 experts, runs a stand-in expert step there and combines the outputs back on the tokens' owners. It runs on the
@@ -8,10 +9,8 @@ GPUs when CuPy sees one (rank i on GPU i modulo the visible GPUs), else on the h
 """
 import ml_dtypes
 import numpy as np
-from mpi4py import MPI
-
 import cupy_ep
-from cupy_ep import Buffer, reference
+from cupy_ep import Buffer, bootstrap, reference
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -28,7 +27,7 @@ def expert_step(xp, recv_x, recv_topk_weights):
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(xp.uint16).view(BF16)  # fp32 -> bf16, nearest even
 
 
-comm = MPI.COMM_WORLD
+comm = bootstrap.world()                     # MPI.COMM_WORLD, or under torchrun torch.distributed's default group
 rank, num_ranks = comm.Get_rank(), comm.Get_size()
 num_tokens, hidden, num_topk = 512, 2048, 4
 num_experts = 8 * num_ranks                  # rank r owns experts [8r, 8r + 8)
@@ -70,8 +69,8 @@ ok = (np.array_equal(to_host(recv_x).view(np.uint16), mine.recv_x.view(np.uint16
       and np.array_equal(to_host(recv_topk_weights), mine.recv_topk_weights)
       and list(num_recv_tokens_per_expert) == mine.num_recv_tokens_per_expert_list
       and np.array_equal(to_host(combined_x).view(np.uint16), want_x.view(np.uint16)))
-ok = bool(comm.allreduce(int(ok), op=MPI.MIN))
-rows = comm.allreduce(int(recv_x.shape[0]))
+ok = bool(bootstrap.allreduce(comm, int(ok), "min"))
+rows = bootstrap.allreduce(comm, int(recv_x.shape[0]), "sum")
 buf.destroy()
 if rank == 0:
     print(f"cupy_ep {cupy_ep.__version__}, {buf.backend} backend, {num_ranks} ranks: {rows} token rows dispatched and "

@@ -210,6 +210,8 @@ PY
 # ep_pytest_step NAME NRANKS PYTEST_ARGS...: NRANKS=0 runs one plain process, otherwise NRANKS ranks under
 # the MPI launcher, each rank writing its own junit file. Fails on a non-zero rc, on pytest's exit 5 (no
 # tests collected), and when no test was executed at all (everything skipped).
+# NRANKS: 0 (one plain pytest), N (under the MPI launcher) or torchrun:N (python -m torch.distributed.run
+# --standalone; pass --with-torchrun among the pytest arguments).
 ep_pytest_step() {
     local name="$1" nranks="$2"
     shift 2
@@ -222,6 +224,13 @@ ep_pytest_step() {
         cmd=("$EP_PYTHON" -m pytest --junitxml="$jdir/rank0.xml" "$@")
         ep_log ""
         ep_log "==> [$name] python -m pytest $*"
+    elif [[ "$nranks" == torchrun:* ]]; then
+        nranks="${nranks#torchrun:}"
+        # shellcheck disable=SC2016  # expanded by the per-rank bash, not here
+        cmd=("$EP_PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nranks" --no-python bash -c
+             'exec "$0" -m pytest --junitxml="$1/rank${RANK:-$$}.xml" "${@:2}"' "$EP_PYTHON" "$jdir" "$@")
+        ep_log ""
+        ep_log "==> [$name] torchrun --nproc-per-node $nranks python -m pytest $*"
     else
         # Every rank runs its own pytest session; name each junit file by its rank (MPICH: PMI_RANK,
         # Open MPI: OMPI_COMM_WORLD_RANK; else the pid, which is unique too).

@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh                         # every step
 #   GPU_CHECK_STEPS="nvidia_smi gpu2" bash scripts/gpu_check.sh
 #
-# Steps (in this order): nvidia_smi unit gpu2 gpu4 gpu8 llipc mps internode bench llbench soak sanitize
+# Steps (in this order): nvidia_smi unit gpu2 gpu4 gpu8 llipc mps internode torchrun bench llbench soak sanitize
 #   nvidia_smi  GPUs, links and software versions
 #   unit        the single-process tests (tests/, without tests/gpu)
 #   gpuN        tests/gpu under the MPI launcher with N ranks (4 and 8: several ranks per GPU), without internode
@@ -18,8 +18,13 @@
 #               rest of tests/gpu likewise; the kernels of the ranks on one GPU run at the same time there. Each
 #               rank gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_THREAD_PERCENTAGE (default 100 / ranks per GPU;
 #               empty: unset), so that the kernels run on provisioned shares; MPS_PARTS="ll rest" (default) picks
-#               the halves
+#               the parts ("torchrun": the torchrun step's tests as MPS clients, steps named mps_torchrun<N>)
 #   internode   tests/gpu/test_internode.py at 2 ranks (2 nodes x 1 GPU) and 4 ranks (2 nodes x 2, IPC transport)
+#   torchrun    under torchrun (torch.distributed, gloo; no MPI) at TORCHRUN_RANKS (default 2) ranks:
+#               tests/gpu/test_intranode.py, test_low_latency.py (CUPY_EP_LL_TRANSPORT=ipc: 2 ranks may share a
+#               GPU) and test_streams.py, then examples/moe_layer.py; skipped where torch is not installed. Ranks
+#               sharing a GPU as MPS clients: start the step inside an MPS daemon's environment
+#               (CUDA_MPS_PIPE_DIRECTORY set)
 #   bench       python -m cupy_ep.bench --out $OUT_DIR at 2 ranks
 #   llbench     python -m cupy_ep.bench --mode low-latency --out $OUT_DIR at 2 ranks
 #   soak        python -m cupy_ep.soak (SOAK_ITERS, default 10000) at 2 ranks, then --zero-copy at 12 and 24 SMs
@@ -65,7 +70,7 @@ else
     ep_log "[env] no .carry/wheels/*.whl (pytest-mpi must already be installed)"
 fi
 
-ALL_STEPS="nvidia_smi unit gpu2 gpu4 gpu8 llipc mps internode bench llbench soak sanitize"
+ALL_STEPS="nvidia_smi unit gpu2 gpu4 gpu8 llipc mps internode torchrun bench llbench soak sanitize"
 STEPS="${GPU_CHECK_STEPS:-$ALL_STEPS}"
 for s in $STEPS; do
     [[ " $ALL_STEPS " == *" $s "* ]] || ep_record "$s" - - - - FAILED "unknown step (known: $ALL_STEPS)"
@@ -118,6 +123,21 @@ mps_stop() {  # quit the private MPS daemon (if it runs) and keep its control lo
     cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$OUT_DIR/mps_control.log" 2>/dev/null
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
 }
+# torchrun_step PREFIX: the torchrun part (step names PREFIX + "torchrun<N>"), inside or outside the MPS daemon
+torchrun_step() {
+    local prefix="$1" n="${TORCHRUN_RANKS:-2}"
+    if ! "$EP_PYTHON" -c 'import torch.distributed' >/dev/null 2>&1; then
+        ep_record "${prefix}torchrun" - 0 0 1 ok "torch is not installed: skipped"
+        return 0
+    fi
+    CUPY_EP_LL_TRANSPORT=ipc ep_pytest_step "${prefix}torchrun$n" "torchrun:$n" --with-torchrun -q -p no:cacheprovider \
+        --color=no --timeout=300 --timeout-method=thread -rs tests/gpu/test_intranode.py \
+        tests/gpu/test_low_latency.py tests/gpu/test_streams.py
+    if "$EP_PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1; then
+        ep_plain_step "${prefix}moe_torchrun$n" timeout -k 10 300 env CUPY_EP_BACKEND=cuda "$EP_PYTHON" \
+            -m torch.distributed.run --standalone --nproc-per-node "$n" examples/moe_layer.py
+    fi
+}
 if want mps; then
     per_gpu="${MPS_RANKS_PER_GPU:-2}"
     n=$(( per_gpu * $(ep_num_gpus) ))  # counted before the daemon starts: CUDA in this shell stays outside MPS
@@ -140,6 +160,7 @@ if want mps; then
             --timeout-method=thread "${ll[@]}" -rs
         [[ " ${MPS_PARTS:-ll rest} " == *" rest "* ]] && ep_pytest_step "mps_rest$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
             --timeout-method=thread tests/gpu -rs $(printf -- '--ignore=%s ' "${ll[@]}")
+        [[ " ${MPS_PARTS:-ll rest} " == *" torchrun "* ]] && torchrun_step mps_
         mps_stop
         trap - EXIT
     fi
@@ -148,6 +169,7 @@ for n in 2 4; do
     want internode && ep_pytest_step "internode$n" "$n" --with-mpi -q -p no:cacheprovider --color=no \
         --timeout=300 --timeout-method=thread tests/gpu/test_internode.py -rs
 done
+want torchrun && torchrun_step ""
 if want bench; then
     ep_mpirun_argv 2 "$EP_PYTHON" -m cupy_ep.bench --out "$OUT_DIR" && ep_plain_step bench "${EP_ARGV[@]}"
 fi

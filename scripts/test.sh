@@ -9,7 +9,9 @@
 #    they are skipped);
 # 2. runs the single-process tests, then the MPI tests at 2 and 4 ranks (tests/gpu excluded), then the README's
 #    quick start (examples/quickstart.py) at 2 ranks and the MoE example (examples/moe_layer.py) at 2 and 4 ranks,
-#    on the host backend;
+#    on the host backend; then the same under torchrun at 2 and 4 ranks (torch.distributed over gloo, through
+#    cupy_ep.bootstrap's torch adapter; mpi4py's MPI is never imported there): the adapter's tests, the host-backend
+#    tests (pytest --with-torchrun -m mpi), the quick start and the MoE example;
 # 3. when a GPU is visible, runs tests/gpu with one rank per GPU, then the low-latency files at 2 ranks over the
 #    CUDA-IPC transport (ranks share the GPU on a one-GPU machine), then the MoE example (one rank per GPU, 2
 #    at least).
@@ -57,6 +59,25 @@ fi
 for n in 2 4; do
     moe_step "moe$n" "$n" CUPY_EP_BACKEND=host
 done
+
+# torchrun: the MPI-marked tests with their comm fixture over torch.distributed (gloo), then the examples unchanged.
+torch_tests=(tests/test_torch_bootstrap.py tests/test_host_backend.py tests/test_host_low_latency.py
+             tests/test_host_faults.py tests/test_torch_layer.py tests/test_topology.py
+             tests/test_cuda_low_latency_shrink.py tests/test_bad_inputs.py)
+torchrun_argv() { EP_ARGV=(env CUPY_EP_BACKEND=host "$EP_PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$@"); }
+for n in 2 4; do
+    if ! has_torch; then
+        ep_record "torchrun$n" - 0 0 1 ok "torch is not installed: skipped"
+        continue
+    fi
+    ep_pytest_step "torchrun$n" "torchrun:$n" --with-torchrun -m mpi "${common[@]}" --color=no "${torch_tests[@]}"
+    torchrun_argv "$n" examples/moe_layer.py
+    ep_plain_step "moe-torchrun$n" timeout -k 10 300 "${EP_ARGV[@]}"
+done
+if has_torch; then
+    torchrun_argv 2 examples/quickstart.py
+    ep_plain_step quickstart-torchrun timeout -k 10 300 "${EP_ARGV[@]}"
+fi
 
 gpu_rc=0
 "$EP_PYTHON" -c '

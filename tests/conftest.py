@@ -1,14 +1,62 @@
 """Fixtures shared by every test; reusable helpers live in tests/helpers.py (GPU tests import them too)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.helpers import HOST_NVL_BYTES, all_ok, gather_all, make_inputs  # noqa: F401  (re-exported for tests)
 
 
+_NEED_WITH_MPI = "need --with-mpi option to run"  # pytest-mpi's skip reason for an MPI-marked test
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--with-torchrun", action="store_true", default=False,
+        help="run under torchrun (python -m torch.distributed.run): every test runs, as with --with-mpi, and the "
+             "comm fixture is torch.distributed's default group (gloo, initialized here) through "
+             "cupy_ep.bootstrap.TorchComm; mpi4py's MPI is never imported. Pair with -m mpi for the MPI tests only.")
+
+
+def _torchrun(config) -> bool:
+    return bool(config.getoption("--with-torchrun"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under --with-torchrun the MPI-marked tests run: drop pytest-mpi's skip (it only knows --with-mpi)."""
+    if not _torchrun(config):
+        return
+    if config.getoption("--with-mpi", default=False) or config.getoption("--only-mpi", default=False):
+        raise pytest.UsageError("--with-torchrun: pass it instead of --with-mpi / --only-mpi, not with them")
+    for item in items:
+        item.own_markers[:] = [m for m in item.own_markers
+                               if not (m.name == "skip" and m.kwargs.get("reason") == _NEED_WITH_MPI)]
+
+
+def pytest_runtest_setup(item):
+    """Under --with-torchrun: pytest-mpi's ``min_size`` against the torchrun world size."""
+    if not _torchrun(item.config):
+        return
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    for mark in item.iter_markers(name="mpi"):
+        min_size = mark.kwargs.get("min_size")
+        if min_size is not None and size < min_size:
+            pytest.skip(f"Test requires {min_size} ranks, only {size} torchrun ranks")
+
+
 @pytest.fixture(scope="session")
-def comm():
-    """``MPI.COMM_WORLD``; the test is skipped where mpi4py cannot start."""
+def comm(request):
+    """The job's communicator: ``MPI.COMM_WORLD`` (the test is skipped where mpi4py cannot start), or with
+    --with-torchrun torch.distributed's default group (gloo) as a :class:`cupy_ep.bootstrap.TorchComm`."""
+    if _torchrun(request.config):
+        import torch.distributed as dist
+
+        from cupy_ep.bootstrap.torch_group import TorchComm
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        return TorchComm(None)
     try:
         from mpi4py import MPI
     except (ImportError, RuntimeError) as e:
@@ -18,7 +66,7 @@ def comm():
 
 @pytest.fixture
 def host_buffer(comm):
-    """A fresh host-backend Buffer on COMM_WORLD, destroyed after the test."""
+    """A fresh host-backend Buffer on the ``comm`` fixture, destroyed after the test."""
     from cupy_ep import Buffer
     buf = Buffer(comm, HOST_NVL_BYTES, backend="host")
     yield buf

@@ -71,8 +71,8 @@ def random_bf16(rng: np.random.Generator, shape) -> np.ndarray:
 
 def all_ok(comm, ok: bool) -> bool:
     """True on every rank iff ``ok`` on every rank (so all ranks pass or fail a test together)."""
-    from mpi4py import MPI
-    return bool(comm.allreduce(bool(ok), op=MPI.LAND))
+    from cupy_ep import bootstrap
+    return bool(bootstrap.allreduce(comm, bool(ok), "land"))
 
 
 def refused_after_failure(rank: int, call, what: str = "the timeout") -> bool:

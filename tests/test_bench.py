@@ -281,7 +281,7 @@ def test_options():
 
 def test_low_latency_mode_refuses_more_tokens_than_max_tokens(capsys, monkeypatch):
     """--tokens above --ll-max-tokens is an argparse error (exit status 2) before MPI starts, naming both options."""
-    monkeypatch.setattr(bench.cupy_ep, "start_mpi", lambda: pytest.fail("MPI started before the arguments"))
+    monkeypatch.setattr(bench.cupy_ep, "start_world", lambda: pytest.fail("MPI started before the arguments"))
     with pytest.raises(SystemExit) as e:
         bench.main(["--mode", "low-latency", "--tokens", "300", "--ll-max-tokens", "256"])
     assert e.value.code == 2

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import BF16, all_ok, make_inputs, random_bf16, reference_combine, reference_dispatch, same_bytes
+from tests.helpers import (BF16, HOST_NVL_BYTES, all_ok, make_inputs, random_bf16, reference_combine,
+                           reference_dispatch, same_bytes)
 
 HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 96, 40, 3, 3
 
@@ -56,21 +57,30 @@ def test_deep_ep_names_and_constructor():
             buf.destroy()
     with pytest.raises(ValueError, match="^group, comm: pass one"):
         deep_ep.Buffer(MPI.COMM_SELF, comm=MPI.COMM_SELF, backend="host")
-    with pytest.raises(TypeError, match="^group: must be an mpi4py communicator or None"):
+    with pytest.raises(TypeError, match="^group: must be a torch.distributed.ProcessGroup, an mpi4py communicator"):
         deep_ep.Buffer("world", backend="host")
 
 
-def test_deep_ep_refuses_a_process_group_for_now():
+def test_deep_ep_buffer_over_a_single_rank_process_group():
+    """A process group is accepted and becomes the buffer's group (dispatch over a group of 2 and 4 ranks:
+    tests/test_torch_bootstrap.py under torchrun)."""
     _torch()
     import torch.distributed as dist
 
+    mpi_was_loaded = "mpi4py.MPI" in sys.modules
     from cupy_ep import deep_ep
     if not dist.is_available():
         pytest.skip("this torch has no torch.distributed")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(NotImplementedError, match="^group: a torch.distributed process group"):
-            deep_ep.Buffer(dist.group.WORLD, backend="host")
+        buf = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=HOST_NVL_BYTES, backend="host")
+        try:
+            assert (buf.rank, buf.group_size, buf.group) == (0, 1, dist.group.WORLD)
+            assert type(buf.comm).__name__ == "TorchComm"
+            assert buf.comm.allgather(("rank", 0)) == [("rank", 0)]
+            assert "mpi4py.MPI" not in sys.modules or mpi_was_loaded  # the torch path never starts MPI
+        finally:
+            buf.destroy()
     finally:
         dist.destroy_process_group()
 

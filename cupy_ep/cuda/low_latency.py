@@ -734,12 +734,9 @@ class LowLatencyState:
         reuse its context, and must not find them."""
         if self._shrink_comm is None:
             return
-        from mpi4py import MPI
         comm, self._shrink_comm = self._shrink_comm, None
         comm.Barrier()  # every rank's sends were posted before it came here
-        sink = np.zeros(1, dtype=np.int32)
-        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_SHRINK_TAG):
-            comm.Recv(sink, source=MPI.ANY_SOURCE, tag=_SHRINK_TAG)
+        bootstrap.drain(comm, _SHRINK_TAG)
         for request in self._shrink_sends:  # (eager: complete already; else MPI completes them in the background)
             if not request.Test():
                 request.Free()

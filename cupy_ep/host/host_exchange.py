@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from ..bootstrap import drain
 from ..errors import CallMismatchError, CommTimeoutError
 
 _HEADER_TAG = 1
@@ -142,7 +143,6 @@ class HostExchange:
         """Collective: a barrier (timed), then every message no call took is received and dropped (a header sent
         to a rank that never came, or that was left out), so that a later communicator that reuses this one's
         context finds none; then the duplicate is freed. Raises CommTimeoutError when a rank does not come."""
-        from mpi4py import MPI
         comm, self.comm = self.comm, None
         if comm is None:
             return
@@ -153,10 +153,7 @@ class HostExchange:
                 raise CommTimeoutError(f"rank {self.rank}: peers did not reach destroy within {self.timeout_s} s",
                                        {"rank": self.rank, "kernel": "destroy", "role": "host"})
             time.sleep(_POLL_S)
-        status = MPI.Status()
-        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
-            sink = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-            comm.Recv([sink, "B"], source=status.Get_source(), tag=status.Get_tag())
+        drain(comm)
         for request in self._sends:  # received above or by a call: complete, or completing in the background
             if not request.Test():
                 request.Free()

@@ -736,8 +736,8 @@ def start(argv=None, args: argparse.Namespace | None = None):
     process_age_at_main, t_main = process_age_s(), time.perf_counter()
     if args is None:
         args = parse_args(argv)  # before MPI: --help and bad values end here
-    started = cupy_ep.start_mpi()
-    comm = started.MPI.COMM_WORLD
+    started = cupy_ep.start_world()
+    comm = started.comm
     gpu_visible = bool(started.gpu if started.gpu is not None else cupy_ep.gpu_available())
     resolve_defaults(args, gpu_visible and args.backend != "host")
     check_world(args, comm, gpu_visible)

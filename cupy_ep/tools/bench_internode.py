@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from cupy_ep import Buffer, internode_reference, reference
+from cupy_ep import Buffer, bootstrap, internode_reference, reference
 from cupy_ep import config as cfgmod
 from . import harness
 from .harness import (GpuTimer, make_routing, results_stem, shared_gpu_markdown, shared_gpu_warning, shared_gpus,
@@ -29,8 +29,7 @@ from .harness import (GpuTimer, make_routing, results_stem, shared_gpu_markdown,
 
 def ranks_per_node(comm) -> int:
     """GPUs per node for the benchmark: the real split when the job spans nodes, else the env override or R/2."""
-    from mpi4py import MPI
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    local = bootstrap.split_shared(comm)
     local_size = local.Get_size()
     local.Free()
     R = comm.Get_size()
@@ -133,7 +132,6 @@ class InternodeBench(harness.Tool):
     def verify(self, x_np, idx_np, w_np, recv_x, handle, combined, num_experts):
         """Bit-exact check of the BF16 dispatch and of the combine (of the received rows) before any timing."""
         import cupy
-        from mpi4py import MPI
         gathered = self.comm.allgather((x_np, idx_np, w_np))
         ref = reference.dispatch([g[0] for g in gathered], [g[1] for g in gathered], [g[2] for g in gathered],
                                  num_experts, self.rank)
@@ -146,7 +144,7 @@ class InternodeBench(harness.Tool):
         want, _ = internode_reference.combine(ys, itr, self.rank, self.G)
         if not np.array_equal(cupy.asnumpy(combined.view(cupy.uint16)), want.view(np.uint16)):
             problems.append("combined_x differs from internode_reference.combine")
-        ok = self.comm.allreduce(not problems, op=MPI.LAND)
+        ok = bootstrap.allreduce(self.comm, not problems, "land")
         if not ok:
             raise SystemExit(f"cupy_ep.bench --mode internode: verification failed on rank {self.rank}: {problems}")
         self.log("  verified against the reference (dispatch bit-exact, combine bit-exact)")

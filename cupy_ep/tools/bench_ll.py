@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from cupy_ep import Buffer, reference
+from cupy_ep import Buffer, bootstrap, reference
 from cupy_ep import config as cfgmod
 from . import harness
 from .harness import (GpuTimer, HostTimer, capture_graph, make_routing, nccl_baseline, op_label, raw_words,
@@ -157,7 +157,7 @@ class LowLatencyBench(harness.Tool):
             want_c = reference.low_latency_combine([g[3] for g in gathered], [g[1] for g in gathered],
                                                    [g[2] for g in gathered], self.M, a.experts, self.rank, **wire)
             ok &= np.array_equal(to_host(got).view(np.uint16), want_c.view(np.uint16))
-        if not self.comm.allreduce(bool(ok), op=__import__("mpi4py").MPI.LAND):
+        if not bootstrap.allreduce(self.comm, bool(ok), "land"):
             self.log("cupy_ep.bench_ll: VERIFICATION FAILED against cupy_ep.reference")
             self.comm.Abort(2)
         self.log("  verified against cupy_ep.reference: low-latency dispatch (fp8) and combine (24-bit, bf16"

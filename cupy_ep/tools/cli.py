@@ -168,10 +168,10 @@ def build_parser(rank: int | None = None) -> CliParser:
         gpu, host = BACKEND_DEFAULTS[key]
         return f"(default: {fmt(gpu) or 'none'} on a GPU, {fmt(host) or 'none'} on the host backend)"
     p = CliParser(prog=PROG, rank=rank, description=(
-        "The dispatch/combine benchmark: start it under mpirun, one rank per GPU (scripts/bench.sh). Every op is "
-        "verified against cupy_ep.reference, then timed; the results go to --out as JSON and markdown (and a PNG "
-        "plot on a GPU). Without a GPU it runs the host backend (numpy + MPI: a check that the pipeline runs, not "
-        "GPU numbers)."))
+        "The dispatch/combine benchmark: start it under mpirun (scripts/bench.sh) or torchrun, one rank per GPU. "
+        "Every op is verified against cupy_ep.reference, then timed; the results go to --out as JSON and markdown "
+        "(and a PNG plot on a GPU). Without a GPU it runs the host backend (numpy + MPI: a check that the pipeline "
+        "runs, not GPU numbers)."))
     p.add_argument("--mode", choices=["normal", "low-latency", "internode"], default="normal",
                    help="normal: intranode dispatch/combine bandwidth; low-latency: decode dispatch/combine latency "
                         "(cupy_ep/tools/bench_ll.py; on a GPU or --backend host); internode: RDMA/NVLink-domain bandwidth across nodes "

@@ -83,8 +83,9 @@ def _buffer_bytes(num_ranks: int) -> int:
 def ranks_share_a_gpu(comm) -> bool:
     """True when this node runs more ranks than it has GPUs (the NVSHMEM transport refuses that)."""
     import cupy
-    from mpi4py import MPI
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+
+    from cupy_ep import bootstrap
+    local = bootstrap.split_shared(comm)
     try:
         return local.Get_size() > cupy.cuda.runtime.getDeviceCount()
     finally:
@@ -95,8 +96,7 @@ def sm_share(comm):
     """This job's bootstrap.SmShare, as Buffer computes it (collective)."""
     import cupy
     from cupy_ep import bootstrap
-    from mpi4py import MPI
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local = bootstrap.split_shared(comm)
     try:
         return bootstrap.gpu_sm_share(comm, cupy.cuda.runtime.getDevice(), local.Get_size())
     finally:

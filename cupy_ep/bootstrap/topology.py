@@ -1,6 +1,8 @@
-"""mpi4py bootstrap: ranks, node-local ranks, GPU choice, and the CUDA-IPC buffer every rank shares.
+"""Bootstrap over a communicator (:mod:`cupy_ep.bootstrap.comm`): ranks, node-local ranks, GPU choice, and the
+CUDA-IPC buffer every rank shares.
 
-Handles travel as bytes over MPI (the pip MPIs are not CUDA-aware, so no device buffer ever goes to MPI).
+Handles travel as bytes over the communicator (the pip MPIs are not CUDA-aware, so no device buffer ever goes to
+MPI).
 IPC buffers are plain ``cudaMalloc`` allocations: a handle of a pooled sub-allocation would point at the
 pool's base allocation.
 """
@@ -11,6 +13,8 @@ import dataclasses
 import os
 
 import numpy as np
+
+from .comm import allreduce, split_shared
 
 
 @dataclasses.dataclass
@@ -33,8 +37,7 @@ class Topology:
 
 def topology(comm, num_ranks_per_node: int | None = None) -> Topology:
     """Rank, world size and node-local rank/size (``Split_type(COMM_TYPE_SHARED)``), overridable."""
-    from mpi4py import MPI
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    local = split_shared(comm)
     local_rank, local_size = local.Get_rank(), local.Get_size()
     machine_rank = local_rank
     local.Free()
@@ -76,7 +79,7 @@ def check_peer_access(comm, rt) -> None:
     (``cudaDeviceCanAccessPeer`` = 0: no NVLink and no PCIe peer-to-peer between them). Ranks sharing a GPU
     always can; a peer GPU this process cannot see (``CUDA_VISIBLE_DEVICES``) is left to ``cudaIpcOpenMemHandle``.
     ``rt`` is ``cupy.cuda.runtime`` (a stand-in in the CPU tests)."""
-    from .errors import BackendUnavailableError
+    from ..errors import BackendUnavailableError
     me = rt.getDevice()
     gpus = gpu_of_each_rank(comm, rt)  # an IPC buffer's ranks share a host: the bus ids tell the GPUs apart
     bus = gpus[comm.Get_rank()][1]
@@ -203,7 +206,7 @@ def sm_share(comm, device_sms: int, ranks_per_gpu: int, mps: bool, provisioned_s
              gpu_sms: int) -> SmShare:
     """Collective: this rank's :class:`SmShare`. MPS counts only when every rank of ``comm`` is an MPS client, so
     that all ranks take the same decisions from it (a mix raises nowhere here, and is treated as no MPS)."""
-    everywhere = bool(comm.allreduce(int(bool(mps)), op=_mpi_min()))
+    everywhere = bool(allreduce(comm, int(bool(mps)), "min"))
     if not everywhere:
         provisioned_sms = gpu_sms = device_sms
     return SmShare(int(device_sms), int(provisioned_sms), int(gpu_sms), max(1, int(ranks_per_gpu)), everywhere)
@@ -217,11 +220,6 @@ def gpu_sm_share(comm, device_id: int, ranks_on_machine: int) -> SmShare:
     ranks_per_gpu = -(-ranks_on_machine // max(1, rt.getDeviceCount()))
     return sm_share(comm, rt.deviceGetAttribute(_CUDA_DEV_ATTR_SM_COUNT, device_id), ranks_per_gpu,
                     *query_mps(device_id))
-
-
-def _mpi_min():
-    from mpi4py import MPI
-    return MPI.MIN
 
 
 class IpcBuffer:
