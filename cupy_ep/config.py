@@ -235,7 +235,7 @@ class Config:
 
 # (nvl_send, nvl_recv, rdma_send, rdma_recv). Dispatch: DeepEP's defaults.
 # Combine: a sender copies nvl_send rows per step with all its warps for that peer (24, 8 and 3 at R = 2, 4, 8:
-# cuda_backend._remote_warps), so the chunk is a multiple of them (DeepEP's 10 / 9 / 4 left warps idle).
+# validate.intranode_remote_warps), so the chunk is a multiple of them (DeepEP's 10 / 9 / 4 left warps idle).
 _DEFAULT_DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128)}
 _DEFAULT_COMBINE = {2: (48, 256, 6, 128), 4: (24, 256, 6, 128), 8: (6, 256, 6, 128)}
 # Internode (more than one node): DeepEP's table for 8 GPUs per node, 16..160 ranks.
@@ -286,6 +286,19 @@ def load_tuned(kind: str, num_ranks: int, hidden_bytes: int | None) -> Config | 
         return Config(**entry)
     except TypeError as e:
         raise ValueError(f"CUPY_EP_TUNED_CONFIG {path}: entry {key}: {e}") from None
+
+
+_default_num_sms = 20
+
+
+def default_num_sms() -> int:
+    """SMs dispatch/combine use unless a Config says otherwise (``Buffer.num_sms``; ``Buffer.set_num_sms``)."""
+    return _default_num_sms
+
+
+def set_default_num_sms(num_sms: int) -> None:
+    global _default_num_sms
+    _default_num_sms = num_sms
 
 
 def get_dispatch_config(num_ranks: int, num_sms: int, hidden_bytes: int | None = None) -> Config:

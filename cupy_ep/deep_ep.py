@@ -20,7 +20,6 @@ from . import buffer as _buffer
 from .bootstrap import is_torch_group
 from .config import Config
 from .event import EventOverlap
-from .host_backend import HostBuffer as _HostBuffer
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
@@ -57,11 +56,6 @@ class Buffer(_buffer.Buffer):
     ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``; ``num_sms`` on the class.
     """
 
-    def __new__(cls, *args, backend: str | None = None, **kwargs):
-        if cls is Buffer:
-            cls = _CudaDeepEPBuffer if _buffer._choose_backend(backend) == "cuda" else _HostDeepEPBuffer
-        return object.__new__(cls)
-
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
@@ -72,10 +66,3 @@ class Buffer(_buffer.Buffer):
                          **extensions)
         self.group, self.group_size = comm if comm is not None else self.comm, self.num_ranks
 
-
-class _CudaDeepEPBuffer(Buffer, _buffer.CudaBuffer):
-    """``deep_ep.Buffer`` on the CUDA backend."""
-
-
-class _HostDeepEPBuffer(Buffer, _HostBuffer):
-    """``deep_ep.Buffer`` on the host backend."""

@@ -48,7 +48,7 @@ class DispatchHandle(_Handle):
 
 class InternodeHandle(_Handle):
     """What an internode ``dispatch`` returns as ``handle``: DeepEP's internode 10-tuple (see
-    :mod:`cupy_ep.cuda_internode`), with ``buffer_id`` and ``epoch``."""
+    :mod:`cupy_ep.cuda.internode`), with ``buffer_id`` and ``epoch``."""
 
 
 class LowLatencyHandle(_Handle):

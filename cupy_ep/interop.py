@@ -126,7 +126,7 @@ def array_signature(x):
     the GPU checks anyway).
 
     Why: a low-latency call remembers the signature of the last arguments that passed its checks and skips them
-    when the next call's signature is the same (host time per call, :mod:`cupy_ep.cuda_low_latency`), so this must
+    when the next call's signature is the same (host time per call, :mod:`cupy_ep.cuda.low_latency`), so this must
     cost far less than the checks: attributes only, no string work."""
     if x is None:
         return None

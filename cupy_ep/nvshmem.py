@@ -7,7 +7,7 @@ compiled relocatable and linked with ``libnvshmem_device.a`` by :mod:`cupy_ep.ji
 needs :meth:`Nvshmem.init_module` (it copies the device state into the module). NVSHMEM's documentation gives
 the struct layouts used here (verified against the 3.4.5 headers).
 
-Used by the low-latency path (cuda_low_latency.py, run on GPUs) and the internode path (cuda_internode.py: one
+Used by the low-latency path (cuda/low_latency.py, run on GPUs) and the internode path (cuda/internode.py: one
 world per GPU index over the ranks of that index; not yet run on a GPU).
 """
 from __future__ import annotations

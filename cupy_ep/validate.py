@@ -256,7 +256,7 @@ def check_stream_args(previous_event, async_finish: bool, allocate_on_comm_strea
         _fail("allocate_on_comm_stream", "needs previous_event and async_finish=True")
 
 
-# ---- low-latency mode (shared by host_backend.HostBuffer and cuda_low_latency.LowLatencyState) ----------
+# ---- low-latency mode (shared by host.backend.HostBackend and cuda.low_latency.LowLatencyState) ----------
 def check_flag(value, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: must be a bool, got {type(value).__name__}")

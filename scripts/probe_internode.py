@@ -30,7 +30,7 @@ def main():
     sizes = [cfgmod.internode_buffer_bytes(R // G, G, 2 * H, c, K) for c in (dcfg, ccfg)]
     buf = cupy_ep.Buffer(comm, num_nvl_bytes=max(s[0] for s in sizes), num_rdma_bytes=max(s[1] for s in sizes),
                          num_ranks_per_node=G, check_values=False, backend="cuda")
-    state, log, start = buf._internode, [], [0.0]
+    state, log, start = buf.impl._internode, [], [0.0]
     launch = state.launch
 
     def timed_launch(name, grid, block, args):

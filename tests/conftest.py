@@ -67,7 +67,7 @@ def comm(request):
 @pytest.fixture
 def host_buffer(comm):
     """A fresh host-backend Buffer on the ``comm`` fixture, destroyed after the test."""
-    from cupy_ep.host_backend import HostBuffer
-    buf = HostBuffer(comm, HOST_NVL_BYTES, backend="host")
+    from cupy_ep import Buffer
+    buf = Buffer(comm, HOST_NVL_BYTES, backend="host")
     yield buf
     buf.destroy()

@@ -12,7 +12,6 @@ import pytest
 
 import cupy_ep
 from cupy_ep import Buffer, Config, config, reference
-from cupy_ep.host_backend import HostBuffer
 from tests.helpers import (BF16, all_ok, gather_all, make_inputs, random_bf16, reference_combine,
                            reference_dispatch, same_bytes)
 
@@ -48,9 +47,9 @@ def ctx(comm):
     num_experts, hidden = 4 * num_ranks, 64
     nvl = Buffer.get_nvl_buffer_size_hint(2 * HL, num_ranks)
     rdma = config.low_latency_rdma_size_hint(M, HL, num_ranks, num_experts)
-    buf = HostBuffer(comm, nvl, rdma, low_latency_mode=True, enable_shrink=True, timeout_s=30, backend="host")
-    other = HostBuffer(comm, nvl, rdma, low_latency_mode=True, timeout_s=30, backend="host")
-    zero = HostBuffer(comm, 0, rdma, low_latency_mode=True, timeout_s=30, backend="host")
+    buf = Buffer(comm, nvl, rdma, low_latency_mode=True, enable_shrink=True, timeout_s=30, backend="host")
+    other = Buffer(comm, nvl, rdma, low_latency_mode=True, timeout_s=30, backend="host")
+    zero = Buffer(comm, 0, rdma, low_latency_mode=True, timeout_s=30, backend="host")
     c = types.SimpleNamespace(comm=comm, rank=rank, R=num_ranks, E=num_experts, H=hidden, M=M, buf=buf, other=other,
                               zero=zero)
     rng = np.random.default_rng([77, rank])
@@ -105,7 +104,7 @@ def _works(c) -> list:
 def test_row_raises_what_the_table_says_and_the_buffer_works(comm, ctx, case):
     row = ROWS[case]
     want = {"TypeError": TypeError, "ValueError": ValueError}.get(row["exc"]) or getattr(cupy_ep, row["exc"])
-    names = {"c": ctx, "np": np, "BF16": BF16, "Buffer": Buffer, "HostBuffer": HostBuffer, "Config": Config}
+    names = {"c": ctx, "np": np, "BF16": BF16, "Buffer": Buffer, "Config": Config}
     problem = None
     try:
         eval(row["call"], names)  # the table's own text: docs/bad_inputs.md

@@ -1,5 +1,5 @@
 """Which stream a call's events use, without a GPU (fakes for the streams and for torch): the framework a call
-without arrays serves (``interop.caller_kind``), the CUDA backend's ``_begin`` / ``_finish`` (an async event makes
+without arrays serves (``interop.caller_kind``), the CUDA runtime's ``begin`` / ``finish`` (an async event makes
 the current stream of the call's framework wait, not CuPy's), ``Buffer.capture()`` and ``get_comm_stream()``."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 import cupy_ep
 from cupy_ep import interop
-from cupy_ep.buffer import CudaBuffer
+from cupy_ep.cuda.backend import CudaBackend
+from cupy_ep.cuda.runtime import Runtime
 from cupy_ep.event import HOST_EVENT, EventOverlap, HostEvent
 
 TORCH = interop.Kind("torch", True)
@@ -70,22 +71,29 @@ def test_caller_kind(streams, monkeypatch, cupy_ptr, torch_state, want):
     assert interop.caller_kind().lib == want
 
 
+def _runtime(log):
+    rt = Runtime.__new__(Runtime)
+    rt.comm_stream = FakeStream("comm", log, 3)
+    rt._fork_event, rt._join_event = FakeEvent("fork", log), FakeEvent("join", log)
+    rt.device_id = 0
+    rt.check_health = lambda: log.append("health")
+    return rt
+
+
 def _cuda_buffer(log):
-    buf = CudaBuffer.__new__(CudaBuffer)
+    buf = CudaBackend.__new__(CudaBackend)
     buf.comm_stream = FakeStream("comm", log, 3)
-    buf._fork_event, buf._join_event = FakeEvent("fork", log), FakeEvent("join", log)
     buf.device_id = 0
-    buf.check_health = lambda: log.append("health")
     return buf
 
 
 @pytest.mark.parametrize("kind, caller", [(TORCH, "torch"), (CUPY, "cupy-default")])
 def test_an_async_event_waits_on_the_calls_framework_stream(streams, kind, caller):
     log = streams.log
-    buf = _cuda_buffer(log)
-    compute = buf._begin(kind, None)
+    buf = _runtime(log)
+    compute = buf.begin(kind, None)
     assert compute.name == caller
-    event = buf._finish(compute, True, ("keep",), kind)
+    event = buf.finish(compute, True, ("keep",), kind)
     assert log == [("record", "fork", caller), ("wait", "comm", buf._fork_event),
                    ("record", "comm")]
     log.clear()
@@ -95,10 +103,10 @@ def test_an_async_event_waits_on_the_calls_framework_stream(streams, kind, calle
 
 def test_a_synchronous_call_joins_the_callers_stream_and_returns_no_event(streams):
     log = streams.log
-    buf = _cuda_buffer(log)
-    compute = buf._begin(TORCH, None)
+    buf = _runtime(log)
+    compute = buf.begin(TORCH, None)
     log.clear()
-    event = buf._finish(compute, False, (), TORCH)
+    event = buf.finish(compute, False, (), TORCH)
     assert log == [("record", "join", "comm"), ("wait", "torch", buf._join_event)]
     assert event.event is None
 
@@ -107,18 +115,18 @@ def test_a_synchronous_call_joins_the_callers_stream_and_returns_no_event(stream
 def test_a_previous_event_without_a_cuda_event_follows_the_callers_stream(streams, previous):
     """As DeepEP, which hands ``previous_event.event`` (None) on: the comm stream then waits for the caller."""
     log = streams.log
-    buf = _cuda_buffer(log)
-    buf._begin(TORCH, previous)
+    buf = _runtime(log)
+    buf.begin(TORCH, previous)
     assert log == [("record", "fork", "torch"), ("wait", "comm", buf._fork_event)]
 
 
 def test_a_previous_event_is_waited_for_instead_of_the_callers_stream(streams):
     log = streams.log
-    buf = _cuda_buffer(log)
-    buf._begin(TORCH, EventOverlap("captured"))
+    buf = _runtime(log)
+    buf.begin(TORCH, EventOverlap("captured"))
     assert log == [("wait", "comm", "captured")]
     with pytest.raises(TypeError, match="^previous_event: must be an EventOverlap"):
-        buf._begin(TORCH, "captured")
+        buf.begin(TORCH, "captured")
 
 
 @pytest.mark.parametrize("torch_state, caller", [(True, "torch"), (None, "cupy-default")])
@@ -143,8 +151,8 @@ def test_capture_without_a_gpu_is_a_complete_host_event(monkeypatch):
     event = cupy_ep.Buffer.capture()
     assert isinstance(event.event, HostEvent) and event.event.query()
     event.current_stream_wait()                  # nothing to wait for, and no error
-    from cupy_ep.host_backend import HostBuffer
-    assert HostBuffer.capture().event is HOST_EVENT
+    from cupy_ep.host.backend import HostBackend
+    assert HostBackend.capture().event is HOST_EVENT
 
 
 def test_get_comm_stream_is_cupys_for_cupy_users(streams):
@@ -165,12 +173,12 @@ def test_a_torch_graph_capture_counts_as_capturing(monkeypatch, torch_capturing)
     torch's current stream while CuPy's is idle."""
     import cupy
 
-    from cupy_ep import cuda_backend
+    from cupy_ep.cuda import runtime
     idle = types.SimpleNamespace(is_capturing=lambda: False)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: idle)
     fake = _fake_torch(True)
     fake.cuda.is_current_stream_capturing = lambda: torch_capturing
     monkeypatch.setitem(sys.modules, "torch", fake)
-    assert cuda_backend._capturing() is torch_capturing
+    assert runtime.capturing() is torch_capturing
     monkeypatch.delitem(sys.modules, "torch")
-    assert cuda_backend._capturing() is False
+    assert runtime.capturing() is False

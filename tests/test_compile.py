@@ -81,11 +81,11 @@ def test_compiles_for_sm90_without_spills(filename):
 
 
 def test_low_latency_stamping_build_compiles():
-    """The profiling build (phase stamps compiled in, cuda_low_latency.STAMPS_OPTION) compiles, differs from the
+    """The profiling build (phase stamps compiled in, cuda.low_latency.STAMPS_OPTION) compiles, differs from the
     plain one, and stays close to it: the 1024-thread dispatch is at its 64-register limit, so the stamps' extra
     live values may spill a few bytes there (20 in the FP8 dispatch when this was written: the stamped kernel is
     slightly slower than the one the timings measure), but no more than that."""
-    from cupy_ep.cuda_low_latency import STAMPS_OPTION
+    from cupy_ep.cuda.low_latency import STAMPS_OPTION
     names = ["ep::dispatch<true, long long>", "ep::dispatch<true, int>", "ep::combine<long long>"]
     result = jit.compile_only("low_latency.cu", names, arch="sm_90", extra_options=(STAMPS_OPTION,))
     resources = result.resources()

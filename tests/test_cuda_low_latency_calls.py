@@ -11,7 +11,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cupy_ep import cuda_low_latency as cll  # noqa: E402
+from cupy_ep.cuda import low_latency as cll  # noqa: E402
 from cupy_ep import interop  # noqa: E402
 from cupy_ep.event import RecvHooks  # noqa: E402
 from cupy_ep.ll_handle import LowLatencyHandle  # noqa: E402
@@ -58,18 +58,18 @@ class FakeBuf:
     device_id, num_ranks, rank = 0, R, RANK
 
     def __init__(self, current):
-        self._ctx = gpu_array((64,), np.uint8, 1 << 41)
-        self._device = FakeDevice()
+        self.ctx = gpu_array((64,), np.uint8, 1 << 41)
+        self.device = FakeDevice()
         self.comm_stream = FakeStream(current)
         self.comm_stream.ptr = 1
 
-    def _check_usable(self):
+    def check_usable(self):
         pass
 
-    def _begin(self, kind, previous_event):
+    def begin(self, kind, previous_event):
         return self.compute
 
-    def _finish(self, compute, async_finish, keep, kind):
+    def finish(self, compute, async_finish, keep, kind):
         from cupy_ep.event import EventOverlap
         return EventOverlap(None)
 
@@ -94,7 +94,8 @@ def ll(monkeypatch):
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=float: cupy.ndarray(
         shape, dtype, alloc(int(np.prod(shape)) * np.dtype(dtype).itemsize)))
     state = cll.LowLatencyState.__new__(cll.LowLatencyState)
-    state.buf, state.num_bytes, state.base, state.num_blocks = buf, 1 << 34, BASE, 132
+    state.buf = state.rt = buf  # the backend and its runtime in one fake
+    state.num_bytes, state.base, state.num_blocks = 1 << 34, BASE, 132
     state.hooks, state.signal_shape, state.index, state.stamps = RecvHooks(), (M, H, E), 0, None
     state.direct, state.last_stream, state.force_put = True, None, False
     state.nvlink_peers, state.no_peers = gpu_array((R,), np.uint64, 1 << 42), gpu_array((R,), np.uint64, 1 << 43)
@@ -176,7 +177,7 @@ def test_dispatch_kernel_arguments(ll, use_fp8, round_scale, use_ue8m0, idx_dtyp
             assert_int32(value, want)
         assert_common(state, args[14:24], call % 2)
         assert_int32(args[24], cll._SEND | cll._RECV)
-        assert args[25] is None and args[26] is state.buf._ctx
+        assert args[25] is None and args[26] is state.rt.ctx
 
         outputs = [a for a in (recv_x, scales, count_raw, src_info, layout_range, slots) if a is not None]
         assert all(a.flags.c_contiguous and a.data.ptr % 256 == 0 for a in outputs)
@@ -281,7 +282,7 @@ def test_combine_kernel_arguments(ll, with_out, zero_copy, wire):
             assert_int32(value, want)
         assert_common(state, args[11:21], (call + 1) % 2)  # the dispatch used buffer 0
         assert_int32(args[21], cll._SEND | cll._RECV)
-        assert args[22] is None and args[23] is state.buf._ctx
+        assert args[22] is None and args[23] is state.rt.ctx
         assert event.event is None and hook is None
     assert all(stream is state.buf.compute for _, _, stream in allocations)
     assert len(allocations) == 2 + (0 if with_out else 3)  # the dispatch's two, a combined_x per combine

@@ -13,7 +13,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cupy_ep import cuda_low_latency as cll  # noqa: E402
+from cupy_ep.cuda import low_latency as cll  # noqa: E402
 from cupy_ep import interop  # noqa: E402
 from cupy_ep.ll_handle import LowLatencyHandle  # noqa: E402
 

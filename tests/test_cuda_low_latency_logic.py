@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cupy_ep import config, ids, reference
-from cupy_ep.cuda_low_latency import set_nvshmem_env
+from cupy_ep.cuda.low_latency import set_nvshmem_env
 
 
 @pytest.mark.parametrize("hidden", [512, 1024, 2048, 4096, 5120, 7168, 8192])
@@ -80,7 +80,7 @@ class _FakeNvshmem:
 def _fake_state(comm, rank=0):
     from types import SimpleNamespace
 
-    from cupy_ep.cuda_low_latency import LowLatencyState
+    from cupy_ep.cuda.low_latency import LowLatencyState
     state = LowLatencyState.__new__(LowLatencyState)
     state.buf = SimpleNamespace(comm=comm, rank=rank)
     state.nv, state.base, state.leaked = _FakeNvshmem(), 0x1000, None
@@ -118,7 +118,7 @@ def test_destroy_skips_every_nvshmem_collective_when_a_device_failed(monkeypatch
 
 
 def test_resolve_transport_argument_env_default(monkeypatch):
-    from cupy_ep.cuda_low_latency import resolve_transport
+    from cupy_ep.cuda.low_latency import resolve_transport
     monkeypatch.delenv("CUPY_EP_LL_TRANSPORT", raising=False)
     assert resolve_transport(None) == "nvshmem"
     monkeypatch.setenv("CUPY_EP_LL_TRANSPORT", "ipc")
@@ -134,7 +134,7 @@ def test_resolve_transport_argument_env_default(monkeypatch):
 def test_force_put_is_refused_on_the_ipc_transport(monkeypatch):
     """Env CUPY_EP_LL_FORCE_PUT asks for NVSHMEM puts; with IPC (no puts) it is an error, not a no-op; so is
     setting the state's force_put."""
-    from cupy_ep.cuda_low_latency import LowLatencyState, resolve_force_put
+    from cupy_ep.cuda.low_latency import LowLatencyState, resolve_force_put
     monkeypatch.delenv("CUPY_EP_LL_FORCE_PUT", raising=False)
     assert resolve_force_put("nvshmem") is False and resolve_force_put("ipc") is False
     for value, expected in (("0", False), ("", False), ("1", True)):
@@ -152,7 +152,7 @@ def test_force_put_is_refused_on_the_ipc_transport(monkeypatch):
 
 
 def test_num_blocks_is_the_rank_s_sms_unless_the_env_asks_for_fewer(monkeypatch):
-    from cupy_ep.cuda_low_latency import resolve_num_blocks
+    from cupy_ep.cuda.low_latency import resolve_num_blocks
     monkeypatch.delenv("CUPY_EP_LL_NUM_BLOCKS", raising=False)
     assert resolve_num_blocks(132) == 132
     monkeypatch.setenv("CUPY_EP_LL_NUM_BLOCKS", "30")
@@ -169,7 +169,7 @@ def test_a_garbage_handle_from_a_timed_out_dispatch_reports_the_timeout(monkeypa
     from types import SimpleNamespace
 
     from cupy_ep import validate
-    from cupy_ep.cuda_low_latency import LowLatencyState
+    from cupy_ep.cuda.low_latency import LowLatencyState
     from cupy_ep.errors import CommTimeoutError
 
     def bad_values(*args, **kwargs):
@@ -194,7 +194,7 @@ def test_destroy_closes_the_ipc_buffer_and_touches_no_nvshmem(monkeypatch):
     """IPC transport: destroy closes the IpcBuffer (its own collective: close, MPI barrier, free) once."""
     from types import SimpleNamespace
 
-    from cupy_ep.cuda_low_latency import LowLatencyState
+    from cupy_ep.cuda.low_latency import LowLatencyState
     closed = []
     state = LowLatencyState.__new__(LowLatencyState)
     state.buf = SimpleNamespace(comm=_FakeComm(0, [None]), rank=0)
@@ -208,11 +208,11 @@ def test_destroy_closes_the_ipc_buffer_and_touches_no_nvshmem(monkeypatch):
 def test_host_backend_checks_the_low_latency_transport_argument():
     from mpi4py import MPI
 
-    from cupy_ep.host_backend import HostBuffer
+    from cupy_ep import Buffer
     for value in (None, "nvshmem", "ipc"):
-        HostBuffer(MPI.COMM_SELF, backend="host", low_latency_transport=value).destroy()
+        Buffer(MPI.COMM_SELF, backend="host", low_latency_transport=value).destroy()
     with pytest.raises(ValueError, match="^low_latency_transport: must be"):
-        HostBuffer(MPI.COMM_SELF, backend="host", low_latency_transport="tcp")
+        Buffer(MPI.COMM_SELF, backend="host", low_latency_transport="tcp")
 
 
 # ---- the dispatch's wire scheme, modelled in numpy on the layout's byte offsets ------------------------------

@@ -1,7 +1,7 @@
-"""Shrink mode (``Buffer(enable_shrink=True)``) of the GPU low-latency path, without a GPU: CudaBuffer's mask methods
+"""Shrink mode (``Buffer(enable_shrink=True)``) of the GPU low-latency path, without a GPU: CudaBackend's mask methods
 check their arguments (naming them) before anything runs; the kernels get the mask as an argument of every launch;
 clean meets the unmasked ranks only (a timed point-to-point barrier, MPI tests below) and restarts the buffers; the
-DeviceCtx mirror in cuda_backend.py matches cuda_src/common/wait.cuh, whose timed wait compiles in both policies
+DeviceCtx mirror in cuda/runtime.py matches cuda_src/common/wait.cuh, whose timed wait compiles in both policies
 (NVRTC, sm_90). The kernels' behaviour is tests/gpu/test_low_latency_shrink.py's."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cupy_ep import buffer as _buffer_module  # noqa: E402,F401  (first: buffer imports cuda_backend at its end)
-from cupy_ep import cuda_low_latency as cll  # noqa: E402
-from cupy_ep.cuda_backend import _CTX_DTYPE, CudaBuffer  # noqa: E402
+from cupy_ep.cuda import low_latency as cll  # noqa: E402
+from cupy_ep.cuda.backend import CudaBackend  # noqa: E402
+from cupy_ep.cuda.runtime import CTX_DTYPE  # noqa: E402
 from cupy_ep.errors import BufferUnusableError  # noqa: E402
 from cupy_ep.event import RecvHooks  # noqa: E402
 from tests.test_cuda_low_latency_calls import (  # noqa: E402,F401  (ll: a fixture)
@@ -41,9 +41,9 @@ class _RecordingState:
 
 
 def _buffer(enable_shrink=True, low_latency=True):
-    buf = CudaBuffer.__new__(CudaBuffer)
-    buf._destroyed, buf._unusable_reason = False, None
-    buf._host = types.SimpleNamespace(ptr=0)  # check_health: no record to read
+    buf = CudaBackend.__new__(CudaBackend)
+    buf.runtime = types.SimpleNamespace(unusable_reason=None, check_health=lambda: None)  # no record to read
+    buf._destroyed = False
     buf._device, buf.num_ranks, buf.device_id, buf.rank = FakeDevice(), NUM_RANKS, 0, 1
     buf.enable_shrink = enable_shrink
     buf._ll = _RecordingState() if low_latency else None
@@ -352,13 +352,13 @@ __global__ void wait_masking(const ep::DeviceCtx* ctx, const int* flag, int* out
 
 
 def test_device_ctx_mirror_and_both_wait_policies_compile(tmp_path, monkeypatch):
-    """cuda_backend._CTX_DTYPE (what the host writes) has DeviceCtx's field offsets and size (static_asserts in a
+    """runtime.CTX_DTYPE (what the host writes) has DeviceCtx's field offsets and size (static_asserts in a
     probe compiled with NVRTC for sm_90); wait_until compiles as the failing wait and as the masking one
     (kMaskPeer), both without spills."""
     from cupy_ep import jit
-    asserts = [f'static_assert(__builtin_offsetof(ep::DeviceCtx, {name}) == {_CTX_DTYPE.fields[name][1]}, '
-               f'"DeviceCtx::{name} is not where cuda_backend._CTX_DTYPE puts it");' for name in _CTX_DTYPE.names]
-    asserts.append(f'static_assert(sizeof(ep::DeviceCtx) == {_CTX_DTYPE.itemsize}, "DeviceCtx size");')
+    asserts = [f'static_assert(__builtin_offsetof(ep::DeviceCtx, {name}) == {CTX_DTYPE.fields[name][1]}, '
+               f'"DeviceCtx::{name} is not where runtime.CTX_DTYPE puts it");' for name in CTX_DTYPE.names]
+    asserts.append(f'static_assert(sizeof(ep::DeviceCtx) == {CTX_DTYPE.itemsize}, "DeviceCtx size");')
     (tmp_path / "probe.cu").write_text(_PROBE % "\n".join(asserts))
     real = jit.source_dir()
     monkeypatch.setattr(jit, "source_dir", lambda: tmp_path)
@@ -367,4 +367,4 @@ def test_device_ctx_mirror_and_both_wait_policies_compile(tmp_path, monkeypatch)
     resources = result.resources()
     for name in names:
         assert resources[result.mapping[name]].get("spill_stores", 0) == 0, resources
-    assert "shrink_mask" in _CTX_DTYPE.names
+    assert "shrink_mask" in CTX_DTYPE.names

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cupy_ep import cuda_low_latency as cll
+from cupy_ep.cuda import low_latency as cll
 from cupy_ep.event import EventOverlap
 
 BOTH = cll._SEND | cll._RECV
@@ -38,11 +38,11 @@ class FakeBuffer:
         self.compute = None
         self.comm_stream = FakeStream("comm", log, ptr=1)
 
-    def _begin(self, kind, previous_event):  # as CudaBuffer._begin: comm waits for the caller
+    def begin(self, kind, previous_event):  # as Runtime.begin: comm waits for the caller
         self.log.append(("begin", self.compute.name))
         return self.compute
 
-    def _finish(self, compute, async_finish, keep, kind):
+    def finish(self, compute, async_finish, keep, kind):
         self.log.append(("finish", async_finish))
         return EventOverlap("async-event" if async_finish else None)
 
@@ -55,7 +55,8 @@ def ll(monkeypatch):
     buf.compute = streams["a"]
     monkeypatch.setattr(cll.interop, "current_stream", lambda kind, device_id=None: buf.compute)
     obj = cll.LowLatencyState.__new__(cll.LowLatencyState)
-    obj.buf, obj.direct, obj.last_stream = buf, True, None
+    obj.buf = obj.rt = buf  # the backend and its runtime in one fake
+    obj.direct, obj.last_stream = True, None
     obj.num_blocks = 132
 
     def kernel(name):
@@ -110,7 +111,7 @@ def test_a_hooks_phases_stay_on_comm(ll, phases):
 def test_a_comm_call_after_a_direct_one_on_the_same_stream_adds_no_event(ll):
     obj, log, _, _ = ll
     call(obj)
-    call(obj, phases=cll._SEND)  # comm already waits for the caller's stream (_begin)
+    call(obj, phases=cll._SEND)  # comm already waits for the caller's stream (begin)
     assert log == [("launch", "k", "a"), ("begin", "a"), ("launch", "k", "comm"), ("finish", False)]
 
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from cupy_ep import Buffer, Config, gpu_available, reference
-from cupy_ep.host_backend import HostBuffer
 from tests.helpers import (HOST_NVL_BYTES, all_ok, make_inputs, random_bf16, reference_combine, reference_dispatch,
                            same_bytes, to_numpy)
 
@@ -194,7 +193,7 @@ def test_tuned_config_sets_the_channel_count(comm, host_buffer, monkeypatch):
 
 
 def test_check_values_off_gives_the_same_answers(comm):
-    buf = HostBuffer(comm, HOST_NVL_BYTES, backend="host", check_values=False)
+    buf = Buffer(comm, HOST_NVL_BYTES, backend="host", check_values=False)
     try:
         bad = _run_case(comm, buf, 31, tokens=90, hidden=64, topk=4, experts=16, mask_prob=0.2, bias=2, worst=True)
     finally:
@@ -250,7 +249,7 @@ def test_rdma_rank_counts_with_num_ranks_per_node(comm):
     """``num_ranks_per_node`` < R gives per-node counts, as the reference."""
     num_ranks = comm.Get_size()
     per_node = 2 if num_ranks % 2 == 0 and num_ranks > 2 else 1
-    buf = HostBuffer(comm, backend="host", num_ranks_per_node=per_node)
+    buf = Buffer(comm, backend="host", num_ranks_per_node=per_node)
     try:
         rng = np.random.default_rng([3, comm.Get_rank()])
         inp = make_inputs(rng, 40, 64, 4, 4 * num_ranks, num_ranks, mask_prob=0.2)
@@ -263,18 +262,18 @@ def test_rdma_rank_counts_with_num_ranks_per_node(comm):
 
 
 def test_auto_backend_is_host_and_warns_on_rank0(comm):
-    """Without a GPU, ``Buffer(comm)`` is a HostBuffer, and rank 0 warns once."""
+    """Without a GPU, ``Buffer(comm)`` runs on the host backend, and rank 0 warns once."""
     if gpu_available():
         pytest.skip("a GPU is visible here: Buffer(comm) picks the CUDA backend")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         buf = Buffer(comm)
     try:
-        ok = isinstance(buf, HostBuffer) and buf.backend == "host"
+        ok = isinstance(buf, Buffer) and buf.backend == "host"
         warned = any("host" in str(w.message) for w in caught)
         ok = ok and warned == (comm.Get_rank() == 0)
         forced = Buffer(comm, backend="host")
-        ok = ok and isinstance(forced, HostBuffer)
+        ok = ok and isinstance(forced, Buffer)
         forced.destroy()
     finally:
         buf.destroy()
@@ -282,12 +281,12 @@ def test_auto_backend_is_host_and_warns_on_rank0(comm):
 
 
 def test_destroy_is_collective_and_idempotent(comm):
-    buf = HostBuffer(comm, backend="host")
+    buf = Buffer(comm, backend="host")
     buf.destroy()
     buf.destroy()
-    with HostBuffer(comm, backend="host") as other:
+    with Buffer(comm, backend="host") as other:
         assert other.backend == "host"
-    assert all_ok(comm, other._destroyed)
+    assert all_ok(comm, other.impl._destroyed)
 
 
 def test_fp8_e4m3_dtype_comes_back(comm, host_buffer):

@@ -12,7 +12,7 @@ import pytest
 
 from cupy_ep import CallMismatchError, CommError, CommTimeoutError, reference
 from cupy_ep.handles import DispatchHandle, LowLatencyHandle
-from cupy_ep.host_backend import HostBuffer
+from cupy_ep import Buffer
 from tests.helpers import (BF16, HOST_NVL_BYTES, HOST_RDMA_BYTES, all_ok, make_inputs, random_bf16,
                            refused_after_failure, same_bytes)
 
@@ -38,9 +38,9 @@ def test_a_rank_that_never_dispatches_makes_rank0_time_out(comm, monkeypatch, ho
     rank = comm.Get_rank()
     if how == "env":
         monkeypatch.setenv("CUPY_EP_TIMEOUT_S", str(TIMEOUT_S))
-        buf = HostBuffer(comm, HOST_NVL_BYTES, backend="host")
+        buf = Buffer(comm, HOST_NVL_BYTES, backend="host")
     else:
-        buf = HostBuffer(comm, HOST_NVL_BYTES, backend="host", timeout_s=TIMEOUT_S)
+        buf = Buffer(comm, HOST_NVL_BYTES, backend="host", timeout_s=TIMEOUT_S)
     ok = buf.timeout_s == TIMEOUT_S
     inp, kwargs = _layout_and_topk(buf, rank, comm.Get_size())
     if rank == 0:
@@ -61,7 +61,7 @@ def test_a_rank_that_never_dispatches_makes_rank0_time_out(comm, monkeypatch, ho
 def test_a_rank_that_never_calls_low_latency_makes_the_others_time_out(comm):
     """Without shrink mode a missing rank fails the low-latency call (the buffer is then unusable)."""
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
-    buf = HostBuffer(comm, 0, HOST_RDMA_BYTES, low_latency_mode=True, backend="host", timeout_s=TIMEOUT_S)
+    buf = Buffer(comm, 0, HOST_RDMA_BYTES, low_latency_mode=True, backend="host", timeout_s=TIMEOUT_S)
     x = random_bf16(np.random.default_rng([2, rank]), (4, 128))
     idx = np.zeros((4, 1), np.int64)
     ok = True
@@ -108,7 +108,7 @@ def test_handles_are_tuples_with_buffer_id_and_epoch(comm, host_buffer):
     ok = ok and is_token_in_rank is kwargs["is_token_in_rank"]
     ids = comm.allgather((host_buffer.buffer_id, first.epoch))
     ok = ok and len(set(ids)) == 1  # the same id and epoch on every rank
-    with HostBuffer(comm, HOST_NVL_BYTES, backend="host") as other:
+    with Buffer(comm, HOST_NVL_BYTES, backend="host") as other:
         ok = ok and other.buffer_id != host_buffer.buffer_id
     # a plain tuple of the items still works (its origin is not known)
     got, _, _ = host_buffer.combine(np.zeros((recv_src_idx.shape[0], 64), BF16), tuple(first))
@@ -133,7 +133,7 @@ def _ll_inputs(step, r, num_ranks):
 def test_shrink_a_rank_that_stops_calling_is_masked_and_the_others_go_on(comm):
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
     num_experts, stopped = 2 * num_ranks, num_ranks - 1
-    buf = HostBuffer(comm, 0, HOST_RDMA_BYTES, low_latency_mode=True, enable_shrink=True,
+    buf = Buffer(comm, 0, HOST_RDMA_BYTES, low_latency_mode=True, enable_shrink=True,
                      timeout_s=SHRINK_TIMEOUT_S, backend="host")
     bad = []
     for step in range(4):
@@ -178,7 +178,7 @@ def test_shrink_a_rank_masked_by_hand_is_left_out(comm):
     everywhere brings it back, as the calls stay in step."""
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
     num_experts, out = 2 * num_ranks, 0
-    buf = HostBuffer(comm, 0, HOST_RDMA_BYTES, low_latency_mode=True, enable_shrink=True, timeout_s=30,
+    buf = Buffer(comm, 0, HOST_RDMA_BYTES, low_latency_mode=True, enable_shrink=True, timeout_s=30,
                      backend="host")
     inputs = [_ll_inputs(9, r, num_ranks) for r in range(num_ranks)]
     x, idx, w, y = inputs[rank]

@@ -1,7 +1,7 @@
 """The host backend's low-latency mode against the reference, bit for bit, under mpiexec -n 2 / -n 4.
 
 Every rank builds its own random inputs (rank-dependent stream), runs ``low_latency_dispatch`` /
-``low_latency_combine`` on a ``HostBuffer(low_latency_mode=True)``, and compares with
+``low_latency_combine`` on a ``Buffer(low_latency_mode=True)``, and compares with
 :func:`reference.low_latency_dispatch` / :func:`reference.low_latency_combine` computed from all ranks'
 inputs (all-gathered). Every rank reaches the same verdict through ``all_ok``. Bad arguments raise on
 every rank with the argument named first, and the buffer then still gives the reference's answers.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cupy_ep import config, reference
-from cupy_ep.host_backend import HostBuffer
+from cupy_ep import Buffer
 from cupy_ep.ll_handle import LowLatencyHandle
 from tests.helpers import (BF16, HOST_NVL_BYTES, HOST_RDMA_BYTES, all_ok, bad_input_problem, gather_all,
                            make_inputs, random_bf16, reference_combine, reference_dispatch, same_bytes)
@@ -27,7 +27,7 @@ FP8 = reference.float8_e4m3
 @pytest.fixture
 def ll_buffer(comm):
     """A fresh low-latency host Buffer on COMM_WORLD, destroyed after the test."""
-    buf = HostBuffer(comm, HOST_NVL_BYTES, HOST_RDMA_BYTES, low_latency_mode=True, backend="host")
+    buf = Buffer(comm, HOST_NVL_BYTES, HOST_RDMA_BYTES, low_latency_mode=True, backend="host")
     yield buf
     buf.destroy()
 
@@ -268,7 +268,7 @@ def test_normal_mode_still_works_on_a_low_latency_buffer(comm, ll_buffer):
 def test_clean_and_size_hint(comm, ll_buffer):
     num_ranks = comm.Get_size()
     ll_buffer.clean_low_latency_buffer(16, 512, 4 * num_ranks)
-    ok = (HostBuffer.get_low_latency_rdma_size_hint(128, 7168, num_ranks, 32 * num_ranks)
+    ok = (Buffer.get_low_latency_rdma_size_hint(128, 7168, num_ranks, 32 * num_ranks)
           == config.low_latency_rdma_size_hint(128, 7168, num_ranks, 32 * num_ranks))
     assert all_ok(comm, ok)
 
@@ -304,7 +304,7 @@ def _combine(c, **changes):
 
 
 def _on_a_normal_buffer(c):
-    buf = HostBuffer(c.comm, backend="host")
+    buf = Buffer(c.comm, backend="host")
     try:
         buf.low_latency_dispatch(c.x, c.topk_idx, M, c.E)
     finally:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cupy_ep import config as cfg
-from cupy_ep import cuda_internode as ci
+from cupy_ep.cuda import internode as ci
 from cupy_ep import internode_reference as iref
 from cupy_ep import jit, reference, validate
 
@@ -61,18 +61,24 @@ class _FakeCupy(types.ModuleType):
 
 
 class _FakeBuf:
+    """The backend and its runtime in one (the state reads both)."""
+
     def __init__(self, rank, num_ranks, G):
         self.rank, self.num_ranks, self.device_id, self.timeout_s = rank, num_ranks, None, 5.0
         self.comm_stream = contextlib.nullcontext()
-        self._ctx = np.zeros(40, np.uint8)
-        self._record = np.zeros(1, dtype=[("flag", "<i4")])
+        self.ctx = np.zeros(40, np.uint8)
+        self.record = np.zeros(1, dtype=[("flag", "<i4")])
+        self.unusable_reason = None
         self.topology = types.SimpleNamespace(num_ranks_per_node=G)
 
-    def _begin(self, kind, previous_event):
+    def begin(self, kind, previous_event):
         return contextlib.nullcontext()
 
-    def _finish(self, compute, async_finish, keep, kind):
+    def finish(self, compute, async_finish, keep, kind):
         return None
+
+    def device_failed(self):
+        return bool(int(self.record["flag"][0]))
 
     def check_health(self):
         pass
@@ -83,7 +89,7 @@ class _FakeBuf:
 
 def _state(rank, N, G, transport, counters=None):
     st = ci.InternodeState.__new__(ci.InternodeState)
-    st.buf = _FakeBuf(rank, N * G, G)
+    st.buf = st.rt = _FakeBuf(rank, N * G, G)
     st.num_nodes, st.gpus_per_node, st.transport = N, G, transport
     st.node, st.nvl_rank = divmod(rank, G)
     st.num_nvl_bytes = st.num_rdma_bytes = 1 << 34

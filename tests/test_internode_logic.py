@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cupy_ep import config as cfg
-from cupy_ep import cuda_internode as ci
+from cupy_ep.cuda import internode as ci
 from cupy_ep import internode_reference as iref
 from cupy_ep import jit, reference
 from cupy_ep.config import Config
@@ -334,8 +334,8 @@ def test_docs_table_is_current(monkeypatch, tmp_path):
 
 
 def test_host_backend_accepts_the_transport_argument(comm):
-    from cupy_ep.host_backend import HostBuffer
-    buf = HostBuffer(comm, backend="host", internode_transport="ipc")
+    from cupy_ep import Buffer
+    buf = Buffer(comm, backend="host", internode_transport="ipc")
     buf.destroy()
     with pytest.raises(ValueError, match="internode_transport"):
-        HostBuffer(comm, backend="host", internode_transport="tcp")
+        Buffer(comm, backend="host", internode_transport="tcp")

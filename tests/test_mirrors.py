@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cupy_ep import buffer  # noqa: F401  (first: cuda_backend is imported through it)
-from cupy_ep import config, cuda_backend, cuda_internode, ids, jit, layout, validate
+from cupy_ep import config, ids, jit, layout, validate
+from cupy_ep.cuda import internode as cuda_internode
+from cupy_ep.cuda import runtime
 from cupy_ep.errors import CompileError
 
 SRC = Path(__file__).resolve().parent.parent / "cuda_src"
@@ -79,20 +80,20 @@ def test_names_of_kernels_and_roles():
     assert len(set(values)) == len(values)
     roles = [v for _, _, v in ids.ROLES + ids.WARP_ROLES]
     assert len(set(roles)) == len(roles)
-    assert cuda_backend._KERNEL_NAMES == ids.KERNEL_NAMES and cuda_backend._ROLE_NAMES == ids.ROLE_NAMES
+    assert runtime.KERNEL_NAMES == ids.KERNEL_NAMES and runtime.ROLE_NAMES == ids.ROLE_NAMES
     assert ids.ROLE_NAMES[22] == "capacity" and 21 not in ids.ROLE_NAMES  # kIdle never reports
 
 
 def test_failure_record_layout_matches_the_struct():
-    """cuda_backend._RECORD_DTYPE (how the host reads a failure record) has TimeoutRecord's offsets and size."""
-    dtype = cuda_backend._RECORD_DTYPE
+    """runtime.RECORD_DTYPE (how the host reads a failure record) has TimeoutRecord's offsets and size."""
+    dtype = runtime.RECORD_DTYPE
     lines = ['#include "common/wait.cuh"']
     lines += [f"static_assert(__builtin_offsetof(ep::TimeoutRecord, {name}) == {dtype.fields[name][1]}, "
               f'"TimeoutRecord::{name}");' for name in dtype.names]
     lines += [f'static_assert(sizeof(ep::TimeoutRecord) == {dtype.itemsize}, "TimeoutRecord size");',
               "__global__ void record_probe_kernel() {}"]
     jit.compile_only("record_probe.cu", ["record_probe_kernel"], source="\n".join(lines))
-    assert len(cuda_backend._CALL_WORDS) == layout.CALL_WORDS
+    assert len(runtime.CALL_WORDS) == layout.CALL_WORDS
 
 
 # ---- layout sums: config.py against common/layout.cuh, at compile time ------------------------------------------
@@ -154,7 +155,7 @@ def test_low_latency_top_k_bound_is_the_references():
 
 
 def test_low_latency_stamp_names_mirror_the_enum():
-    from cupy_ep import cuda_low_latency as cll
+    from cupy_ep.cuda import low_latency as cll
     stamps = enum_values(source(*LL), "LLStamp")
     assert [snake(n[len("kStamp"):]) for n, _ in sorted(stamps.items(), key=lambda kv: kv[1])] == \
         list(cll.STAMP_NAMES[:len(stamps)])
@@ -165,7 +166,7 @@ def test_low_latency_stamp_names_mirror_the_enum():
 
 def test_phase_breakdown_is_relative_to_the_earliest_send_start():
     import numpy as np
-    from cupy_ep import cuda_low_latency as cll
+    from cupy_ep.cuda import low_latency as cll
     col = cll.STAMP_NAMES.index
     stamps = np.zeros((3, len(cll.STAMP_NAMES)), dtype=np.int64)
     stamps[:, 0] = [1000, 3000, 2000]                        # send_start
@@ -184,7 +185,7 @@ def test_low_latency_topk_bounds_mirror_the_kernels():
     """The kernels' top-k bounds are config's, ascending, the last the layout's kLLMaxTopk; every top-k up to it
     gets the smallest bound at or above it (top-k up to 11: the default instantiation, named without a bound)."""
     from cupy_ep import config
-    from cupy_ep import cuda_low_latency as cll
+    from cupy_ep.cuda import low_latency as cll
     text = source(*LL)
     bounds = re.search(r"constexpr int kLLTopkBounds\[\] = \{([\d, ]+)\};", text).group(1)
     assert tuple(int(b) for b in bounds.split(",")) == config.LL_TOPK_BOUNDS
@@ -221,7 +222,7 @@ def test_low_latency_meta_flag_fields_hold_the_limits():
 def test_low_latency_combine_shared_memory_mirrors_the_kernel():
     """combine_stage_bytes sizes the dynamic shared memory the kernel's stage_slot indexes: its constants are the
     kernel's, and at the largest top-k it fits a block with the kernel's static shared memory."""
-    from cupy_ep import cuda_low_latency as cll
+    from cupy_ep.cuda import low_latency as cll
     from cupy_ep import reference
     text = source(*LL)
     assert (cll._COMBINE_CHUNKS, cll._COMBINE_THREADS) == (ids.LL_COMBINE_CHUNKS, ids.LL_COMBINE_THREADS)
@@ -237,7 +238,7 @@ def test_low_latency_combine_shared_memory_mirrors_the_kernel():
 
 
 def test_low_latency_wire_formats_mirror_the_enum():
-    from cupy_ep import cuda_low_latency as cll
+    from cupy_ep.cuda import low_latency as cll
     assert enum_values(source(*LL), "Wire") == {"kWire24": cll.WIRE_24, "kWireBf16": cll.WIRE_BF16,
                                                            "kWireLogFmt": cll.WIRE_LOGFMT}
 
@@ -254,3 +255,25 @@ def test_logfmt_constants_mirror_the_kernel():
     assert want <= used | {0x3F800000, 0x3F000000}
     assert used - {0x7FFFFF, 0x3F800000} <= want
     assert "(long long)L.hidden / 16 * 21" in text and logfmt.wire_bytes(7168) == 7168 // 16 * 21
+
+
+def _kernel_parameters(text: str, name: str) -> list[str]:
+    """The parameter names of ``__global__ ... name(...)`` in ``text``, in order."""
+    match = re.search(r"__global__ void (?:__launch_bounds__\([^()]*(?:\([^()]*\))?[^()]*\)\s*)?%s\s*\((.*?)\)\s*\{"
+                      % name, text, re.S)
+    assert match, f"__global__ {name} not found"
+    return [re.sub(r"\[.*\]", "", p).strip().split()[-1].lstrip("*&") for p in match.group(1).split(",")]
+
+
+def test_kernel_argument_records_are_the_kernels_signatures():
+    """Each launcher's record (cupy_ep/cuda/kernels.py) has its kernel's parameters, by name and in order: a
+    parameter added, removed or moved on one side only would pass its neighbours' values."""
+    from cupy_ep.cuda import kernels
+    assert len(kernels.RECORDS) == 9
+    for name, (filename, record) in kernels.RECORDS.items():
+        assert list(record._fields) == _kernel_parameters(source(filename), name), name
+
+
+def test_the_signature_reader_reads_a_launch_bounds_kernel():
+    text = "__global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)\nk(int4* a, const int b) {"
+    assert _kernel_parameters(text, "k") == ["a", "b"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cupy_ep import config, reference
-from cupy_ep.host_backend import HostBuffer
+from cupy_ep import Buffer
 from cupy_ep.tools import models
 from tests import test_host_backend as normal
 from tests import test_host_low_latency as ll
@@ -33,8 +33,8 @@ LL_MODES = {"bf16": {}, "fp8": dict(use_fp8=True), "fp8-ue8m0": dict(use_fp8=Tru
 def test_normal_mode_matches_reference(comm, model, mode):
     shape, opts = models.MODELS[model], dict(NORMAL_MODES[mode])
     per_node = opts.pop("per_node", None)
-    buf = HostBuffer(comm, HOST_NVL_BYTES, HOST_RDMA_BYTES if per_node else 0, backend="host",
-                     num_ranks_per_node=per_node)
+    buf = Buffer(comm, HOST_NVL_BYTES, HOST_RDMA_BYTES if per_node else 0, backend="host",
+                 num_ranks_per_node=per_node)
     try:
         bad = normal._run_case(comm, buf, sum(map(ord, model + mode)), TOKENS, shape.hidden, shape.topk,
                                shape.experts, **opts)
@@ -70,7 +70,7 @@ def test_low_latency_matches_reference(comm, model, mode):
     cast = dict(use_fp8=False, round_scale=False, use_ue8m0=False) | opts
     x, topk_idx, topk_weights, num_experts = ll._inputs(comm, seed, TOKENS, shape.hidden, shape.topk, local)
     assert num_experts == shape.experts and topk_idx.shape[1] == shape.topk
-    buf = HostBuffer(comm, HOST_NVL_BYTES, HOST_RDMA_BYTES, low_latency_mode=True, backend="host")
+    buf = Buffer(comm, HOST_NVL_BYTES, HOST_RDMA_BYTES, low_latency_mode=True, backend="host")
     bad = []
     try:
         got = buf.low_latency_dispatch(x, topk_idx, max_tokens, num_experts, return_recv_hook=hook, **cast)

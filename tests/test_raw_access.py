@@ -10,12 +10,12 @@ from mpi4py import MPI
 
 import cupy_ep
 from cupy_ep import validate
-from cupy_ep.host_backend import HostBuffer
+from cupy_ep import Buffer
 
 
 @pytest.fixture
 def buf():
-    b = HostBuffer(MPI.COMM_SELF, num_nvl_bytes=4096, num_rdma_bytes=1024, low_latency_mode=True, backend="host")
+    b = Buffer(MPI.COMM_SELF, num_nvl_bytes=4096, num_rdma_bytes=1024, low_latency_mode=True, backend="host")
     yield b
     b.destroy()
 
@@ -73,7 +73,7 @@ def test_bad_arguments_name_themselves(buf, kwargs, exc, match):
 
 
 def test_a_buffer_without_rdma_bytes_has_no_rdma_view():
-    b = HostBuffer(MPI.COMM_SELF, num_nvl_bytes=64, backend="host")
+    b = Buffer(MPI.COMM_SELF, num_nvl_bytes=64, backend="host")
     with pytest.raises(ValueError, match=r"^use_rdma_buffer: this Buffer has no such buffer \(num_rdma_bytes=0\)"):
         b.get_local_buffer_tensor(np.uint8, use_rdma_buffer=True)
     b.destroy()

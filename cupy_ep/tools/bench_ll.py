@@ -113,7 +113,7 @@ class LowLatencyBench(harness.Tool):
                           backend="host" if getattr(a, "backend", None) == "host" else "cuda",
                           low_latency_transport=getattr(a, "ll_transport", None))
         self.gpu = self.buf.backend == "cuda"
-        self.transport = self.buf._ll.transport if self.gpu else "host"
+        self.transport = self.buf.impl._ll.transport if self.gpu else "host"
         self.records: list[dict] = []
         # run() opens the NCCL baseline (GPU)
         self.nccl, self.nccl_status, self.shared = None, None if self.gpu else "not measured: the host backend", []
@@ -284,7 +284,7 @@ class LowLatencyBench(harness.Tool):
 
     def phases(self, runs: dict, tokens: int, flush=None, rounds: int = 30, calls: int = 4) -> None:
         """Records of timing "stamps" (``--ll-stamps``): per op, where a call's time goes, from the kernels'
-        %globaltimer phase stamps (``cuda_low_latency.phase_breakdown``, us after the earliest block started),
+        %globaltimer phase stamps (``cuda.low_latency.phase_breakdown``, us after the earliest block started),
         median over ``rounds``. A round replays one CUDA graph of ``calls`` calls (captured once; even, as the
         buffers alternate), launched right after an MPI barrier: the calls run back to back on the device
         whatever the host's speed, the ranks align on the first and the last one (its stamps zeroed just before
@@ -295,8 +295,8 @@ class LowLatencyBench(harness.Tool):
         with a cold L2 (records say ``l2_flushed``)."""
         import cupy
 
-        from ..cuda_low_latency import STAMP_NAMES, phase_breakdown
-        a, ll = self.args, self.buf._low_latency()
+        from ..cuda.low_latency import STAMP_NAMES, phase_breakdown
+        a, ll = self.args, self.buf.impl._low_latency()
         ll.enable_stamps()
         try:
             for op, (fn, _, dtype) in runs.items():
@@ -544,7 +544,7 @@ def _tables(records: list, args) -> list:
                        f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {_f(r.get('ratio_to_nccl'), '.2f')} |")
     stamped = [r for r in records if r.get("timing") == "stamps"]
     if stamped:
-        from ..cuda_low_latency import STAMP_NAMES
+        from ..cuda.low_latency import STAMP_NAMES
         names = [n for n in STAMP_NAMES + ("last_end",) if any(n in r["phases_us"] for r in stamped)]
         out += ["", f"Phases (`--ll-stamps`): the kernels' %globaltimer stamps in us, median over "
                 f"{stamped[0]['rounds']} calls (each the last of {stamped[0].get('calls_per_round', 4)} replayed back "

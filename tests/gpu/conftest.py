@@ -37,7 +37,7 @@ class BufferSlot:
         self.rebuilt = 0
 
     def get(self):
-        reason = self.buf._unusable_reason or ("destroyed" if self.buf._destroyed else None)
+        reason = self.buf.impl._unusable_reason or ("destroyed" if self.buf.impl._destroyed else None)
         reasons = [r for r in self.comm.allgather(reason) if r]
         if reasons:
             if self.comm.Get_rank() == 0:

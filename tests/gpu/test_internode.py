@@ -65,7 +65,7 @@ def _internode_slot(request, comm):
         buf = cupy_ep.Buffer(comm, num_nvl_bytes=nvl, num_rdma_bytes=rdma, backend="cuda",
                              timeout_s=float(os.environ.get("CUPY_EP_TEST_TIMEOUT_S", "20")),
                              num_ranks_per_node=G, internode_transport=transport)
-        assert buf._internode is not None and buf._internode.transport == transport
+        assert buf.impl._internode is not None and buf.impl._internode.transport == transport
         return buf
     slot = BufferSlot(comm, make)
     yield slot
@@ -86,7 +86,7 @@ def _gathered_itr(comm, idx_np, num_experts):
 
 def _check_handle(errors, comm, handle, idx_np, num_experts, G, C):
     want = iref.handle(_gathered_itr(comm, idx_np, num_experts), comm.Get_rank(), G, C)
-    for i, name in enumerate(cupy_ep.cuda_internode.HANDLE_FIELDS):
+    for i, name in enumerate(cupy_ep.cuda.internode.HANDLE_FIELDS):
         expected = getattr(want, name)
         if name == "recv_src_meta":
             expected = iref.src_meta_bytes(expected)
@@ -130,7 +130,7 @@ def run_internode_case(comm, buf, case: Case, seed: int = 0):
                                       [g[1] for g in gathered], bias_np)
         _check(errors, "combined_x", combined, want_x)
         _check(errors, "combined_topk_weights", combined_w, want_w)
-        for name, a, b in zip(cupy_ep.cuda_internode.HANDLE_FIELDS[1:], handle[1:], before):
+        for name, a, b in zip(cupy_ep.cuda.internode.HANDLE_FIELDS[1:], handle[1:], before):
             _check(errors, f"handle.{name} after combine (must not be modified)", a, b)
         cupy.cuda.get_current_stream().synchronize()
     buf.check_health()
@@ -182,11 +182,11 @@ def test_internode_num_worst_tokens(comm, internode_buffer):
 
 @pytest.mark.mpi(min_size=2)
 def test_internode_carve_matches_python_size_model(comm, internode_buffer):
-    st = internode_buffer._internode
+    st = internode_buffer.impl._internode
     keys = ("rdma_channel_begin", "rdma_dispatch_end", "rdma_combine_end", "nvl_channel_begin", "nvl_dispatch_end",
             "nvl_combine_end", "dispatch_token_bytes", "combine_token_bytes")
     errors = []
-    with internode_buffer._device:
+    with internode_buffer.impl._device:
         for C, qr, qn, hidden_int4, scales, topk in [(12, 128, 256, 896, 56, 8), (1, 6, 7, 1, 0, 0), (3, 10, 9, 5, 3, 3),
                                                     (24, 64, 512, 2048, 128, 32)]:
             got = st.carve_probe(C, qr, qn, hidden_int4, scales, topk)

@@ -301,8 +301,8 @@ def test_zero_copy_num_worst_tokens_and_view_guard(comm, gpu_buffer):
     errors: list[str] = []
     with cupy.cuda.Device(gpu_buffer.device_id):
         recv_x, handle, _, _, _ = _worst_dispatch(comm, gpu_buffer, errors, zero_copy=True)
-        base = gpu_buffer._nvl.ptr
-        if not base <= recv_x.data.ptr < base + gpu_buffer._nvl.nbytes:
+        base = gpu_buffer.impl._nvl.ptr
+        if not base <= recv_x.data.ptr < base + gpu_buffer.impl._nvl.nbytes:
             errors.append("zero-copy recv_x is not a view of the buffer")
         for label, call in (("combine", lambda: gpu_buffer.combine(recv_x, handle)),
                             ("dispatch", lambda: gpu_buffer.dispatch(recv_x[:case.tokens], handle=handle))):

@@ -9,7 +9,7 @@ cast: the same fp32 operations and an RNE satfinite e4m3 conversion; combine: pe
 partial sum over its k ascending (fp32 products, no FMA), the partials summed over ranks ascending, one bf16
 rounding), so every valid row, scale, count, src_info, layout_range and the
 combined output are compared exactly. One Buffer per module (one NVSHMEM init per process); the forced-put
-path is switched on the same buffer (``buf._ll.force_put``).
+path is switched on the same buffer (``buf.impl._ll.force_put``).
 
 Failing loudly, never hanging: every test runs with the buffer's GPU current (rank r uses GPU r; arrays made
 on another GPU are refused with a ValueError). Inputs are gathered and the reference computed before any
@@ -114,7 +114,7 @@ def mps_clients(comm) -> bool:
 
 def ll_transport() -> str:
     """The low-latency transport these tests run on (env CUPY_EP_LL_TRANSPORT, default nvshmem)."""
-    from cupy_ep.cuda_low_latency import resolve_transport
+    from cupy_ep.cuda.low_latency import resolve_transport
     return resolve_transport(None)
 
 
@@ -127,9 +127,9 @@ def skip_unless_usable(comm) -> None:
 
 def use_put_path(ll_buf, force_put: bool) -> None:
     """Switch the buffer to the forced-put path (or back); skips the put case on a transport without puts."""
-    if force_put and ll_buf._ll.transport != "nvshmem":
-        pytest.skip(f"the {ll_buf._ll.transport!r} transport has no put path")
-    ll_buf._ll.force_put = force_put
+    if force_put and ll_buf.impl._ll.transport != "nvshmem":
+        pytest.skip(f"the {ll_buf.impl._ll.transport!r} transport has no put path")
+    ll_buf.impl._ll.force_put = force_put
 
 
 def _make_ll_buf(comm):
@@ -137,7 +137,7 @@ def _make_ll_buf(comm):
     buf = cupy_ep.Buffer(comm, num_nvl_bytes=nvl_bytes_for(comm.Get_size(), 8192, 24),
                          num_rdma_bytes=_buffer_bytes(comm.Get_size()), low_latency_mode=True, backend="cuda",
                          timeout_s=TIMEOUT_S)
-    assert buf._ll.transport == ll_transport()
+    assert buf.impl._ll.transport == ll_transport()
     return buf
 
 
@@ -366,7 +366,7 @@ def test_low_latency_matches_reference(comm, ll_buf, case, force_put):
     try:
         errors = _round(ll_buf, comm, case, seed=1)
     finally:
-        ll_buf._ll.force_put = False
+        ll_buf.impl._ll.force_put = False
     assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
 
 
@@ -413,8 +413,8 @@ def test_rdma_buffer_view_is_the_low_latency_buffer(comm, ll_buf):
     whole num_rdma_bytes, starting at the address the kernels get as their base."""
     view = ll_buf.get_local_buffer_tensor(np.uint8, use_rdma_buffer=True)
     words = ll_buf.get_local_buffer_tensor(np.int64, 4, offset=64, use_rdma_buffer=True)
-    ok = (view.shape == (ll_buf.num_rdma_bytes,) and view.data.ptr == ll_buf._ll.base
-          and words.data.ptr == ll_buf._ll.base + 64)
+    ok = (view.shape == (ll_buf.num_rdma_bytes,) and view.data.ptr == ll_buf.impl._ll.base
+          and words.data.ptr == ll_buf.impl._ll.base + 64)
     assert all_ok(comm, ok), f"rank {comm.Get_rank()}: view {view.shape} at {view.data.ptr:#x}"
 
 
@@ -464,7 +464,7 @@ def test_bf16_partials_are_each_ranks_own_choice(comm, ll_buf, hook, force_put):
             errors += [f"round {i}: {e}" for e in _round(ll_buf, comm, CASES[0], seed=31 + i, hook=hook,
                                                           order_sensitive=order_sensitive, bf16_partials=choice)]
     finally:
-        ll_buf._ll.force_put = False
+        ll_buf.impl._ll.force_put = False
     assert all_ok(comm, not errors), f"rank {rank}: {errors}"
 
 
@@ -484,7 +484,7 @@ def test_use_logfmt_is_each_ranks_own_choice_and_exact(comm, ll_buf, hook, force
             errors += [f"round {i}: {e}" for e in _round(ll_buf, comm, case, seed=41 + i, hook=hook,
                                                           order_sensitive=order_sensitive, use_logfmt=choice)]
     finally:
-        ll_buf._ll.force_put = False
+        ll_buf.impl._ll.force_put = False
     assert all_ok(comm, not errors), f"rank {rank}: {errors}"
 
 
@@ -500,7 +500,7 @@ def test_hook_zero_copy_out_and_alternating_buffers(comm, ll_buf, force_put):
             errors += [f"round {i}: {e}" for e in _round(ll_buf, comm, CASES[1], seed=10 + i, hook=hook,
                                                          zero_copy=zero_copy, use_out=use_out)]
     finally:
-        ll_buf._ll.force_put = False
+        ll_buf.impl._ll.force_put = False
     assert all_ok(comm, not errors), f"rank {comm.Get_rank()}: {errors}"
 
 
@@ -594,8 +594,8 @@ def test_dispatch_epoch_wraps_past_zero(comm, ll_buf):
     on the device. Started 3 dispatches before its int32 count wraps to -1 (epoch 0, the value of zeroed memory),
     rounds on both sides of the wrap match the reference and the count skips -1."""
     import cupy
-    from cupy_ep.cuda_low_latency import WS_EPOCH
-    ws = ll_buf._ll.workspace
+    from cupy_ep.cuda.low_latency import WS_EPOCH
+    ws = ll_buf.impl._ll.workspace
     cupy.cuda.runtime.deviceSynchronize()
     comm.Barrier()
     ws[WS_EPOCH:WS_EPOCH + 2] = -3

@@ -51,7 +51,7 @@ def _make_buffer(comm, enable_shrink: bool = True):
                          low_latency_mode=True, backend="cuda", timeout_s=TIMEOUT_S, enable_shrink=enable_shrink)
     with cupy.cuda.Device(buf.device_id):
         for name in _KERNELS:  # compiled (and NVSHMEM-initialised) before any rank waits for another
-            buf._ll.kernel(name)
+            buf.impl._ll.kernel(name)
         comm.Barrier()
         buf.clean_low_latency_buffer(M, H, LOCAL * R)
     return buf

@@ -112,14 +112,14 @@ def test_low_latency(comm, _ll_slot, model, mode):
         x, idx, y, weights = ll._step(buf, comm, "preparing the inputs", prepare)
         gathered = gather_all(comm, (x, idx, y, weights))
 
-        def references():
+        def references(gathered):
             want = reference.low_latency_dispatch([g[0] for g in gathered], [g[1] for g in gathered], M, E, rank,
                                                   use_fp8=use_fp8)
             want_c = reference.low_latency_combine([g[2] for g in gathered], [g[1] for g in gathered],
                                                    [g[3] for g in gathered], M, E, rank)
             return want, want_c
 
-        want, want_c = ll._step(buf, comm, "the reference", references)
+        want, want_c = ll._step(buf, comm, "the reference", references, gathered)
         del gathered
 
         def dispatch():

@@ -1,4 +1,4 @@
-"""``HostBuffer``: the DeepEP V1 ``Buffer`` API on numpy + MPI, for machines without a GPU.
+"""``HostBackend``: the DeepEP V1 ``Buffer`` API on numpy + MPI, for machines without a GPU.
 
 Every call is synchronous (the returned ``EventOverlap`` carries no event) and computes exactly what
 :mod:`cupy_ep.reference` says, moving rows with ``MPI_Alltoallv`` on host memory (bf16 and fp8 travel as
@@ -6,7 +6,7 @@ raw bytes). Arguments go through the same :mod:`cupy_ep.validate` checks as the 
 the same.
 
 Collective calls first agree on the argument checks with one exchange of headers
-(:class:`cupy_ep.host_exchange.HostExchange`, over a private duplicate of ``comm``): if any rank's checks fail, or
+(:class:`cupy_ep.host.host_exchange.HostExchange`, over a private duplicate of ``comm``): if any rank's checks fail, or
 the ranks disagree on what must match (hidden size, dtypes, top-k, channels, cached mode, the dispatch a handle
 came from), every rank raises (a failing rank its own error, the others the same message tagged with that rank),
 so a bad argument on one rank never leaves the others waiting in a collective. A rank making another call (a call
@@ -65,22 +65,28 @@ expert row back to its token owner, which reduces with the weights. Decisions:
 from __future__ import annotations
 
 import dataclasses
+import sys
+import warnings
 
 import numpy as np
 
-from . import buffer as _buffer
-from . import config as _config
-from . import handles, interop, reference, validate
-from .buffer import Buffer
-from .config import Config
-from .errors import CallMismatchError
-from .event import HOST_EVENT, EventOverlap, RecvHooks, host_event
-from .handles import DispatchHandle, LowLatencyHandle
+from .. import handles, interop, reference, validate
+from ..backend_base import BackendBase
+from ..config import Config
+from ..errors import CallMismatchError
+from ..event import HOST_EVENT, EventOverlap, RecvHooks, host_event
+from ..handles import DispatchHandle, LowLatencyHandle
 from .host_exchange import HostExchange, PeersTimedOut
 
 _HANDLE_FIELDS = (("rank_prefix_matrix", "int32", 2), ("channel_prefix_matrix", "int32", 2),
                   ("recv_channel_prefix_matrix", "int32", 2), ("recv_src_idx", "int32", 1),
                   ("is_token_in_rank", "bool", 2), ("send_head", "int32", 2))
+
+
+def _warn_host_backend(rank: int) -> None:
+    if rank == 0:
+        warnings.warn("cupy_ep: no GPU visible, using the host (numpy + MPI) backend", stacklevel=4)
+        print("cupy_ep: no GPU visible -> host backend (numpy + MPI alltoallv)", file=sys.stderr)
 
 
 def _displs(counts) -> list[int]:
@@ -148,7 +154,7 @@ def _ready() -> None:
     """The receive phase of the host backend: the data already arrived during the call, nothing to do."""
 
 
-class HostBuffer(Buffer):
+class HostBackend(BackendBase):
     """numpy + mpi4py implementation of :class:`cupy_ep.Buffer` (see the module docstring).
 
     Arguments as for :class:`cupy_ep.Buffer`; ``num_nvl_bytes``/``num_rdma_bytes`` bound the calls as on the GPU
@@ -198,7 +204,7 @@ class HostBuffer(Buffer):
         self._ll_combine_buffer: np.ndarray | None = None   # raw bf16 [L, R*M, H] (zero-copy combine)
         self._ll_hooks = RecvHooks()  # the GPU backend's rule: a hook runs once, before the next low-latency call
         if backend is None:
-            _buffer._warn_host_backend(self.rank)
+            _warn_host_backend(self.rank)
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -218,7 +224,7 @@ class HostBuffer(Buffer):
             ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None,
             num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, EventOverlap)``.
         """
-        self._check_usable()
+        self.check_usable()
         validate.check_num_experts(num_experts, self.num_ranks)
         validate.check_topk_idx(topk_idx, num_experts, check_values=self.check_values)
         validate.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
@@ -244,7 +250,7 @@ class HostBuffer(Buffer):
             topk_idx ``[T, K]`` int32/int64 and topk_weights ``[T, K] float32``: both or neither.
             expert_alignment: the per-expert receive counts are rounded up to it.
             num_worst_tokens: when > 0, outputs have this many rows and the count list is empty.
-            zero_copy: on the GPU, recv_x is a view of the buffer (see ``CudaBuffer.dispatch``); here the
+            zero_copy: on the GPU, recv_x is a view of the buffer (see ``CudaBackend.dispatch``); here the
                 values are the same and recv_x is a fresh array either way.
 
         Returns:
@@ -255,7 +261,7 @@ class HostBuffer(Buffer):
             ``(rank_prefix_matrix [R, R], channel_prefix_matrix [R, C], recv_channel_prefix_matrix [R, C],
             recv_src_idx [N], is_token_in_rank [T, R] bool, send_head [T, R])``, all int32 but the bool.
         """
-        self._check_usable()
+        self.check_usable()
         args, notes = self._agree("dispatch", lambda: self._check_dispatch(
             x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
             expert_alignment, num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream,
@@ -389,14 +395,14 @@ class HostBuffer(Buffer):
             handle: the handle dispatch returned (not modified).
             topk_weights: ``[N, K] float32`` or None; summed the same way.
             bias: None, a bf16 ``[T, H]`` array, or a pair of them (either may be None).
-            zero_copy: on the GPU, rows go straight into the owners' buffers (see ``CudaBuffer.combine``); the
+            zero_copy: on the GPU, rows go straight into the owners' buffers (see ``CudaBackend.combine``); the
                 result is the same, bit for bit, and here nothing changes.
 
         Returns:
             ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, EventOverlap)``:
             fp32 ``0 + bias0 + bias1 + contributions in ascending source-rank order``, rounded to bf16 once.
         """
-        self._check_usable()
+        self.check_usable()
         (kind, x_raw, w_raw, biases, raw_handle), _ = self._agree("combine", lambda: self._check_combine(
             x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream, zero_copy))
         rank_prefix, itr = raw_handle[0], raw_handle[4]
@@ -456,7 +462,7 @@ class HostBuffer(Buffer):
                                  num_experts: int) -> None:
         """Collective (DeepEP: a barrier, zero both signal areas, a barrier). The host keeps no signals, so
         this only checks the arguments (the same on every rank) with one all-gather."""
-        self._check_usable()
+        self.check_usable()
 
         def check():
             self._require_low_latency_mode()
@@ -474,37 +480,8 @@ class HostBuffer(Buffer):
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False):
-        """Send every (token, top-k slot) to its expert's rank, into fixed per-expert slots (collective).
-
-        Args:
-            x: bf16 ``[T, H]`` contiguous, ``H % 128 == 0`` (``H % 512 == 0`` with ``use_fp8``, as DeepEP),
-                ``T <= num_max_dispatch_tokens_per_rank``.
-            topk_idx: ``[T, K]`` int32/int64, ``K <= 11`` (DeepEP's ``kNumMaxTopK``), -1 = no expert.
-            num_max_dispatch_tokens_per_rank: M, the same on every rank; ``R * M % 4 == 0`` (DeepEP: TMA).
-            num_experts: E, a multiple of R; rank r owns experts ``[r*L, (r+1)*L)``, L = E/R.
-            cumulative_local_expert_recv_stats: ``[L] int32`` or None; ``+= recv_count`` in place.
-            dispatch_wait_recv_cost_stats: ``[R] int64`` or None; ``+=`` in place, per source rank, the SM clock
-                cycles (clock64, DeepEP's unit) the receive phase waited for that rank's count of each local
-                expert, on the GPU. The host backend has no device waits: checked, left unchanged.
-            use_fp8, round_scale, use_ue8m0: the FP8 cast of :func:`reference.per_token_cast_to_fp8`
-                (``use_ue8m0`` needs ``round_scale``; both are ignored without ``use_fp8``).
-            async_finish: checked only (no event on the host); not together with ``return_recv_hook``.
-            return_recv_hook: return a callable ``hook``; DeepEP's outputs are final only after ``hook()``.
-                The host does all the work in this call, so the hook does nothing; call it anyway, once and
-                before the next low-latency call (the GPU backend's rule: RuntimeError otherwise).
-
-        Returns:
-            ``(recv_x | (recv_x, recv_x_scales), recv_count, handle, EventOverlap, hook)``: ``recv_x``
-            ``[L, R*M, H]`` bf16 (or float8_e4m3fn with ``use_fp8``); ``recv_x_scales`` ``[L, R*M, H/128]``
-            float32 or (UE8M0) ``[L, R*M, H/512]`` int32, column-major in the last two dims (a transposed
-            view of a ``[L, S, R*M]`` array, as DeepEP); ``recv_count [L] int32``; ``handle``: a
-            :class:`~cupy_ep.handles.LowLatencyHandle`, DeepEP's ``(src_info [L, R*M] int32, layout_range
-            [L, R] int64, M, H, E)`` with ``.topk_slots [T, K] int32``; ``hook`` None unless
-            ``return_recv_hook``. Rows of local expert e: by source rank, then token, then k (see
-            :func:`reference.low_latency_dispatch`); rows past ``recv_count[e]`` are zero here but
-            undefined on the GPU.
-        """
-        self._check_usable()
+        """See :meth:`cupy_ep.Buffer.low_latency_dispatch`."""
+        self.check_usable()
         args, notes = self._agree("low_latency_dispatch", lambda: self._check_low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook),
@@ -605,36 +582,8 @@ class HostBuffer(Buffer):
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
                             out=None, combine_wait_recv_cost_stats=None, bf16_partials: bool = False):
-        """Send the expert outputs back to the token owners and reduce them *with* the weights (collective).
-
-        Args:
-            x: bf16 ``[L, R*M, H]`` contiguous, laid out as this rank's dispatch output. Ignored with
-                ``zero_copy`` (may be None then; checked when given).
-            topk_idx, topk_weights: ``[T, K]`` int32/int64 and float32: the routing this rank gave to the
-                dispatch that made ``handle`` (``T <= M``), and the weights.
-            handle: the dispatch's :class:`~cupy_ep.handles.LowLatencyHandle` (``(src_info, layout_range, M,
-                H, E)`` and ``.topk_slots``; not modified). ``topk_idx`` must have its ``topk_slots``' shape.
-            use_logfmt: this rank's tokens' partial sums cross as LogFMT-10 (:mod:`cupy_ep.logfmt`: 10 bits per
-                value and 8 bytes per 128, under half the 24-bit bytes; a relative error of at most
-                ``2^(step/2) - 1`` per partial value, 2.2 % at worst). Each rank chooses for its own tokens; not
-                together with ``zero_copy`` (as in DeepEP) or ``bf16_partials``.
-            zero_copy: take the expert outputs from :meth:`get_next_low_latency_combine_buffer` instead of x.
-            async_finish, return_recv_hook: as in :meth:`low_latency_dispatch` (the hook does nothing).
-            out: optional bf16 ``[T, H]`` written in place and returned.
-            combine_wait_recv_cost_stats: ``[R] int64`` or None; ``+=`` in place, per source rank, the SM clock
-                cycles the receive phase waited for that rank's partial sums of this rank's tokens, on the GPU
-                (this rank's own partials need no wait in a one-launch combine: its entry grows only in hook
-                mode). The host backend: checked, left unchanged.
-            bf16_partials: round each expert rank's partial sum of this rank's tokens to bf16 instead of 24 bits
-                (on the GPU a third fewer bytes cross NVLink, at the price of a second bf16 rounding). Each rank
-                chooses for its own tokens; the ranks need not agree.
-
-        Returns:
-            ``(combined_x [T, H] bf16, EventOverlap, hook)``: per token, fp32 ``sum_k w[t, k] * y`` (-1
-            skipped): per expert rank over k ascending, rounded to 24 bits (or bf16), then over the ranks
-            ascending, rounded to bf16 once (:func:`reference.low_latency_combine`).
-        """
-        self._check_usable()
+        """See :meth:`cupy_ep.Buffer.low_latency_combine`."""
+        self.check_usable()
         args, notes = self._agree("low_latency_combine", lambda: self._check_low_latency_combine(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
             combine_wait_recv_cost_stats, bf16_partials), low_latency=True)
@@ -738,12 +687,8 @@ class HostBuffer(Buffer):
         return args, same, notify
 
     def get_next_low_latency_combine_buffer(self, handle):
-        """The bf16 ``[L, R*M, H]`` array a ``zero_copy`` combine with this handle's shape reads (local).
-
-        Owned by the buffer and kept between calls (DeepEP hands out a view of its next RDMA send buffer;
-        the host keeps one array, re-made, zeroed, when the shape changes). Fill it, then call
-        :meth:`low_latency_combine` with ``zero_copy=True``."""
-        self._check_usable()
+        """See :meth:`cupy_ep.Buffer.get_next_low_latency_combine_buffer`."""
+        self.check_usable()
         self._require_low_latency_mode()
         _, _, max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
         handles.check_origin(handle, self.buffer_id)
@@ -794,7 +739,7 @@ class HostBuffer(Buffer):
 
     def _agree(self, op: str, check, low_latency: bool = False):
         """Start collective call ``op``: run this rank's argument checks ``check() -> (result, same, payload)`` and
-        exchange their outcome with the ranks taking part (:class:`~cupy_ep.host_exchange.HostExchange`). If a rank
+        exchange their outcome with the ranks taking part (:class:`~cupy_ep.host.host_exchange.HostExchange`). If a rank
         is in another call, every rank that sees it raises CallMismatchError; if any rank's checks raised
         ValueError/TypeError/RuntimeError, or the ``same`` dicts (argument name -> what must match on every rank)
         differ, every rank raises. ``low_latency``: in shrink mode only the ranks unmasked here take part, and a rank
@@ -856,7 +801,7 @@ class HostBuffer(Buffer):
 
     # ---- shrink mode (low-latency fault tolerance, as the CUDA backend's) ----------------------------------
     def _shrink(self) -> np.ndarray:
-        self._check_usable()
+        self.check_usable()
         validate.check_shrink_enabled(self._shrink_mask is not None)
         return self._shrink_mask
 
@@ -889,6 +834,15 @@ class HostBuffer(Buffer):
         self._shrink()[...] = 0
 
     # ---- lifetime -----------------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Nothing to report: a host call that fails raises at once."""
+        self.check_usable()
+
+    def barrier(self) -> None:
+        """Barrier of all ranks (MPI)."""
+        self.check_usable()
+        self.comm.Barrier()
+
     def _buffer_bytes(self, offset: int, nbytes: int, rdma: bool):
         """Host memory standing in for the device buffer, zeroed at first use, kept as long as this Buffer."""
         if rdma not in self._host_regions:

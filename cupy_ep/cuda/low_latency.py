@@ -1,6 +1,6 @@
 """The GPU low-latency (decode) path: ``LowLatencyState`` owns the transport (an NVSHMEM world and its symmetric
 buffer, or a CUDA-IPC buffer), the alternating buffer index and the launches of ``cuda_src/low_latency.cu``.
-``CudaBuffer`` (low_latency_mode=True) creates one and delegates ``low_latency_*`` to it.
+``CudaBackend`` (low_latency_mode=True) creates one and delegates ``low_latency_*`` to it.
 
 Decisions (DeepEP V1's low-latency path is the model):
 
@@ -35,7 +35,7 @@ Decisions (DeepEP V1's low-latency path is the model):
   (:class:`cupy_ep.bootstrap.IpcBuffer`), and the kernels are built without NVSHMEM (not relocatable, no device
   library: ``cuda_src/transport/ll.cuh``). Every peer is then reached by stores, so the same kernels run, without
   the NVSHMEM wheel or its start-up, and also where ranks share a GPU (NVSHMEM allows one PE per GPU only). The
-  low-latency path is intranode-only either way (``CudaBuffer`` refuses it across nodes);
+  low-latency path is intranode-only either way (``CudaBackend`` refuses it across nodes);
 * peers reachable over NVLink (``nvshmem_ptr`` != 0, or every peer with ``"ipc"``) get direct stores, others
   NVSHMEM puts. ``CUPY_EP_LL_FORCE_PUT=1`` (or ``state.force_put = True``) sends everything through puts (tests
   use it to cover both paths on one NVLink box; NVSHMEM transport only: IPC has no puts);
@@ -67,11 +67,12 @@ import os
 
 import numpy as np
 
-from . import config as _config
-from . import bootstrap, handles, ids, interop, jit, validate
-from .event import EventOverlap, RecvHooks
-from .handles import LowLatencyHandle
-from .reference import LOW_LATENCY_MAX_TOPK
+from .. import config as _config
+from .. import bootstrap, handles, ids, interop, jit, validate
+from ..event import EventOverlap, RecvHooks
+from ..handles import LowLatencyHandle
+from ..reference import LOW_LATENCY_MAX_TOPK
+from .runtime import capturing
 
 _FILE = "low_latency.cu"
 TRANSPORTS = ("nvshmem", "ipc")
@@ -233,11 +234,12 @@ _SHRINK_TAG = 1  # the shrink barrier's tokens (its communicator carries nothing
 
 
 class LowLatencyState:
-    """The low-latency transport and buffer of one ``CudaBuffer``: an NVSHMEM world and its symmetric buffer, or
+    """The low-latency transport and buffer of one ``CudaBackend``: an NVSHMEM world and its symmetric buffer, or
     a CUDA-IPC buffer opened by every rank of the node.
 
     Args:
-        buf: the owning ``CudaBuffer`` (its comm, device, streams, DeviceCtx and launch bracketing are used).
+        buf: the owning ``CudaBackend`` (its comm, rank, device id, health); its ``runtime`` (device, comm stream,
+            DeviceCtx, launch bracketing, shrink mask) is the one the launches use.
         num_rdma_bytes: size of the buffer (:func:`cupy_ep.config.low_latency_rdma_size_hint`).
         single_node: all ranks share one host (sets the NVLink-only NVSHMEM transport by default).
         transport: ``"nvshmem"`` or ``"ipc"`` (already resolved: :func:`resolve_transport`).
@@ -248,7 +250,7 @@ class LowLatencyState:
     _force_put = False
     nv = None      # the NVSHMEM world (transport "nvshmem")
     ipc = None     # the bootstrap.IpcBuffer (transport "ipc")
-    shrink_mask = None   # shrink mode: CudaBuffer's [R] int32 mask (the kernels' shrink_mask); None: off
+    shrink_mask = None   # shrink mode: CudaBackend's [R] int32 mask (the kernels' shrink_mask); None: off
     _shrink_comm = None  # shrink mode: clean's barrier communicator (a duplicate of the buffer's)
     _shrink_sends = ()   # shrink mode: that barrier's sends not known complete yet
     handle_epoch = 0     # dispatches made so far: the epoch of the next handle, less one (cupy_ep.handles)
@@ -263,7 +265,8 @@ class LowLatencyState:
         # CUDA MPS this rank's share of it (the ranks sharing the GPU then run at the same time).
         self.num_blocks = resolve_num_blocks(buf.sm_share.per_rank)  # before anything collective
         self.buf = buf
-        self.shrink_mask = buf._shrink_mask
+        self.rt = buf.runtime
+        self.shrink_mask = self.rt.shrink_mask
         if self.shrink_mask is not None:
             self._shrink_comm = buf.comm.Dup()  # collective: every rank is here
         self.num_bytes = num_rdma_bytes
@@ -302,7 +305,7 @@ class LowLatencyState:
     def _open_nvshmem(self, single_node: bool):
         """NVSHMEM world over the buffer's comm and the symmetric buffer, zeroed: ``(base, peer addresses)``."""
         import cupy
-        from .nvshmem import Nvshmem
+        from ..nvshmem import Nvshmem
         set_nvshmem_env(single_node)
         # the symmetric heap must hold the buffer (NVSHMEM's default is 1 GiB); a user setting wins
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, _config.align_up(self.num_bytes, 1 << 21)
@@ -327,7 +330,7 @@ class LowLatencyState:
     def enable_stamps(self) -> None:
         """Have the kernels stamp their phases (see :func:`phase_breakdown`); costs a few block barriers."""
         import cupy
-        with self.buf._device:
+        with self.rt.device:
             self.stamps = cupy.zeros((2, self.num_blocks, len(STAMP_NAMES)), dtype=cupy.int64)
 
     def stamps_of(self, kind: str):
@@ -368,8 +371,7 @@ class LowLatencyState:
         warm up each shape before capturing it)."""
         lay = self.layout(max_tokens, hidden, num_experts)
         if self.signal_shape != (max_tokens, hidden, num_experts):
-            from .cuda_backend import _capturing
-            if _capturing():
+            if capturing():
                 raise RuntimeError("low-latency shape (num_max_dispatch_tokens_per_rank, hidden, num_experts) = "
                                    f"{(max_tokens, hidden, num_experts)} used for the first time inside a CUDA-graph "
                                    "capture: call it once before capturing (its buffers must be cleaned first)")
@@ -426,10 +428,10 @@ class LowLatencyState:
             self.follow_last(compute)
             self.launch(name, args_for_phases(phases), compute, shared_mem)
             return EventOverlap(None)
-        compute = self.buf._begin(kind, None)
+        compute = self.rt.begin(kind, None)
         self.follow_last(self.buf.comm_stream, also_skip=compute)
         self.launch(name, args_for_phases(phases), self.buf.comm_stream, shared_mem)
-        return self.buf._finish(compute, async_finish, keep, kind)
+        return self.rt.finish(compute, async_finish, keep, kind)
 
     def follow_last(self, stream, also_skip=None) -> None:
         """Make ``stream`` wait for the previous low-latency kernel when it was launched on another stream
@@ -448,12 +450,12 @@ class LowLatencyState:
 
     def make_hook(self, kind, name: str, args_for_phases, keep, what: str, shared_mem: int = 0):
         def run():
-            with self.buf._device:
-                self.buf._check_usable()
+            with self.rt.device:
+                self.buf.check_usable()
                 self.run(kind, name, args_for_phases, _RECV, False, keep, shared_mem)
         return self.hooks.make(run, what)
 
-    # ---- argument checks (same order and messages as host_backend.HostBuffer) -------------------------
+    # ---- argument checks (same order and messages as host.backend.HostBackend) -------------------------
     # The checks are a large part of a call's host time (a profile: 40 of 176 us of a dispatch, 95 of 207 us of
     # a combine under cProfile; 4 and 8 us without it on a development CPU, where the fast path takes 1 and 3). So
     # each call kind remembers the signature of the last arguments that passed (every array's
@@ -576,7 +578,7 @@ class LowLatencyState:
             return (recv_x, scales, count, src_info, layout_range, raw_stats, raw_wait, raw_x, raw_idx, slots,
                     np.int32(num_tokens),
                     np.int32(raw_idx.shape[1]), _INT32_ARGS[round_scale], _INT32_ARGS[use_ue8m0]) + common + \
-                   (_INT32_ARGS[phases], self.stamps_of("dispatch"), self.buf._ctx)
+                   (_INT32_ARGS[phases], self.stamps_of("dispatch"), self.rt.ctx)
         keep = (raw_x, raw_idx, raw_stats, raw_wait, recv_x, scales, count, src_info, layout_range, slots)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         event = self.run(kind, name, args, phases, async_finish, keep)
@@ -621,7 +623,7 @@ class LowLatencyState:
         def args(phases):
             return (raw_out, raw_x, layout_range, raw_idx, slots, raw_w, raw_wait, np.int32(num_tokens),
                     np.int32(num_topk), _INT32_ARGS[zero_copy], _INT32_ARGS[wire]) + common + \
-                   (_INT32_ARGS[phases], self.stamps_of("combine"), self.buf._ctx)
+                   (_INT32_ARGS[phases], self.stamps_of("combine"), self.rt.ctx)
         keep = (raw_x, raw_idx, slots, raw_w, raw_wait, raw_out, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         smem = combine_stage_bytes(num_topk)
@@ -675,7 +677,7 @@ class LowLatencyState:
         """MPI barrier over the buffer's communicator that gives up after the buffer's timeout (shrink mode:
         :meth:`shrink_barrier`)."""
         import time
-        from .errors import CommTimeoutError
+        from ..errors import CommTimeoutError
         if self.shrink_mask is not None:
             return self.shrink_barrier()
         request = self.buf.comm.Ibarrier()
@@ -683,12 +685,12 @@ class LowLatencyState:
         while not request.Test():
             if time.monotonic() > deadline:
                 record = {"rank": self.buf.rank, "kernel": "clean_low_latency_buffer", "role": f"host barrier {what}"}
-                self.buf._unusable_reason = f"a peer never reached clean_low_latency_buffer: {record}"
+                self.rt.unusable_reason = f"a peer never reached clean_low_latency_buffer: {record}"
                 raise CommTimeoutError(f"rank {self.buf.rank}: peers did not reach the low-latency buffer clean "
                                        f"({what}) within {self.buf.timeout_s} s", record)
             time.sleep(20e-6)
 
-    # ---- shrink mode (CudaBuffer.low_latency_*_mask_buffer; clean's barrier) -------------------------
+    # ---- shrink mode (CudaBackend.low_latency_*_mask_buffer; clean's barrier) -------------------------
     def mask_stream(self):
         """The caller's current stream (no array names its framework: ``interop.caller_kind``), after the previous
         low-latency kernel; the next one follows it (follow_last): the mask's readers and writers are ordered with

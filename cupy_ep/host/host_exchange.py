@@ -1,7 +1,7 @@
 """The host backend's communication: point-to-point messages over a private duplicate of the Buffer's
 communicator, every wait polled against the Buffer's timeout.
 
-Every collective call of a ``HostBuffer`` is numbered (``seq``, the same on every rank when the ranks make the same
+Every collective call of a ``HostBackend`` is numbered (``seq``, the same on every rank when the ranks make the same
 calls) and starts with :meth:`HostExchange.agree`: each rank sends every peer taking part a header ``(seq, op)``
 with its payload (its argument checks' outcome and counts). The headers are compared before any data moves, so
 
@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from .bootstrap import drain
-from .errors import CallMismatchError, CommTimeoutError
+from ..bootstrap import drain
+from ..errors import CallMismatchError, CommTimeoutError
 
 _HEADER_TAG = 1
 _DATA_TAG = 2
@@ -40,7 +40,7 @@ class PeersTimedOut(Exception):
 
 
 class HostExchange:
-    """Messages of one HostBuffer (see the module docstring). Collective to create (duplicates ``comm``)."""
+    """Messages of one HostBackend (see the module docstring). Collective to create (duplicates ``comm``)."""
 
     def __init__(self, comm, timeout_s: float):
         self.comm = comm.Dup()

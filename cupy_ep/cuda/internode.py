@@ -1,5 +1,5 @@
 """The GPU internode path: ``InternodeState`` owns the node-local NVLink buffer, the RDMA buffer (NVSHMEM
-symmetric heap, or CUDA IPC for testing) and the launches of ``cuda_src/internode.cu``. ``CudaBuffer`` creates one
+symmetric heap, or CUDA IPC for testing) and the launches of ``cuda_src/internode.cu``. ``CudaBackend`` creates one
 when the job spans more than one node and routes ``dispatch`` / ``combine`` here.
 
 Decisions (DeepEP V1's internode path is the model):
@@ -37,9 +37,9 @@ import time
 
 import numpy as np
 
-from . import bootstrap, handles, ids, interop, jit, validate
-from . import config as _config
-from .errors import CommTimeoutError
+from .. import bootstrap, handles, ids, interop, jit, validate
+from .. import config as _config
+from ..errors import CommTimeoutError
 
 _FILE = "internode.cu"
 _NOTIFY_THREADS = ids.INTERNODE_NOTIFY_THREADS                      # kNotifyThreads
@@ -173,10 +173,11 @@ def kernel_name(kind: str, num_nodes: int, gpus_per_node: int, transport: str, i
 
 # ---- the GPU state --------------------------------------------------------------------------------------
 class InternodeState:
-    """Buffers and launches of the internode path for one ``CudaBuffer``.
+    """Buffers and launches of the internode path for one ``CudaBackend``.
 
     Args:
-        buf: the owning ``CudaBuffer`` (comm, device, streams, DeviceCtx, ``_begin``/``_finish``, health).
+        buf: the owning ``CudaBackend`` (comm, rank, topology, device id, health); its ``runtime`` (the comm
+            stream, DeviceCtx, ``begin``/``finish``) is the one the launches use.
         num_nvl_bytes / num_rdma_bytes: sizes of the node-local NVLink buffer and the RDMA buffer
             (:func:`cupy_ep.config.internode_buffer_bytes`).
         transport: ``"nvshmem"`` or ``"ipc"`` (already resolved).
@@ -186,6 +187,7 @@ class InternodeState:
         import cupy
         topo = buf.topology
         self.buf = buf
+        self.rt = buf.runtime
         self.num_nodes, self.gpus_per_node = check_topology(buf.num_ranks, topo.num_ranks_per_node)
         if num_rdma_bytes <= 0 or num_rdma_bytes % _config.ALIGN:
             raise ValueError(f"num_rdma_bytes: the internode path needs a positive multiple of {_config.ALIGN} bytes "
@@ -209,8 +211,8 @@ class InternodeState:
         self.nv = None
         self.rdma_ipc = None
         if transport == "nvshmem":
-            from .cuda_low_latency import set_nvshmem_env
-            from .nvshmem import Nvshmem
+            from .low_latency import set_nvshmem_env
+            from ..nvshmem import Nvshmem
             set_nvshmem_env(single_node=topo.local_size == buf.num_ranks)
             os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE",
                                   str(max(1 << 30, _config.align_up(num_rdma_bytes, 1 << 21) + (64 << 20))))
@@ -260,10 +262,10 @@ class InternodeState:
             value = int(self.counters[0])
             if value >= 0:
                 return value
-            if int(self.buf._record["flag"][0]):
+            if self.rt.device_failed():
                 self.buf.check_health()
             if time.monotonic() > deadline:
-                self.buf._unusable_reason = "host wait for internode_notify_dispatch timed out"
+                self.rt.unusable_reason = "host wait for internode_notify_dispatch timed out"
                 raise CommTimeoutError(f"rank {self.buf.rank}: host wait for the receive count timed out after "
                                        f"{self.buf.timeout_s} s", {"rank": self.buf.rank,
                                                                    "kernel": "internode_notify_dispatch",
@@ -274,13 +276,13 @@ class InternodeState:
         self.launch(kernel_name("cached_notify", self.num_nodes, self.gpus_per_node, self.transport), 1,
                     _NOTIFY_THREADS, (np.int32(_OP_COMBINE), np.int32(1), np.int32(2), np.int32(2), np.int32(1),
                                       np.int32(0), np.int32(0), self.nvl.ptr_table) + self.rdma_args()
-                    + (np.int32(self.buf.rank), self.buf._ctx))
+                    + (np.int32(self.buf.rank), self.rt.ctx))
 
     # ---- dispatch -----------------------------------------------------------------------------------
     def dispatch(self, info, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                  num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, cfg,
                  previous_event, async_finish, allocate_on_comm_stream, check_values: bool):
-        """See ``CudaBuffer.dispatch``; ``info`` is ``validate.check_x``'s result, ``cfg`` the resolved config."""
+        """See ``CudaBackend.dispatch``; ``info`` is ``validate.check_x``'s result, ``cfg`` the resolved config."""
         import cupy
         buf = self.buf
         R, N, G = buf.num_ranks, self.num_nodes, self.gpus_per_node
@@ -314,7 +316,7 @@ class InternodeState:
         kind = interop.kind_of(info.x)
         raw_x = interop.unwrap(info.x, "bfloat16" if info.dtype == "bfloat16" else "float8_e4m3fn")
         raw_scales = interop.unwrap(info.scales)
-        compute = buf._begin(kind, previous_event)
+        compute = self.rt.begin(kind, previous_event)
         alloc_stream = buf.comm_stream if allocate_on_comm_stream else compute
         common = (self.nvl.ptr_table,) + self.rdma_args() + (np.int32(buf.rank),)
         per_expert_list = None
@@ -327,7 +329,7 @@ class InternodeState:
             self.launch(kernel_name("cached_notify", N, G, self.transport), 1, _NOTIFY_THREADS,
                         (np.int32(_OP_CACHED_DISPATCH), np.int32(C), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
                          np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4), np.int32(0),
-                         np.int32(S)) + common + (buf._ctx,))
+                         np.int32(S)) + common + (self.rt.ctx,))
             raw_idx = raw_w = src_meta = rrcpm = rgcpm = send_rdma_head = send_nvl_head = None
         else:
             in_rank = interop.unwrap(is_token_in_rank)
@@ -349,7 +351,7 @@ class InternodeState:
                          np.int32(-1 if sync else num_worst_tokens), np.int32(-1 if sync else num_worst_tokens))
                         + (self.nvl.ptr_table,) + self.rdma_args() + (np.int32(buf.rank),
                            np.int32(cfg.num_max_rdma_chunked_recv_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
-                           np.int32(hidden_int4), np.int32(num_topk), np.int32(S), buf._ctx))
+                           np.int32(hidden_int4), np.int32(num_topk), np.int32(S), self.rt.ctx))
             if sync:
                 num_recv = self.wait_counter()
                 num_rdma_recv = int(self.counters[1])
@@ -378,10 +380,10 @@ class InternodeState:
                      np.int32(S), np.int64(stride_t), np.int64(stride_h)) + common
                     + (np.int32(cfg.num_max_rdma_chunked_send_tokens), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
                        np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
-                       buf._ctx))
+                       self.rt.ctx))
         keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, in_rank, rdma_cpm, gbl_cpm,
                 rrps, rgps, src_meta, rrcpm, rgcpm, send_rdma_head, send_nvl_head)
-        event = buf._finish(compute, async_finish, keep, kind)
+        event = self.rt.finish(compute, async_finish, keep, kind)
 
         out_x = interop.wrap_recv_x(recv_x, recv_scales, kind, info)
         if cached:
@@ -397,7 +399,7 @@ class InternodeState:
     # ---- combine ------------------------------------------------------------------------------------
     def combine(self, x, handle, topk_weights, bias, config_getter, previous_event, async_finish,
                 allocate_on_comm_stream):
-        """See ``CudaBuffer.combine``. ``config_getter(num_channels)`` resolves the config for the handle's C."""
+        """See ``CudaBackend.combine``. ``config_getter(num_channels)`` resolves the config for the handle's C."""
         import cupy
         buf = self.buf
         R, N, G, dev = buf.num_ranks, self.num_nodes, self.gpus_per_node, buf.device_id
@@ -424,7 +426,7 @@ class InternodeState:
         raw_x = interop.unwrap(x)
         raw_w = interop.unwrap(topk_weights)
         raw_b = [interop.unwrap(b) for b in biases]
-        compute = buf._begin(kind, previous_event)
+        compute = self.rt.begin(kind, previous_event)
         with (buf.comm_stream if allocate_on_comm_stream else compute):
             out = cupy.empty((T, hidden), dtype=cupy.uint16)
             out_w = cupy.empty((T, num_topk), dtype=cupy.float32) if raw_w is not None else None
@@ -432,7 +434,7 @@ class InternodeState:
         self.launch(kernel_name("cached_notify", N, G, self.transport), 1, _NOTIFY_THREADS,
                     (np.int32(_OP_COMBINE), np.int32(C), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
                      np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4), np.int32(num_topk),
-                     np.int32(0)) + common + (buf._ctx,))
+                     np.int32(0)) + common + (self.rt.ctx,))
         self.launch(kernel_name("combine", N, G, self.transport), 2 * C, threads("combine", N, G),
                     (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], raw["recv_gbl_channel_prefix_matrix"],
                      raw["recv_gbl_rank_prefix_sum"], raw["recv_rdma_channel_prefix_matrix"],
@@ -440,8 +442,8 @@ class InternodeState:
                      np.int32(hidden_int4), np.int32(num_topk)) + common
                     + (np.int32(cfg.num_max_rdma_chunked_send_tokens), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
                        np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
-                       buf._ctx))
-        event = buf._finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, *raw.values()), kind)
+                       self.rt.ctx))
+        event = self.rt.finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, *raw.values()), kind)
         return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
 
     # ---- tests / tools ------------------------------------------------------------------------------
