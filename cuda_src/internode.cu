@@ -83,21 +83,43 @@ using namespace internode;
 // ---------------------------------------------------------------------------------------------------
 template <int kNumRdmaRanks, int kNumNvlRanks, typename Rdma>
 __global__ void __launch_bounds__(kNotifyThreads, 1)
-internode_notify_dispatch(const int* num_tokens_per_rank, const int* num_tokens_per_rdma_rank,
-                          const int* num_tokens_per_expert, int num_experts, const bool* is_token_in_rank,
-                          int num_tokens, int num_channels, int expert_alignment, int* rdma_channel_prefix_matrix,
-                          int* recv_rdma_rank_prefix_sum, int* gbl_channel_prefix_matrix,
-                          int* recv_gbl_rank_prefix_sum, int* host_counters, int max_num_recv,
-                          int max_num_rdma_recv, void** nvl_ptrs, char* rdma_base,
-                          const unsigned long long* rdma_peers, int rank, int num_rdma_slots, int num_nvl_slots,
-                          int hidden_int4, int num_topk, int num_scales, const DeviceCtx* ctx) {
-    const NotifyContext<kNumRdmaRanks, kNumNvlRanks, Rdma> c{
-        num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, num_experts, is_token_in_rank,
-        num_tokens, num_channels, expert_alignment, rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
-        gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, host_counters, max_num_recv, max_num_rdma_recv,
-        nvl_ptrs, rdma_base, rdma_peers, rank, num_rdma_slots, num_nvl_slots, hidden_int4, num_topk, num_scales, ctx};
-    if (blockIdx.x == 0) c.count_exchange();
-    else c.channel_prefix();
+    internode_notify_dispatch(const int* num_tokens_per_rank, const int* num_tokens_per_rdma_rank,
+                              const int* num_tokens_per_expert, int num_experts, const bool* is_token_in_rank,
+                              int num_tokens, int num_channels, int expert_alignment, int* rdma_channel_prefix_matrix,
+                              int* recv_rdma_rank_prefix_sum, int* gbl_channel_prefix_matrix,
+                              int* recv_gbl_rank_prefix_sum, int* host_counters, int max_num_recv,
+                              int max_num_rdma_recv, void** nvl_ptrs, char* rdma_base,
+                              const unsigned long long* rdma_peers, int rank, int num_rdma_slots, int num_nvl_slots,
+                              int hidden_int4, int num_topk, int num_scales, const DeviceCtx* ctx) {
+    const NotifyContext<kNumRdmaRanks, kNumNvlRanks, Rdma> c{num_tokens_per_rank,
+                                                             num_tokens_per_rdma_rank,
+                                                             num_tokens_per_expert,
+                                                             num_experts,
+                                                             is_token_in_rank,
+                                                             num_tokens,
+                                                             num_channels,
+                                                             expert_alignment,
+                                                             rdma_channel_prefix_matrix,
+                                                             recv_rdma_rank_prefix_sum,
+                                                             gbl_channel_prefix_matrix,
+                                                             recv_gbl_rank_prefix_sum,
+                                                             host_counters,
+                                                             max_num_recv,
+                                                             max_num_rdma_recv,
+                                                             nvl_ptrs,
+                                                             rdma_base,
+                                                             rdma_peers,
+                                                             rank,
+                                                             num_rdma_slots,
+                                                             num_nvl_slots,
+                                                             hidden_int4,
+                                                             num_topk,
+                                                             num_scales,
+                                                             ctx};
+    if (blockIdx.x == 0)
+        c.count_exchange();
+    else
+        c.channel_prefix();
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -106,17 +128,17 @@ internode_notify_dispatch(const int* num_tokens_per_rank, const int* num_tokens_
 // ---------------------------------------------------------------------------------------------------
 template <int kNumRdmaRanks, int kNumNvlRanks, typename Rdma>
 __global__ void __launch_bounds__(kNotifyThreads, 1)
-internode_cached_notify(int op, int num_channels, int num_rdma_slots, int num_nvl_slots, int hidden_int4,
-                        int num_topk, int num_scales, void** nvl_ptrs, char* rdma_base,
-                        const unsigned long long* rdma_peers, int rank, const DeviceCtx* ctx) {
+    internode_cached_notify(int op, int num_channels, int num_rdma_slots, int num_nvl_slots, int hidden_int4,
+                            int num_topk, int num_scales, void** nvl_ptrs, char* rdma_base,
+                            const unsigned long long* rdma_peers, int rank, const DeviceCtx* ctx) {
     constexpr int N = kNumRdmaRanks, G = kNumNvlRanks;
     const int node = rank / G, nvl_rank = rank % G;
     if (block_aborted(ctx)) return;
     const Rdma rdma(RdmaArgs{rdma_base, rdma_peers, node});
     const InternodeRdmaNotify rnotify(N, G);
     const InternodeNvlNotify nnotify(G);
-    const int words[kCallWords] = {op, num_channels, num_rdma_slots, num_nvl_slots, hidden_int4, num_topk,
-                                   num_scales, 0};
+    const int words[kCallWords] = {op,          num_channels, num_rdma_slots, num_nvl_slots,
+                                   hidden_int4, num_topk,     num_scales,     0};
     if (!both_barriers<N, G>(rdma, nvl_ptrs, node, nvl_rank, ctx, kKernelInternodeCachedNotify)) return;
     for (int n = 0; n < N; ++n) {
         int* vec = n == node ? rnotify.counts.recv(rdma_base, 0, node) : rnotify.counts.send(rdma_base, 0, n);
@@ -146,8 +168,8 @@ internode_cached_notify(int op, int num_channels, int num_rdma_slots, int num_nv
         ok = check_words(rnotify.counts.recv(rdma_base, 0, threadIdx.x), words, threadIdx.x * G + nvl_rank, ctx,
                          kKernelInternodeCachedNotify);
     else if (threadIdx.x >= 32 && threadIdx.x - 32 < G && threadIdx.x - 32 != nvl_rank)
-        ok = check_words(nnotify.counts.on(nvl_ptrs[nvl_rank], 0, threadIdx.x - 32), words,
-                         node * G + threadIdx.x - 32, ctx, kKernelInternodeCachedNotify);
+        ok = check_words(nnotify.counts.on(nvl_ptrs[nvl_rank], 0, threadIdx.x - 32), words, node * G + threadIdx.x - 32,
+                         ctx, kKernelInternodeCachedNotify);
     __syncthreads_and(ok);
 }
 
@@ -157,34 +179,74 @@ internode_cached_notify(int op, int num_channels, int num_rdma_slots, int num_nv
 // Launch bound 512 (blocks are at most 480 threads): caps registers at 128, as the compile test demands.
 template <int kNumRdmaRanks, int kNumNvlRanks, typename Rdma, typename IdxT>
 __global__ void __launch_bounds__(512, 1)
-internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, float* recv_topk_weights,
-                   int2* recv_src_meta, int* recv_rdma_channel_prefix_matrix, int* recv_gbl_channel_prefix_matrix,
-                   int* send_rdma_head, int* send_nvl_head, const int4* x, const float* x_scales, const IdxT* topk_idx,
-                   const float* topk_weights, const bool* is_token_in_rank, const int* rdma_channel_prefix_matrix,
-                   const int* recv_rdma_rank_prefix_sum, const int* gbl_channel_prefix_matrix,
-                   const int* recv_gbl_rank_prefix_sum, int num_tokens, int num_worst_tokens, int hidden_int4,
-                   int num_topk, int num_experts, int num_scales, long long scale_token_stride,
-                   long long scale_hidden_stride, void** nvl_ptrs, char* rdma_base,
-                   const unsigned long long* rdma_peers, int rank, int num_rdma_send, int num_rdma_slots,
-                   int num_nvl_send, int num_nvl_slots, const DeviceCtx* ctx) {
+    internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, float* recv_topk_weights,
+                       int2* recv_src_meta, int* recv_rdma_channel_prefix_matrix, int* recv_gbl_channel_prefix_matrix,
+                       int* send_rdma_head, int* send_nvl_head, const int4* x, const float* x_scales,
+                       const IdxT* topk_idx, const float* topk_weights, const bool* is_token_in_rank,
+                       const int* rdma_channel_prefix_matrix, const int* recv_rdma_rank_prefix_sum,
+                       const int* gbl_channel_prefix_matrix, const int* recv_gbl_rank_prefix_sum, int num_tokens,
+                       int num_worst_tokens, int hidden_int4, int num_topk, int num_experts, int num_scales,
+                       long long scale_token_stride, long long scale_hidden_stride, void** nvl_ptrs, char* rdma_base,
+                       const unsigned long long* rdma_peers, int rank, int num_rdma_send, int num_rdma_slots,
+                       int num_nvl_send, int num_nvl_slots, const DeviceCtx* ctx) {
     __shared__ DispatchShared sh;
-    const DispatchContext<kNumRdmaRanks, kNumNvlRanks, Rdma, IdxT> c{
-        recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_meta, recv_rdma_channel_prefix_matrix,
-        recv_gbl_channel_prefix_matrix, send_rdma_head, send_nvl_head, x, x_scales, topk_idx, topk_weights,
-        is_token_in_rank, rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, gbl_channel_prefix_matrix,
-        recv_gbl_rank_prefix_sum, num_tokens, num_worst_tokens, hidden_int4, num_topk, num_experts, num_scales,
-        scale_token_stride, scale_hidden_stride, nvl_ptrs, rdma_base, rdma_peers, rank, num_rdma_send,
-        num_rdma_slots, num_nvl_send, num_nvl_slots, ctx, sh};
+    const DispatchContext<kNumRdmaRanks, kNumNvlRanks, Rdma, IdxT> c{recv_x,
+                                                                     recv_x_scales,
+                                                                     recv_topk_idx,
+                                                                     recv_topk_weights,
+                                                                     recv_src_meta,
+                                                                     recv_rdma_channel_prefix_matrix,
+                                                                     recv_gbl_channel_prefix_matrix,
+                                                                     send_rdma_head,
+                                                                     send_nvl_head,
+                                                                     x,
+                                                                     x_scales,
+                                                                     topk_idx,
+                                                                     topk_weights,
+                                                                     is_token_in_rank,
+                                                                     rdma_channel_prefix_matrix,
+                                                                     recv_rdma_rank_prefix_sum,
+                                                                     gbl_channel_prefix_matrix,
+                                                                     recv_gbl_rank_prefix_sum,
+                                                                     num_tokens,
+                                                                     num_worst_tokens,
+                                                                     hidden_int4,
+                                                                     num_topk,
+                                                                     num_experts,
+                                                                     num_scales,
+                                                                     scale_token_stride,
+                                                                     scale_hidden_stride,
+                                                                     nvl_ptrs,
+                                                                     rdma_base,
+                                                                     rdma_peers,
+                                                                     rank,
+                                                                     num_rdma_send,
+                                                                     num_rdma_slots,
+                                                                     num_nvl_send,
+                                                                     num_nvl_slots,
+                                                                     ctx,
+                                                                     sh};
     c.prepare();
     if (block_aborted(ctx)) return;
     const RoleOf role = dispatch_role_of<kNumNvlRanks>(blockIdx.x, c.warp);
     switch (role.role) {
-        case kRDMASender: c.rdma_sender(); break;
-        case kRDMASenderCoordinator: c.rdma_sender_coordinator(); break;
-        case kNVLReceivers: c.nvl_receivers(role.target); break;
-        case kRDMAAndNVLForwarder: c.rdma_and_nvl_forwarder(role.target); break;
-        case kForwarderCoordinator: c.forwarder_coordinator(); break;
-        default: break;  // kIdle
+        case kRDMASender:
+            c.rdma_sender();
+            break;
+        case kRDMASenderCoordinator:
+            c.rdma_sender_coordinator();
+            break;
+        case kNVLReceivers:
+            c.nvl_receivers(role.target);
+            break;
+        case kRDMAAndNVLForwarder:
+            c.rdma_and_nvl_forwarder(role.target);
+            break;
+        case kForwarderCoordinator:
+            c.forwarder_coordinator();
+            break;
+        default:
+            break;  // kIdle
     }
 }
 
@@ -193,30 +255,59 @@ internode_dispatch(int4* recv_x, float* recv_x_scales, IdxT* recv_topk_idx, floa
 // ---------------------------------------------------------------------------------------------------
 template <int kNumRdmaRanks, int kNumNvlRanks, typename Rdma>
 __global__ void __launch_bounds__(512, 1)  // blocks have at most 16 warps: caps registers at 128
-internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x, const float* topk_weights,
-                  const int4* bias0, const int4* bias1, const int* recv_gbl_channel_prefix_matrix,
-                  const int* recv_gbl_rank_prefix_sum, const int* recv_rdma_channel_prefix_matrix,
-                  const int* recv_rdma_rank_prefix_sum, const int* send_rdma_head, const int* send_nvl_head,
-                  int num_tokens, int hidden_int4, int num_topk, void** nvl_ptrs, char* rdma_base,
-                  const unsigned long long* rdma_peers, int rank, int num_rdma_send, int num_rdma_slots,
-                  int num_nvl_send, int num_nvl_slots, const DeviceCtx* ctx) {
+    internode_combine(int4* combined_x, float* combined_topk_weights, const int4* x, const float* topk_weights,
+                      const int4* bias0, const int4* bias1, const int* recv_gbl_channel_prefix_matrix,
+                      const int* recv_gbl_rank_prefix_sum, const int* recv_rdma_channel_prefix_matrix,
+                      const int* recv_rdma_rank_prefix_sum, const int* send_rdma_head, const int* send_nvl_head,
+                      int num_tokens, int hidden_int4, int num_topk, void** nvl_ptrs, char* rdma_base,
+                      const unsigned long long* rdma_peers, int rank, int num_rdma_send, int num_rdma_slots,
+                      int num_nvl_send, int num_nvl_slots, const DeviceCtx* ctx) {
     __shared__ CombineShared<kNumRdmaRanks, kNumNvlRanks> sh;
-    const CombineContext<kNumRdmaRanks, kNumNvlRanks, Rdma> c{
-        combined_x, combined_topk_weights, x, topk_weights, bias0, bias1, recv_gbl_channel_prefix_matrix,
-        recv_gbl_rank_prefix_sum, recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, send_rdma_head,
-        send_nvl_head, num_tokens, hidden_int4, num_topk, nvl_ptrs, rdma_base, rdma_peers, rank, num_rdma_send,
-        num_rdma_slots, num_nvl_send, num_nvl_slots, ctx, sh};
+    const CombineContext<kNumRdmaRanks, kNumNvlRanks, Rdma> c{combined_x,
+                                                              combined_topk_weights,
+                                                              x,
+                                                              topk_weights,
+                                                              bias0,
+                                                              bias1,
+                                                              recv_gbl_channel_prefix_matrix,
+                                                              recv_gbl_rank_prefix_sum,
+                                                              recv_rdma_channel_prefix_matrix,
+                                                              recv_rdma_rank_prefix_sum,
+                                                              send_rdma_head,
+                                                              send_nvl_head,
+                                                              num_tokens,
+                                                              hidden_int4,
+                                                              num_topk,
+                                                              nvl_ptrs,
+                                                              rdma_base,
+                                                              rdma_peers,
+                                                              rank,
+                                                              num_rdma_send,
+                                                              num_rdma_slots,
+                                                              num_nvl_send,
+                                                              num_nvl_slots,
+                                                              ctx,
+                                                              sh};
     c.prepare();
     if (block_aborted(ctx)) return;
     // The targets are recomputed from the warp here: carried out of combine_role_of they cost the forwarder's
     // reduction five registers.
     const int role = combine_role_of<kNumRdmaRanks, kNumNvlRanks>(blockIdx.x, c.warp).role;
     switch (role) {
-        case kNVLSender: c.nvl_sender(c.warp); break;
-        case kRDMAReceiver: c.rdma_receiver(c.warp - kNumNvlRanks); break;
-        case kCoordinator: c.coordinator(); break;
-        case kNVLAndRDMAForwarder: c.nvl_and_rdma_forwarder(c.warp); break;
-        default: break;  // kIdle
+        case kNVLSender:
+            c.nvl_sender(c.warp);
+            break;
+        case kRDMAReceiver:
+            c.rdma_receiver(c.warp - kNumNvlRanks);
+            break;
+        case kCoordinator:
+            c.coordinator();
+            break;
+        case kNVLAndRDMAForwarder:
+            c.nvl_and_rdma_forwarder(c.warp);
+            break;
+        default:
+            break;  // kIdle
     }
 }
 
@@ -252,7 +343,8 @@ __global__ void internode_put_bandwidth(char* rdma_base, const unsigned long lon
 // start, out[4] NVLink dispatch end, out[5] NVLink combine end, out[6] dispatch token bytes, out[7] combine
 // token bytes.
 __global__ void internode_carve_probe(int num_rdma_ranks, int num_nvl_ranks, int num_channels, int num_rdma_slots,
-                                      int num_nvl_slots, int hidden_int4, int num_scales, int num_topk, long long* out) {
+                                      int num_nvl_slots, int hidden_int4, int num_scales, int num_topk,
+                                      long long* out) {
     const TokenFormat d(hidden_int4, num_scales, num_topk, true), c(hidden_int4, 0, num_topk, false);
     out[0] = InternodeRdmaNotify(num_rdma_ranks, num_nvl_ranks).end;
     out[1] = InternodeDispatchRdma(num_rdma_ranks, num_nvl_ranks, num_channels, num_rdma_slots, d.int4s).total_end;

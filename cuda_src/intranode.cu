@@ -44,27 +44,42 @@ __global__ void barrier(void** buffer_ptrs, int rank, const DeviceCtx* ctx) {
 // Block 1 + dst: channel_prefix_matrix[dst][c] = inclusive prefix over channels of my tokens to dst.
 // ---------------------------------------------------------------------------------------------------
 template <int kNumRanks>
-__global__ void notify_dispatch(const int* num_tokens_per_rank, const int* num_tokens_per_expert,
-                                int num_experts, const bool* is_token_in_rank, int num_tokens, int num_channels,
-                                int expert_alignment, int* rank_prefix_matrix, int* channel_prefix_matrix,
-                                int* host_recv_counter, int* host_expert_counters, void** buffer_ptrs,
-                                int rank, int num_slots, int hidden_int4, int num_topk, int num_scales,
-                                int direct_capacity, const DeviceCtx* ctx) {
-    const NotifyContext<kNumRanks> c{
-        num_tokens_per_rank, num_tokens_per_expert, num_experts, is_token_in_rank, num_tokens, num_channels,
-        expert_alignment, rank_prefix_matrix, channel_prefix_matrix, host_recv_counter, host_expert_counters,
-        buffer_ptrs, rank, num_slots, hidden_int4, num_topk, num_scales, direct_capacity, ctx};
-    if (blockIdx.x == 0) c.count_exchange();
-    else c.channel_prefix();
+__global__ void notify_dispatch(const int* num_tokens_per_rank, const int* num_tokens_per_expert, int num_experts,
+                                const bool* is_token_in_rank, int num_tokens, int num_channels, int expert_alignment,
+                                int* rank_prefix_matrix, int* channel_prefix_matrix, int* host_recv_counter,
+                                int* host_expert_counters, void** buffer_ptrs, int rank, int num_slots, int hidden_int4,
+                                int num_topk, int num_scales, int direct_capacity, const DeviceCtx* ctx) {
+    const NotifyContext<kNumRanks> c{num_tokens_per_rank,
+                                     num_tokens_per_expert,
+                                     num_experts,
+                                     is_token_in_rank,
+                                     num_tokens,
+                                     num_channels,
+                                     expert_alignment,
+                                     rank_prefix_matrix,
+                                     channel_prefix_matrix,
+                                     host_recv_counter,
+                                     host_expert_counters,
+                                     buffer_ptrs,
+                                     rank,
+                                     num_slots,
+                                     hidden_int4,
+                                     num_topk,
+                                     num_scales,
+                                     direct_capacity,
+                                     ctx};
+    if (blockIdx.x == 0)
+        c.count_exchange();
+    else
+        c.channel_prefix();
 }
 
 // Ring dispatches only: a zero-copy cached dispatch enters by its own handshake (open_direct_call).
 template <int kNumRanks>
-__global__ void cached_notify_dispatch(void** buffer_ptrs, int rank, int num_channels, int num_slots,
-                                       int hidden_int4, int num_topk, int num_scales, const DeviceCtx* ctx) {
+__global__ void cached_notify_dispatch(void** buffer_ptrs, int rank, int num_channels, int num_slots, int hidden_int4,
+                                       int num_topk, int num_scales, const DeviceCtx* ctx) {
     long long meta_begin, meta_end;
-    dispatch_meta_range(kNumRanks, num_channels, num_slots, hidden_int4, num_topk, num_scales, 0, meta_begin,
-                        meta_end);
+    dispatch_meta_range(kNumRanks, num_channels, num_slots, hidden_int4, num_topk, num_scales, 0, meta_begin, meta_end);
     const CallWords words = dispatch_call_words(true, num_channels, num_slots, hidden_int4, num_topk, num_scales, 0, 0);
     reset_rings<kNumRanks>(buffer_ptrs, rank, meta_begin, meta_end, words, ctx, kKernelCachedNotifyDispatch);
 }
@@ -72,8 +87,8 @@ __global__ void cached_notify_dispatch(void** buffer_ptrs, int rank, int num_cha
 // Also publishes num_tokens: a combine sender needs the token owner's count to cut its channels.
 // Ring combines only: a zero-copy combine enters by its own handshake (open_direct_call).
 template <int kNumRanks>
-__global__ void cached_notify_combine(void** buffer_ptrs, int rank, int num_channels, int num_slots,
-                                      int hidden_int4, int num_topk, int num_tokens, const DeviceCtx* ctx) {
+__global__ void cached_notify_combine(void** buffer_ptrs, int rank, int num_channels, int num_slots, int hidden_int4,
+                                      int num_topk, int num_tokens, const DeviceCtx* ctx) {
     const CombineLayout layout(num_channels, kNumRanks, num_slots, hidden_int4, num_topk);
     const CallWords words{{kOpCombine, num_channels, num_slots, hidden_int4, num_topk, 0, 0, 0}};
     reset_rings<kNumRanks>(buffer_ptrs, rank, layout.begin, layout.meta_end, words, ctx, kKernelCachedNotifyCombine,
@@ -97,22 +112,46 @@ __global__ void cached_notify_combine(void** buffer_ptrs, int rank, int num_chan
 
 template <int kNumRanks, typename IdxT>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
-dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights,
-         int* recv_channel_prefix_matrix, int* send_head,
-         const int4* x, const float* x_scales, const IdxT* topk_idx, const float* topk_weights,
-         const bool* is_token_in_rank, const int* channel_prefix_matrix, const int* rank_prefix_matrix,
-         int num_tokens, int num_worst_tokens, int hidden_int4, int num_topk, int num_experts, int num_scales,
-         long long scale_token_stride, long long scale_hidden_stride,
-         void** buffer_ptrs, int rank, int num_channels, int num_max_send_tokens, int num_slots,
-         const DeviceCtx* ctx) {
+    dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights,
+             int* recv_channel_prefix_matrix, int* send_head, const int4* x, const float* x_scales,
+             const IdxT* topk_idx, const float* topk_weights, const bool* is_token_in_rank,
+             const int* channel_prefix_matrix, const int* rank_prefix_matrix, int num_tokens, int num_worst_tokens,
+             int hidden_int4, int num_topk, int num_experts, int num_scales, long long scale_token_stride,
+             long long scale_hidden_stride, void** buffer_ptrs, int rank, int num_channels, int num_max_send_tokens,
+             int num_slots, const DeviceCtx* ctx) {
     __shared__ DispatchShared<kNumRanks> sh;
     extern __shared__ __align__(128) unsigned char s_tma_buf[];  // receivers: kTmaChunkBytes per warp
     if (block_aborted(ctx)) return;
-    const DispatchContext<kNumRanks, IdxT> c{
-        recv_x, recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights, recv_channel_prefix_matrix, send_head,
-        x, x_scales, topk_idx, topk_weights, is_token_in_rank, channel_prefix_matrix, rank_prefix_matrix, num_tokens,
-        num_worst_tokens, hidden_int4, num_topk, num_experts, num_scales, scale_token_stride, scale_hidden_stride,
-        buffer_ptrs, rank, num_channels, num_max_send_tokens, num_slots, ctx, sh, s_tma_buf};
+    const DispatchContext<kNumRanks, IdxT> c{recv_x,
+                                             recv_x_scales,
+                                             recv_src_idx,
+                                             recv_topk_idx,
+                                             recv_topk_weights,
+                                             recv_channel_prefix_matrix,
+                                             send_head,
+                                             x,
+                                             x_scales,
+                                             topk_idx,
+                                             topk_weights,
+                                             is_token_in_rank,
+                                             channel_prefix_matrix,
+                                             rank_prefix_matrix,
+                                             num_tokens,
+                                             num_worst_tokens,
+                                             hidden_int4,
+                                             num_topk,
+                                             num_experts,
+                                             num_scales,
+                                             scale_token_stride,
+                                             scale_hidden_stride,
+                                             buffer_ptrs,
+                                             rank,
+                                             num_channels,
+                                             num_max_send_tokens,
+                                             num_slots,
+                                             ctx,
+                                             sh,
+                                             s_tma_buf};
     const RoleOf role = dispatch_role_of<kNumRanks>(blockIdx.x, num_channels, rank);
     if ((int)blockIdx.x < 2 * num_channels && blockIdx.x % 2 == 0) {  // a sender block
         c.publish_own_channel_start();
@@ -121,8 +160,10 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
         // The receivers' copies are local (HBM to HBM): bulk copies keep 8 KB per warp in flight.
         TmaCopier tma;
         tma.init(s_tma_buf + warp_id() * kTmaChunkBytes, &sh.tma_bar[warp_id()]);
-        if (role.role == kOwnRows) c.own_rows(tma, role.target);
-        else if (role.role == kReceiver) c.receiver(tma, role.target);
+        if (role.role == kOwnRows)
+            c.own_rows(tma, role.target);
+        else if (role.role == kReceiver)
+            c.receiver(tma, role.target);
         if (lane_id() == 0) tma.finish();  // the outputs are written before the kernel ends
         __syncwarp();
     }
@@ -143,22 +184,45 @@ dispatch(int4* recv_x, float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_
 
 template <int kNumRanks, typename IdxT>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
-dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights,
-                int* recv_channel_prefix_matrix, int* send_head,
-                const int4* x, const float* x_scales, const IdxT* topk_idx, const float* topk_weights,
-                const bool* is_token_in_rank, const int* channel_prefix_matrix, const int* rank_prefix_matrix,
-                int num_tokens, int num_out_rows, int hidden_int4, int num_topk, int num_experts, int num_scales,
-                long long scale_token_stride, long long scale_hidden_stride,
-                void** buffer_ptrs, int rank, int num_channels, int capacity, int num_local_blocks, int enter,
-                const DeviceCtx* ctx) {
+    dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, float* recv_topk_weights,
+                    int* recv_channel_prefix_matrix, int* send_head, const int4* x, const float* x_scales,
+                    const IdxT* topk_idx, const float* topk_weights, const bool* is_token_in_rank,
+                    const int* channel_prefix_matrix, const int* rank_prefix_matrix, int num_tokens, int num_out_rows,
+                    int hidden_int4, int num_topk, int num_experts, int num_scales, long long scale_token_stride,
+                    long long scale_hidden_stride, void** buffer_ptrs, int rank, int num_channels, int capacity,
+                    int num_local_blocks, int enter, const DeviceCtx* ctx) {
     __shared__ DirectDispatchShared<kNumRanks> sh;
     extern __shared__ __align__(128) unsigned char s_tma_buf[];  // kTmaChunkBytes per warp: the own rows' bulk copies
     if (block_aborted(ctx)) return;
-    DirectDispatchContext<kNumRanks, IdxT> c{
-        recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights, recv_channel_prefix_matrix, send_head, x,
-        x_scales, topk_idx, topk_weights, is_token_in_rank, channel_prefix_matrix, rank_prefix_matrix, num_tokens,
-        num_out_rows, hidden_int4, num_topk, num_experts, num_scales, scale_token_stride, scale_hidden_stride,
-        buffer_ptrs, rank, num_channels, capacity, num_local_blocks, enter, ctx, sh};
+    DirectDispatchContext<kNumRanks, IdxT> c{recv_x_scales,
+                                             recv_src_idx,
+                                             recv_topk_idx,
+                                             recv_topk_weights,
+                                             recv_channel_prefix_matrix,
+                                             send_head,
+                                             x,
+                                             x_scales,
+                                             topk_idx,
+                                             topk_weights,
+                                             is_token_in_rank,
+                                             channel_prefix_matrix,
+                                             rank_prefix_matrix,
+                                             num_tokens,
+                                             num_out_rows,
+                                             hidden_int4,
+                                             num_topk,
+                                             num_experts,
+                                             num_scales,
+                                             scale_token_stride,
+                                             scale_hidden_stride,
+                                             buffer_ptrs,
+                                             rank,
+                                             num_channels,
+                                             capacity,
+                                             num_local_blocks,
+                                             enter,
+                                             ctx,
+                                             sh};
     if (!c.fits()) return;
     // enter: a cached call opens by the entry handshake (no notify kernel before it); its wait comes after the
     // set-up below, which reads only this rank's inputs. Otherwise notify_dispatch met the ranks and zeroed the meta.
@@ -196,22 +260,38 @@ dispatch_direct(float* recv_x_scales, int* recv_src_idx, IdxT* recv_topk_idx, fl
 
 template <int kNumRanks>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
-combine(int4* combined_x, float* combined_topk_weights, const int4* x, const float* topk_weights,
-        const int4* bias0, const int4* bias1, const int* rank_prefix_matrix,
-        const int* recv_src_idx, const int* send_head, int num_tokens, int hidden_int4,
-        int num_topk, void** buffer_ptrs, int rank, int num_max_send_tokens, int num_slots,
-        const DeviceCtx* ctx) {
+    combine(int4* combined_x, float* combined_topk_weights, const int4* x, const float* topk_weights, const int4* bias0,
+            const int4* bias1, const int* rank_prefix_matrix, const int* recv_src_idx, const int* send_head,
+            int num_tokens, int hidden_int4, int num_topk, void** buffer_ptrs, int rank, int num_max_send_tokens,
+            int num_slots, const DeviceCtx* ctx) {
     __shared__ CombineShared<kNumRanks> sh;
     extern __shared__ __align__(128) unsigned char s_tma_buf[];  // receiver: kTmaChunkBytes per warp
     if (block_aborted(ctx)) return;
-    const CombineContext<kNumRanks> c{
-        combined_x, combined_topk_weights, x, topk_weights, bias0, bias1, rank_prefix_matrix, recv_src_idx,
-        send_head, num_tokens, hidden_int4, num_topk, buffer_ptrs, rank, num_max_send_tokens, num_slots, ctx, sh,
-        s_tma_buf};
+    const CombineContext<kNumRanks> c{combined_x,
+                                      combined_topk_weights,
+                                      x,
+                                      topk_weights,
+                                      bias0,
+                                      bias1,
+                                      rank_prefix_matrix,
+                                      recv_src_idx,
+                                      send_head,
+                                      num_tokens,
+                                      hidden_int4,
+                                      num_topk,
+                                      buffer_ptrs,
+                                      rank,
+                                      num_max_send_tokens,
+                                      num_slots,
+                                      ctx,
+                                      sh,
+                                      s_tma_buf};
     const RoleOf role = combine_role_of<kNumRanks>(blockIdx.x, rank);
     // (a kIdle warp just returns: no block-wide barrier follows on a sender block)
-    if (role.role == kSender) c.sender(role.target);
-    else if (role.role == kReceiver) c.receiver();
+    if (role.role == kSender)
+        c.sender(role.target);
+    else if (role.role == kReceiver)
+        c.receiver();
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -228,16 +308,32 @@ combine(int4* combined_x, float* combined_topk_weights, const int4* x, const flo
 // ---------------------------------------------------------------------------------------------------
 template <int kNumRanks>
 __global__ void __launch_bounds__(Groups<kNumRanks>::kThreads, 1)
-combine_direct(int4* combined_x, float* combined_topk_weights, const int4* x, const float* topk_weights,
-               const int4* bias0, const int4* bias1, const int* rank_prefix_matrix, const int* send_head,
-               int num_tokens, int hidden_int4, int num_topk, void** buffer_ptrs, int rank, int capacity,
-               int rows_per_flag, int num_sender_blocks, const DeviceCtx* ctx) {
+    combine_direct(int4* combined_x, float* combined_topk_weights, const int4* x, const float* topk_weights,
+                   const int4* bias0, const int4* bias1, const int* rank_prefix_matrix, const int* send_head,
+                   int num_tokens, int hidden_int4, int num_topk, void** buffer_ptrs, int rank, int capacity,
+                   int rows_per_flag, int num_sender_blocks, const DeviceCtx* ctx) {
     __shared__ DirectCombineShared<kNumRanks> sh;
     extern __shared__ __align__(128) unsigned char s_tma_buf[];  // reducers: kTmaChunkBytes per warp
     if (block_aborted(ctx)) return;
-    const DirectCombineContext<kNumRanks> c{
-        combined_x, combined_topk_weights, x, topk_weights, bias0, bias1, rank_prefix_matrix, send_head, num_tokens,
-        hidden_int4, num_topk, buffer_ptrs, rank, capacity, rows_per_flag, num_sender_blocks, ctx, sh, s_tma_buf};
+    const DirectCombineContext<kNumRanks> c{combined_x,
+                                            combined_topk_weights,
+                                            x,
+                                            topk_weights,
+                                            bias0,
+                                            bias1,
+                                            rank_prefix_matrix,
+                                            send_head,
+                                            num_tokens,
+                                            hidden_int4,
+                                            num_topk,
+                                            buffer_ptrs,
+                                            rank,
+                                            capacity,
+                                            rows_per_flag,
+                                            num_sender_blocks,
+                                            ctx,
+                                            sh,
+                                            s_tma_buf};
     if (!c.fits()) return;
     // The entry handshake (no notify kernel before it): block 0 zeroes the flags that rows sent to this rank can
     // use (each rank sends at most num_tokens rows back to it, one flag per rows_per_flag).
@@ -246,8 +342,10 @@ combine_direct(int4* combined_x, float* combined_topk_weights, const int4* x, co
     const int epoch = open_direct_call<kNumRanks>(buffer_ptrs, rank, words, c.layout.begin, flags_end);
     if (!wait_direct_call<kNumRanks>(buffer_ptrs, rank, words, epoch, ctx, kKernelCombineDirect)) return;
 
-    if ((int)blockIdx.x < num_sender_blocks) c.sender();
-    else c.reducer();
+    if ((int)blockIdx.x < num_sender_blocks)
+        c.sender();
+    else
+        c.reducer();
 }
 
 // Layout sums for the size test: out[0] = dispatch carve bytes, out[1] = combine carve bytes,

@@ -14,10 +14,10 @@ namespace ep {
 
 // workspace: [0] ticket, then the accumulator [num_columns] at +32 ints; both 0 between calls.
 template <typename IdxT>
-__global__ void __launch_bounds__(kLayoutThreads) get_dispatch_layout(
-    const IdxT* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int ranks_per_node,
-    int* num_tokens_per_rank, int* num_tokens_per_rdma_rank, int* num_tokens_per_expert,
-    bool* is_token_in_rank, int* workspace) {
+__global__ void __launch_bounds__(kLayoutThreads)
+    get_dispatch_layout(const IdxT* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                        int ranks_per_node, int* num_tokens_per_rank, int* num_tokens_per_rdma_rank,
+                        int* num_tokens_per_expert, bool* is_token_in_rank, int* workspace) {
     extern __shared__ int s_hist[];  // [num_experts | num_ranks | num_nodes]
     const int num_nodes = num_tokens_per_rdma_rank != nullptr ? num_ranks / ranks_per_node : 0;
     const int num_columns = num_experts + num_ranks + num_nodes;
@@ -73,9 +73,12 @@ __global__ void __launch_bounds__(kLayoutThreads) get_dispatch_layout(
     for (int i = threadIdx.x; i < num_columns; i += blockDim.x) {
         const int sum = __ldcg(&accumulator[i]);  // L2, where the atomics were performed
         accumulator[i] = 0;                       // ready for the next call (stream order)
-        if (i < num_experts) num_tokens_per_expert[i] = sum;
-        else if (i < num_experts + num_ranks) num_tokens_per_rank[i - num_experts] = sum;
-        else num_tokens_per_rdma_rank[i - num_experts - num_ranks] = sum;
+        if (i < num_experts)
+            num_tokens_per_expert[i] = sum;
+        else if (i < num_experts + num_ranks)
+            num_tokens_per_rank[i - num_experts] = sum;
+        else
+            num_tokens_per_rdma_rank[i - num_experts - num_ranks] = sum;
     }
     if (threadIdx.x == 0) workspace[0] = 0;
 }

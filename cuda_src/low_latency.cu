@@ -96,12 +96,12 @@ using namespace low_latency;
 // off that path. shrink_mask: ctx's, likewise (null without shrink mode).
 template <bool kUseFP8, typename TopkT, int kMaxTopk = kLLDefaultTopkBound>
 __global__ void __launch_bounds__(kLLThreads, 1)
-dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, int* packed_recv_src_info,
-         long long* packed_recv_layout_range, int* cumulative_stats, long long* wait_stats, const int4* x,
-         const TopkT* topk_idx, int* topk_slots, int num_tokens, int num_topk, int round_scale, int use_ue8m0,
-         void* base, const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden, int num_experts,
-         int rank, int num_ranks, int* workspace, const int* shrink_mask, int phases, long long* stamps,
-         const DeviceCtx* ctx) {
+    dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, int* packed_recv_src_info,
+             long long* packed_recv_layout_range, int* cumulative_stats, long long* wait_stats, const int4* x,
+             const TopkT* topk_idx, int* topk_slots, int num_tokens, int num_topk, int round_scale, int use_ue8m0,
+             void* base, const unsigned long long* peer_bases, int buffer_idx, int max_tokens, int hidden,
+             int num_experts, int rank, int num_ranks, int* workspace, const int* shrink_mask, int phases,
+             long long* stamps, const DeviceCtx* ctx) {
     __shared__ int hists[2 * kLLMaxExperts];  // send: the two histograms; receive: the counts' prefix
     __shared__ alignas(16) unsigned char topk_stage[kTopkStageBytes];  // send: topk_idx (stage_topk)
     __shared__ DispatchShared<kMaxTopk> sh;
@@ -112,13 +112,13 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
     if (!(phases & kPhaseSend)) stage_masked(shrink_mask, num_ranks, sh.masked);  // (else stage_send_shared)
     __syncthreads();
     if (phases & kPhaseSend)
-        dispatch_send<kUseFP8>(x, topk_idx, topk_slots, num_tokens, num_topk, round_scale != 0, b, peer_bases, L,
-                               rank, buffer_idx, workspace, shrink_mask, ctx, hists, hists + kLLMaxExperts,
+        dispatch_send<kUseFP8>(x, topk_idx, topk_slots, num_tokens, num_topk, round_scale != 0, b, peer_bases, L, rank,
+                               buffer_idx, workspace, shrink_mask, ctx, hists, hists + kLLMaxExperts,
                                reinterpret_cast<TopkT*>(topk_stage), sh, stamps);
     if (phases & kPhaseRecv)
         dispatch_recv<kUseFP8>(packed_recv_x, packed_recv_scales, packed_recv_count, packed_recv_src_info,
-                               packed_recv_layout_range, cumulative_stats, wait_stats, use_ue8m0 != 0, b, L,
-                               buffer_idx, workspace, sh.masked, shrink_mask, ctx, hists, rs, stamps);
+                               packed_recv_layout_range, cumulative_stats, wait_stats, use_ue8m0 != 0, b, L, buffer_idx,
+                               workspace, sh.masked, shrink_mask, ctx, hists, rs, stamps);
 }
 
 // combined_x [T][H] bf16; x [L][R*M][H] bf16 (unused with zero_copy: the rows are in the send buffer);
@@ -127,12 +127,12 @@ dispatch(void* packed_recv_x, void* packed_recv_scales, int* packed_recv_count, 
 // partials (bf16_partials / use_logfmt; the peers learn it from the meta flag).
 template <typename TopkT, int kMaxTopk = kLLDefaultTopkBound>
 __global__ void __launch_bounds__(kLLCombineThreads, 1)
-combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx, const int* topk_slots,
-        const float* topk_weights, long long* wait_stats, int num_tokens, int num_topk, int zero_copy,
-        int wire, void* base, const unsigned long long* peer_bases, int buffer_idx, int max_tokens,
-        int hidden, int num_experts, int rank, int num_ranks, int* workspace, const int* shrink_mask, int phases,
-        long long* stamps, const DeviceCtx* ctx) {
-    __shared__ int begin[kLLMaxExperts];  // stage_range_begins: the rows of one owner in each local expert
+    combine(int4* combined_x, const int4* x, const long long* layout_range, const TopkT* topk_idx,
+            const int* topk_slots, const float* topk_weights, long long* wait_stats, int num_tokens, int num_topk,
+            int zero_copy, int wire, void* base, const unsigned long long* peer_bases, int buffer_idx, int max_tokens,
+            int hidden, int num_experts, int rank, int num_ranks, int* workspace, const int* shrink_mask, int phases,
+            long long* stamps, const DeviceCtx* ctx) {
+    __shared__ int begin[kLLMaxExperts];              // stage_range_begins: the rows of one owner in each local expert
     extern __shared__ __align__(16) int4 ll_stage[];  // partial_sums' slots (combine_stage_bytes)
     __shared__ CombineShared<kMaxTopk> sh;
     const LowLatencyLayout L(max_tokens, hidden, num_ranks, num_experts);
@@ -152,8 +152,8 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
         // of the blocks (its own partials are 1/R of all partials); it only waits once its own work is done.
         const int owner_blocks = max(1, (int)gridDim.x / num_ranks), expert_blocks = gridDim.x - owner_blocks;
         if ((int)blockIdx.x < expert_blocks) {
-            combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, wire, b,
-                         peer_bases, L, rank, buffer_idx, workspace, shrink_mask, ctx, begin, ll_stage, sh, true,
+            combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, wire, b, peer_bases,
+                         L, rank, buffer_idx, workspace, shrink_mask, ctx, begin, ll_stage, sh, true,
                          Blocks{(int)blockIdx.x, expert_blocks}, stamps);
         } else {
             stamp(stamps, kStampSendStart);  // (the block's start: phase_breakdown's origin is the earliest)
@@ -165,14 +165,13 @@ combine(int4* combined_x, const int4* x, const long long* layout_range, const To
     }
     const Blocks all{(int)blockIdx.x, (int)gridDim.x};
     if (phases & kPhaseSend)
-        combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, wire, b,
-                     peer_bases, L, rank, buffer_idx, workspace, shrink_mask, ctx, begin, ll_stage, sh, own_in_recv,
-                     all, stamps);
+        combine_send(x, zero_copy != 0, layout_range, own, topk_weights, num_tokens, num_topk, wire, b, peer_bases, L,
+                     rank, buffer_idx, workspace, shrink_mask, ctx, begin, ll_stage, sh, own_in_recv, all, stamps);
     __syncthreads();
     if ((phases & kPhaseRecv) && !sh.failed)  // uniform; a send phase that timed out stops here
-        combine_recv_as(wire == kWireLogFmt, combined_x, x, zero_copy != 0, layout_range, own, topk_weights,
-                        num_tokens, num_topk, wire, b, L, rank, buffer_idx, shrink_mask, ctx, begin, ll_stage, sh,
-                        own_in_recv, all, wait_stats, stamps);
+        combine_recv_as(wire == kWireLogFmt, combined_x, x, zero_copy != 0, layout_range, own, topk_weights, num_tokens,
+                        num_topk, wire, b, L, rank, buffer_idx, shrink_mask, ctx, begin, ll_stage, sh, own_in_recv, all,
+                        wait_stats, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------------

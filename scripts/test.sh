@@ -45,6 +45,16 @@ moe_step() {
 
 common=(-q -p no:cacheprovider --timeout=600 --timeout-method=thread)
 
+# Lint: ruff (its configuration in pyproject.toml) and clang-format for cuda_src/ (.clang-format), from the test
+# extra; with CUPY_EP_SKIP_INSTALL=1 on an interpreter without them the step says so and counts as failed.
+lint() {
+    "$EP_PYTHON" -m ruff check --no-cache . || return 1
+    local fmt
+    fmt="$(dirname "$EP_PYTHON")/clang-format"
+    [[ -x "$fmt" ]] || fmt="$(command -v clang-format)" || { echo "clang-format is not installed"; return 1; }
+    find cuda_src -name '*.cu' -o -name '*.cuh' | sort | xargs "$fmt" --style=file --dry-run -Werror
+}
+ep_plain_step lint lint
 ep_pytest_step unit 0 "${common[@]}" tests --ignore=tests/gpu
 for n in 2 4; do
     ep_pytest_step "mpi$n" "$n" --only-mpi "${common[@]}" --color=no tests --ignore=tests/gpu

@@ -661,7 +661,8 @@ def test_git_commit_flags_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    run = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True)
+    def run(*a):
+        return subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True)
     run("init", "-q")
     (tmp_path / "f.txt").write_text("one\n")
     run("add", "f.txt")

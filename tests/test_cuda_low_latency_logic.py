@@ -6,8 +6,6 @@ epoch, the receive's even split of all rows over the blocks) on the layout's byt
 older epochs, checked against the reference.
 The model is written from the kernel's description, not run from it: it checks the scheme, not the CUDA code."""
 import os
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -127,7 +127,7 @@ def test_mask_methods_of_a_destroyed_buffer_refuse():
 
 
 @pytest.mark.parametrize("shrink", [False, True], ids=["off", "on"])
-def test_every_launch_gets_the_mask(ll, shrink):
+def test_every_launch_gets_the_mask(ll, shrink):  # noqa: F811  (ll: the imported fixture)
     """The mask (None without shrink mode) is the last of the common arguments of both kernels, in one launch and in
     a hook's two (dispatch: argument 23, combine: 20; test_cuda_low_latency_calls pins the others)."""
     state, launches, _, _ = ll

@@ -20,7 +20,9 @@
 
 namespace ep {
 
-__host__ __device__ __forceinline__ constexpr long long align_up(long long v, long long a) { return (v + a - 1) / a * a; }
+__host__ __device__ __forceinline__ constexpr long long align_up(long long v, long long a) {
+    return (v + a - 1) / a * a;
+}
 
 // Walks an allocation front to back, handing out aligned arrays (as offsets from a base).
 struct Carver {
@@ -47,7 +49,8 @@ template <typename T>
 struct Buffer {
     long long offset = 0;
     __host__ __device__ constexpr Buffer() {}
-    __host__ __device__ constexpr Buffer(Carver& c, long long num_elems) : offset(c.take(num_elems * (long long)sizeof(T))) {}
+    __host__ __device__ constexpr Buffer(Carver& c, long long num_elems)
+        : offset(c.take(num_elems * (long long)sizeof(T))) {}
     __device__ T* on(void* base) const { return at_offset<T>(base, offset); }
 };
 
@@ -59,7 +62,8 @@ struct AsymBuffer {
     __host__ __device__ constexpr AsymBuffer() {}
     __host__ __device__ constexpr AsymBuffer(Carver& c, int num_channels, int ranks, long long elems)
         : offset(c.take((long long)num_channels * ranks * elems * (long long)sizeof(T))),
-          elems_per_rank(elems), num_ranks(ranks) {}
+          elems_per_rank(elems),
+          num_ranks(ranks) {}
     // The (channel, rank) slice inside the buffer whose base pointer is `base`.
     __device__ T* on(void* base, int channel, int rank) const {
         return at_offset<T>(base, offset) + ((long long)channel * num_ranks + rank) * elems_per_rank;
@@ -75,13 +79,13 @@ struct SymBuffer {
     __host__ __device__ constexpr SymBuffer() {}
     __host__ __device__ constexpr SymBuffer(Carver& c, int num_channels, int ranks, long long elems)
         : offset(c.take(2LL * num_channels * ranks * elems * (long long)sizeof(T))),
-          elems_per_rank(elems), half_elems((long long)num_channels * ranks * elems), num_ranks(ranks) {}
+          elems_per_rank(elems),
+          half_elems((long long)num_channels * ranks * elems),
+          num_ranks(ranks) {}
     __device__ T* send(void* base, int channel, int rank) const {
         return at_offset<T>(base, offset) + ((long long)channel * num_ranks + rank) * elems_per_rank;
     }
-    __device__ T* recv(void* base, int channel, int rank) const {
-        return send(base, channel, rank) + half_elems;
-    }
+    __device__ T* recv(void* base, int channel, int rank) const { return send(base, channel, rank) + half_elems; }
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -127,15 +131,15 @@ __device__ __forceinline__ int* barrier_signals(void* base) { return static_cast
 
 // Dispatch rings, in the *receiver's* buffer, indexed [channel][source rank].
 struct DispatchLayout {
-    AsymBuffer<int> start, end, head, tail;   // -v-1 encoded token offsets; ring counters
-    AsymBuffer<int4> x;                       // [slots][hidden_int4]
-    AsymBuffer<int> src_idx;                  // [slots]
-    AsymBuffer<int> topk_idx;                 // [slots][topk]  local expert id or -1 (int32 on the wire)
-    AsymBuffer<float> topk_weights;           // [slots][topk]
-    AsymBuffer<float> scales;                 // [slots][num_scales]
+    AsymBuffer<int> start, end, head, tail;            // -v-1 encoded token offsets; ring counters
+    AsymBuffer<int4> x;                                // [slots][hidden_int4]
+    AsymBuffer<int> src_idx;                           // [slots]
+    AsymBuffer<int> topk_idx;                          // [slots][topk]  local expert id or -1 (int32 on the wire)
+    AsymBuffer<float> topk_weights;                    // [slots][topk]
+    AsymBuffer<float> scales;                          // [slots][num_scales]
     long long begin = 0, meta_end = 0, total_end = 0;  // meta = start/end/head/tail (zeroed by notify)
-    __host__ __device__ constexpr DispatchLayout(int num_channels, int num_ranks, int num_slots, int hidden_int4, int num_topk,
-                              int num_scales) {
+    __host__ __device__ constexpr DispatchLayout(int num_channels, int num_ranks, int num_slots, int hidden_int4,
+                                                 int num_topk, int num_scales) {
         Carver c(NotifyArea().end);
         begin = c.offset;
         start = AsymBuffer<int>(c, num_channels, num_ranks, 1);
@@ -155,10 +159,11 @@ struct DispatchLayout {
 // Combine rings, in the *token owner's* buffer, indexed [channel][expert rank].
 struct CombineLayout {
     AsymBuffer<int> head, tail;
-    AsymBuffer<int4> x;               // [slots][hidden_int4] bf16
-    AsymBuffer<float> topk_weights;   // [slots][topk]
+    AsymBuffer<int4> x;              // [slots][hidden_int4] bf16
+    AsymBuffer<float> topk_weights;  // [slots][topk]
     long long begin = 0, meta_end = 0, total_end = 0;
-    __host__ __device__ constexpr CombineLayout(int num_channels, int num_ranks, int num_slots, int hidden_int4, int num_topk) {
+    __host__ __device__ constexpr CombineLayout(int num_channels, int num_ranks, int num_slots, int hidden_int4,
+                                                int num_topk) {
         Carver c(NotifyArea().end);
         begin = c.offset;
         head = AsymBuffer<int>(c, num_channels, num_ranks, 1);
@@ -169,7 +174,6 @@ struct CombineLayout {
         total_end = c.offset;
     }
 };
-
 
 // Zero-copy dispatch (dispatch(..., zero_copy=True)), in the *receiver's* buffer: the senders store every row
 // straight into its final row here, so there is no ring and no receiver copy; the caller gets `x` as recv_x
@@ -190,8 +194,8 @@ struct DirectDispatchLayout {
     Buffer<float> topk_weights;  // [capacity][topk]
     Buffer<float> scales;        // [capacity][num_scales]
     long long begin = 0, meta_end = 0, total_end = 0;
-    __host__ __device__ constexpr DirectDispatchLayout(int num_channels, long long capacity, int hidden_int4, int num_topk,
-                                    int num_scales) {
+    __host__ __device__ constexpr DirectDispatchLayout(int num_channels, long long capacity, int hidden_int4,
+                                                       int num_topk, int num_scales) {
         Carver c(NotifyArea().end);
         begin = c.offset;
         done = Buffer<int>(c, 1);
@@ -215,9 +219,9 @@ struct DirectDispatchLayout {
 //          before it lets the ranks in (open_direct_call)
 // capacity: rows per source rank (config.direct_combine_capacity); the ranks agree on it in the entry handshake.
 struct DirectCombineLayout {
-    Buffer<int> flags;          // [capacity][num_ranks] (room for one flag per row)
-    Buffer<int4> x;             // [num_ranks][capacity][hidden_int4]
-    Buffer<float> topk_weights; // [num_ranks][capacity][topk]
+    Buffer<int> flags;           // [capacity][num_ranks] (room for one flag per row)
+    Buffer<int4> x;              // [num_ranks][capacity][hidden_int4]
+    Buffer<float> topk_weights;  // [num_ranks][capacity][topk]
     long long begin = 0, meta_end = 0, total_end = 0, capacity = 0;
     __host__ __device__ constexpr DirectCombineLayout(int num_ranks, long long capacity_, int hidden_int4, int num_topk)
         : capacity(capacity_) {
@@ -261,10 +265,13 @@ constexpr int kLLMaxTopk = 32;  // = reference.LOW_LATENCY_MAX_TOPK (tests/test_
 
 struct LowLatencyLayout {
     long long msg_bytes = 0, row_bytes = 0, part_bytes = 0, meta_bytes = 0, signal_ints = 0, signal_bytes = 0,
-        send_bytes = 0, recv_bytes = 0, total_bytes = 0, index_offset = 0, combine_offset = 0, meta_offset = 0;
+              send_bytes = 0, recv_bytes = 0, total_bytes = 0, index_offset = 0, combine_offset = 0, meta_offset = 0;
     int num_max_tokens, hidden, num_ranks, num_experts, num_local;
     __host__ __device__ constexpr LowLatencyLayout(int max_tokens, int hidden_, int ranks, int experts)
-        : num_max_tokens(max_tokens), hidden(hidden_), num_ranks(ranks), num_experts(experts),
+        : num_max_tokens(max_tokens),
+          hidden(hidden_),
+          num_ranks(ranks),
+          num_experts(experts),
           num_local(experts / ranks) {
         msg_bytes = 16 + 2LL * hidden;
         row_bytes = 2LL * hidden;
@@ -285,7 +292,9 @@ struct LowLatencyLayout {
     // Region offsets from the symmetric base (the same on every PE, so they address peers too).
     __host__ __device__ constexpr long long signal_offset(int i) const { return i * signal_bytes; }
     __host__ __device__ constexpr long long send_offset(int i) const { return 2 * signal_bytes + i * send_bytes; }
-    __host__ __device__ constexpr long long recv_offset(int i) const { return 2 * (signal_bytes + send_bytes) + i * recv_bytes; }
+    __host__ __device__ constexpr long long recv_offset(int i) const {
+        return 2 * (signal_bytes + send_bytes) + i * recv_bytes;
+    }
     // Offsets inside a region (bytes)
     __device__ long long dispatch_recv_msg(int src_rank, int token) const {
         return ((long long)src_rank * num_max_tokens + token) * msg_bytes;
@@ -391,10 +400,10 @@ __host__ __device__ __forceinline__ constexpr int rdma_meta_ints(int num_nvl_ran
 struct InternodeDispatchRdma {
     SymBuffer<int> meta;
     AsymBuffer<int> head, tail;
-    SymBuffer<int4> data;       // [slots][token int4s]
+    SymBuffer<int4> data;  // [slots][token int4s]
     long long begin = 0, meta_end = 0, total_end = 0;
-    __host__ __device__ constexpr InternodeDispatchRdma(int num_rdma_ranks, int num_nvl_ranks, int num_channels, int num_slots,
-                                     int token_int4s) {
+    __host__ __device__ constexpr InternodeDispatchRdma(int num_rdma_ranks, int num_nvl_ranks, int num_channels,
+                                                        int num_slots, int token_int4s) {
         Carver c(InternodeRdmaNotify(num_rdma_ranks, num_nvl_ranks).end);
         begin = c.offset;
         meta = SymBuffer<int>(c, num_channels, num_rdma_ranks, rdma_meta_ints(num_nvl_ranks));
@@ -410,12 +419,12 @@ struct InternodeDispatchRdma {
 // [channel][other GPU]. prefix_start/prefix_end (-v-1 encoded, per source node), tail and x live in the
 // receiver's buffer; head lives in the forwarder's buffer (each side polls its own memory).
 struct InternodeDispatchNvl {
-    AsymBuffer<int> prefix_start, prefix_end;   // [N] per (channel, forwarder)
+    AsymBuffer<int> prefix_start, prefix_end;  // [N] per (channel, forwarder)
     AsymBuffer<int> head, tail;
-    AsymBuffer<int4> x;                         // [slots][token int4s]
+    AsymBuffer<int4> x;  // [slots][token int4s]
     long long begin = 0, meta_end = 0, total_end = 0;
-    __host__ __device__ constexpr InternodeDispatchNvl(int num_rdma_ranks, int num_nvl_ranks, int num_channels, int num_slots,
-                                    int token_int4s) {
+    __host__ __device__ constexpr InternodeDispatchNvl(int num_rdma_ranks, int num_nvl_ranks, int num_channels,
+                                                       int num_slots, int token_int4s) {
         Carver c(InternodeNvlNotify(num_nvl_ranks).end);
         begin = c.offset;
         prefix_start = AsymBuffer<int>(c, num_channels, num_nvl_ranks, num_rdma_ranks);
@@ -434,8 +443,8 @@ struct InternodeCombineRdma {
     AsymBuffer<int> head, tail;
     SymBuffer<int4> data;
     long long begin = 0, meta_end = 0, total_end = 0;
-    __host__ __device__ constexpr InternodeCombineRdma(int num_rdma_ranks, int num_nvl_ranks, int num_channels, int num_slots,
-                                    int token_int4s) {
+    __host__ __device__ constexpr InternodeCombineRdma(int num_rdma_ranks, int num_nvl_ranks, int num_channels,
+                                                       int num_slots, int token_int4s) {
         Carver c(InternodeRdmaNotify(num_rdma_ranks, num_nvl_ranks).end);
         begin = c.offset;
         head = AsymBuffer<int>(c, num_channels, num_rdma_ranks, 1);
@@ -450,11 +459,11 @@ struct InternodeCombineRdma {
 // ring is split into N sub-rings of slots / N, one per origin node (a slow origin node cannot block the
 // others). x and tail [N] live in the forwarder's buffer; head [N] in the sending GPU's buffer.
 struct InternodeCombineNvl {
-    AsymBuffer<int> head, tail;   // [N] per (channel, other GPU)
+    AsymBuffer<int> head, tail;  // [N] per (channel, other GPU)
     AsymBuffer<int4> x;
     long long begin = 0, meta_end = 0, total_end = 0;
-    __host__ __device__ constexpr InternodeCombineNvl(int num_rdma_ranks, int num_nvl_ranks, int num_channels, int num_slots,
-                                   int token_int4s) {
+    __host__ __device__ constexpr InternodeCombineNvl(int num_rdma_ranks, int num_nvl_ranks, int num_channels,
+                                                      int num_slots, int token_int4s) {
         Carver c(InternodeNvlNotify(num_nvl_ranks).end);
         begin = c.offset;
         head = AsymBuffer<int>(c, num_channels, num_nvl_ranks, num_rdma_ranks);

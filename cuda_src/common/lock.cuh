@@ -13,8 +13,9 @@ struct SharedLock {
     int* word;
 
     __device__ __forceinline__ bool acquire(const DeviceCtx* ctx, WaitSite site) const {
-        if (!wait_until(ctx, site, [&] { return atomicCAS_block(word, 0, 1) == 0; },
-                        [&](long long&, long long&, long long& expected) { expected = -2; }))
+        if (!wait_until(
+                ctx, site, [&] { return atomicCAS_block(word, 0, 1) == 0; },
+                [&](long long&, long long&, long long& expected) { expected = -2; }))
             return false;
         __threadfence_block();
         return true;

@@ -45,7 +45,9 @@ __device__ __forceinline__ float ld_volatile(const float* p) {
 __device__ __forceinline__ int4 ld_volatile_v4(const int4* p) {
     int4 v;
     asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
     return v;
 }
 // This rank's own read-only inputs: non-coherent path, no L1 allocation, 256-byte L2 prefetch (rows are
@@ -53,7 +55,8 @@ __device__ __forceinline__ int4 ld_volatile_v4(const int4* p) {
 __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
     int4 v;
     asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
     return v;
 }
 // Ring payload written by a peer, read after the tail was acquired (and a barrier): a relaxed gpu-scope
@@ -61,12 +64,17 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
 __device__ __forceinline__ int4 ld_ring_v4(const int4* p) {
     int4 v;
     asm volatile("ld.relaxed.gpu.global.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
     return v;
 }
 __device__ __forceinline__ uint2 ld_ring_v2(const uint2* p) {
     uint2 v;
-    asm volatile("ld.relaxed.gpu.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+    asm volatile("ld.relaxed.gpu.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(v.x), "=r"(v.y)
+                 : "l"(p)
+                 : "memory");
     return v;
 }
 __device__ __forceinline__ void st_release_sys(int* p, int v) {
@@ -132,7 +140,9 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, int phase
         "WAIT_%=:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra WAIT_%=;\n"
-        "}\n" ::"r"(smem_addr(bar)), "r"(phase) : "memory");
+        "}\n" ::"r"(smem_addr(bar)),
+        "r"(phase)
+        : "memory");
 }
 // A barrier of the threads that share `bar` (mbarrier_init with their count; `phase` counts the
 // completed phases, alike on every thread that uses it): arrive (release), then wait for
@@ -144,12 +154,15 @@ __device__ __forceinline__ void group_mbarrier_sync(unsigned long long* bar, int
 }
 
 __device__ __forceinline__ void tma_load(void* smem, const void* gmem, int bytes, unsigned long long* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(smem)), "l"(gmem), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(smem)),
+                 "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
 }
 __device__ __forceinline__ void tma_store(void* gmem, const void* smem, int bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                 ::"l"(gmem), "r"(smem_addr(smem)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem), "r"(smem_addr(smem)),
+                 "r"(bytes)
+                 : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 // The shared source of every committed store has been read (the buffer may be refilled).

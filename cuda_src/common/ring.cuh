@@ -22,8 +22,8 @@ __device__ __forceinline__ void ring_release(int* counter, int value) { st_relea
 // nothing returned yet).
 template <bool kHeadFloor = false>
 struct RingProducer {
-    int* tail;          // the consumer's tail word (NVLink rings: released here)
-    const int* head;    // the head word the consumer returns
+    int* tail;        // the consumer's tail word (NVLink rings: released here)
+    const int* head;  // the head word the consumer returns
     int num_slots;
     int head_floor = 0;
 
@@ -39,30 +39,36 @@ struct RingProducer {
     template <int kBy = kByThread, bool kSeenFirst = true, typename Observe>
     __device__ __forceinline__ bool wait_for_space(const DeviceCtx* ctx, WaitSite site, int tail_now, int& head_seen,
                                                    int n, Observe observe, bool active = true) const {
-        return wait_by<kBy>(ctx, site, [&] {
-            if (!active) return idle_lane_vote<kBy>();
-            if (kSeenFirst && has_space(tail_now, head_seen, n)) return true;
-            head_seen = load_head();
-            return has_space(tail_now, head_seen, n);
-        }, observe);
+        return wait_by<kBy>(
+            ctx, site,
+            [&] {
+                if (!active) return idle_lane_vote<kBy>();
+                if (kSeenFirst && has_space(tail_now, head_seen, n)) return true;
+                head_seen = load_head();
+                return has_space(tail_now, head_seen, n);
+            },
+            observe);
     }
     __device__ __forceinline__ void release(int tail_now) const { ring_release(tail, tail_now); }
 };
 
 // The consumer's view of one ring.
 struct RingConsumer {
-    const int* tail;    // the tail word the producer releases
-    int* head;          // the producer's head word (NVLink rings: returned here)
+    const int* tail;  // the tail word the producer releases
+    int* head;        // the producer's head word (NVLink rings: returned here)
 
     __device__ __forceinline__ int acquire_tail() const { return ld_acquire_sys(tail); }
     // Until the tail reaches `need` (acquire: the slots below it are visible). tail_seen: the tail as last loaded.
     template <int kBy = kByThread, typename Observe>
     __device__ __forceinline__ bool wait_for_data(const DeviceCtx* ctx, WaitSite site, int need, int& tail_seen,
                                                   Observe observe, bool active = true) const {
-        return wait_by<kBy>(ctx, site, [&] {
-            if (!active) return idle_lane_vote<kBy>();
-            return (tail_seen = acquire_tail()) >= need;
-        }, observe);
+        return wait_by<kBy>(
+            ctx, site,
+            [&] {
+                if (!active) return idle_lane_vote<kBy>();
+                return (tail_seen = acquire_tail()) >= need;
+            },
+            observe);
     }
     __device__ __forceinline__ void release(int head_now) const { ring_release(head, head_now); }
 };

@@ -35,7 +35,7 @@ struct DeviceCtx {
     int* abort_flag;        // device memory: set by the first timeout; every later wait gives up at once
     int rank;
     int num_ranks;
-    int* shrink_mask;       // [shrink] device memory, [num_ranks] int32, 1 = masked; null unless shrink mode
+    int* shrink_mask;  // [shrink] device memory, [num_ranks] int32, 1 = masked; null unless shrink mode
 };
 
 struct WaitSite {
@@ -48,9 +48,14 @@ __device__ __forceinline__ void report_failure(const DeviceCtx* ctx, WaitSite si
                                                long long expected, long long elapsed_ns) {
     if (atomicCAS(ctx->abort_flag, 0, 1) != 0) return;
     TimeoutRecord* r = ctx->record;
-    r->rank = ctx->rank; r->kernel = site.kernel; r->role = site.role;
-    r->channel = site.channel; r->peer = site.peer;
-    r->head = head; r->tail = tail; r->expected = expected;
+    r->rank = ctx->rank;
+    r->kernel = site.kernel;
+    r->role = site.role;
+    r->channel = site.channel;
+    r->peer = site.peer;
+    r->head = head;
+    r->tail = tail;
+    r->expected = expected;
     r->elapsed_ns = elapsed_ns;
     __threadfence_system();
     st_volatile(&r->flag, 1);
@@ -124,11 +129,16 @@ __device__ __forceinline__ bool warp_wait_any(const DeviceCtx* ctx, WaitSite sit
 enum WaitBy : int { kByThread = 0, kByWarpAll = 1, kByWarpAny = 2 };
 template <int kBy, typename Cond, typename Observe>
 __device__ __forceinline__ bool wait_by(const DeviceCtx* ctx, WaitSite site, Cond cond, Observe observe) {
-    if constexpr (kBy == kByWarpAll) return warp_wait_all(ctx, site, cond, observe);
-    else if constexpr (kBy == kByWarpAny) return warp_wait_any(ctx, site, cond, observe);
-    else return wait_until(ctx, site, cond, observe);
+    if constexpr (kBy == kByWarpAll)
+        return warp_wait_all(ctx, site, cond, observe);
+    else if constexpr (kBy == kByWarpAny)
+        return warp_wait_any(ctx, site, cond, observe);
+    else
+        return wait_until(ctx, site, cond, observe);
 }
 template <int kBy>
-__device__ __forceinline__ constexpr bool idle_lane_vote() { return kBy == kByWarpAll; }
+__device__ __forceinline__ constexpr bool idle_lane_vote() {
+    return kBy == kByWarpAll;
+}
 
 }  // namespace ep

@@ -33,7 +33,8 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, N n) {
     for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
         int4 v[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = kPeerSource ? ld_ring_v4(src + i + u * kWarpSize) : ld_nc_v4(src + i + u * kWarpSize);
+        for (int u = 0; u < kUnroll; ++u)
+            v[u] = kPeerSource ? ld_ring_v4(src + i + u * kWarpSize) : ld_nc_v4(src + i + u * kWarpSize);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) dst[i + u * kWarpSize] = v[u];
     }
@@ -54,8 +55,8 @@ __device__ __forceinline__ int next_set_bit(unsigned mask, int from) {
 
 // One warp's bulk copier: lane 0 drives it, the other lanes are free for the row's small fields.
 struct TmaCopier {
-    void* buf;                  // kTmaChunkBytes of shared memory, this warp's own
-    unsigned long long* bar;    // this warp's mbarrier
+    void* buf;                // kTmaChunkBytes of shared memory, this warp's own
+    unsigned long long* bar;  // this warp's mbarrier
     int phase;
 
     // Call with the whole warp once, before the first copy.

@@ -74,7 +74,7 @@ struct CombineContext {
     InternodeCombineRdma rl = InternodeCombineRdma(N, G, num_channels, num_rdma_slots, fmt.int4s);
     InternodeCombineNvl nl = InternodeCombineNvl(N, G, num_channels, num_nvl_slots, fmt.int4s);
     void* my_nvl = nvl_ptrs[nvl_rank];
-    int sub_slots = num_nvl_slots / N;  // NVLink sub-ring per origin node
+    int sub_slots = num_nvl_slots / N;                                // NVLink sub-ring per origin node
     int2 tokens = channel_bounds(num_tokens, num_channels, channel);  // my tokens [begin, end) of this channel
     int begin = tokens.x, end = tokens.y;
 
@@ -103,7 +103,11 @@ struct CombineContext {
             ok = sub.wait_for_space<kByWarpAny, false>(
                 ctx, WaitSite{kKernelInternodeCombine, kNVLSender, channel, lane}, sent, head,
                 min(num_nvl_send, row_end - row),
-                [&](long long& h, long long& tl, long long& e) { h = head; tl = sent; e = sub_slots; },
+                [&](long long& h, long long& tl, long long& e) {
+                    h = head;
+                    tl = sent;
+                    e = sub_slots;
+                },
                 lane < N && row < row_end);
             if (!ok) break;
             const bool ready = lane < N && row < row_end && sub.has_space(sent, head, min(num_nvl_send, row_end - row));
@@ -131,25 +135,29 @@ struct CombineContext {
     // the nodes that hold a partial sum of them.
     __device__ __forceinline__ void rdma_receiver(int w) const {
         long long* slot = sh.slot[warp];
-        const int4* ring0 = rl.data.recv(rdma_base, channel, 0);   // source n's ring: + n * elems_per_rank
+        const int4* ring0 = rl.data.recv(rdma_base, channel, 0);  // source n's ring: + n * elems_per_rank
         for (int t = begin + w; t < end; t += W) {
             const int h = lane < N ? send_rdma_head[(long long)t * N + lane] : -1;
             int seen = 0;
             const bool ok = RingConsumer{rl.tail.on(rdma_base, channel, lane), nullptr}.wait_for_data<kByWarpAll>(
                 ctx, WaitSite{kKernelInternodeCombine, kRDMAReceiver, channel, lane}, h + 1, seen,
                 [&](long long& hh, long long& tl, long long& e) {
-                    hh = h; tl = ld_volatile(rl.tail.on(rdma_base, channel, lane)); e = h + 1;
+                    hh = h;
+                    tl = ld_volatile(rl.tail.on(rdma_base, channel, lane));
+                    e = h + 1;
                 },
                 h >= 0);
             if (!ok) break;
-            if (lane < N) slot[lane] = h >= 0 ? lane * rl.data.elems_per_rank + (long long)(h % num_rdma_slots) * fmt.int4s : -1;
+            if (lane < N)
+                slot[lane] = h >= 0 ? lane * rl.data.elems_per_rank + (long long)(h % num_rdma_slots) * fmt.int4s : -1;
             __syncwarp();
             const long long row = (long long)t * hidden_int4;
             reduce_rows<N>(combined_x + row, ring0, slot, bias0 != nullptr ? bias0 + row : nullptr,
                            bias1 != nullptr ? bias1 + row : nullptr, hidden_int4);
             if (combined_topk_weights != nullptr) {
                 for (int kk = lane; kk < num_topk; kk += kWarpSize)
-                    combined_topk_weights[(long long)t * num_topk + kk] = sum_token_weight<N>(ring0, slot, fmt.weights_off, kk);
+                    combined_topk_weights[(long long)t * num_topk + kk] =
+                        sum_token_weight<N>(ring0, slot, fmt.weights_off, kk);
             }
             __syncwarp();
             if (lane == 0) {
@@ -166,13 +174,18 @@ struct CombineContext {
     __device__ __forceinline__ void coordinator() const {
         int cursor = begin, released = 0, returned = 0, tmin = begin;
         while (true) {
-            const bool ok = warp_wait_any(ctx, WaitSite{kKernelInternodeCombine, kCoordinator, channel, lane},
-                                          [&] {
-                                              tmin = 0x7fffffff;
-                                              for (int w = 0; w < W; ++w) tmin = min(tmin, ld_shared_volatile(&sh.next[w]));
-                                              return tmin > cursor || tmin >= end;
-                                          },
-                                          [&](long long& h, long long& tl, long long& e) { h = cursor; tl = tmin; e = end; });
+            const bool ok = warp_wait_any(
+                ctx, WaitSite{kKernelInternodeCombine, kCoordinator, channel, lane},
+                [&] {
+                    tmin = 0x7fffffff;
+                    for (int w = 0; w < W; ++w) tmin = min(tmin, ld_shared_volatile(&sh.next[w]));
+                    return tmin > cursor || tmin >= end;
+                },
+                [&](long long& h, long long& tl, long long& e) {
+                    h = cursor;
+                    tl = tmin;
+                    e = end;
+                });
             if (!ok) break;
             tmin = min(__shfl_sync(kFullMask, tmin, 0), end);
             if (lane < N) {
@@ -196,54 +209,62 @@ struct CombineContext {
     __device__ __forceinline__ void nvl_and_rdma_forwarder(int first_node) const {
         // (nodes w, w + 16, ... one after the other: every node's warp w takes them in the same order, so the
         // lower node never waits for a higher one and the chain cannot close into a cycle)
-      bool ok = true;
-      for (int n = first_node; ok && n < N; n += CombineShape<N, G>::kOddWarps) {
-        const int* row = recv_rdma_channel_prefix_matrix + n * num_channels;
-        const int total = row[channel] - (channel > 0 ? row[channel - 1] : 0);
-        const int row_base = (n > 0 ? recv_rdma_rank_prefix_sum[n - 1] : 0) + (channel > 0 ? row[channel - 1] : 0);
-        int4* ring = rdma_ring_for(rdma, rl.data, channel, node, n);
-        // producer of node n's RDMA ring (its tail is published by rdma_publish_slots)
-        const RingProducer<> out{nullptr, rl.head.on(rdma_base, channel, n), num_rdma_slots};
-        long long* slot = sh.slot[warp];
-        const int4* nvl0 = nl.x.on(my_nvl, channel, 0);   // GPU j's ring: + j * elems_per_rank
-        int issued = 0, head = 0;
-        while (ok && issued < total) {
-            const int chunk = min(min(num_rdma_send, total - issued), num_rdma_slots - issued % num_rdma_slots);
-            ok = out.wait_for_space<kByWarpAll, false>(
-                ctx, WaitSite{kKernelInternodeCombine, kNVLAndRDMAForwarder, channel, n}, issued, head, chunk,
-                [&](long long& h, long long& tl, long long& e) { h = head; tl = issued; e = chunk; });
-            for (int i = issued; ok && i < issued + chunk; ++i) {
-                const int h = lane < G ? send_nvl_head[(long long)(row_base + i) * G + lane] : -1;
-                int seen = 0;  // lane j: consumer of sub-ring n of GPU j's ring
-                ok = RingConsumer{nl.tail.on(my_nvl, channel, lane) + n, nullptr}.wait_for_data<kByWarpAll>(
-                    ctx, WaitSite{kKernelInternodeCombine, kNVLAndRDMAForwarder, channel, N + lane}, h + 1, seen,
-                    [&](long long& hh, long long& tl, long long& e) {
-                        hh = h; tl = ld_volatile(nl.tail.on(my_nvl, channel, lane) + n); e = h + 1;
-                    },
-                    h >= 0);
+        bool ok = true;
+        for (int n = first_node; ok && n < N; n += CombineShape<N, G>::kOddWarps) {
+            const int* row = recv_rdma_channel_prefix_matrix + n * num_channels;
+            const int total = row[channel] - (channel > 0 ? row[channel - 1] : 0);
+            const int row_base = (n > 0 ? recv_rdma_rank_prefix_sum[n - 1] : 0) + (channel > 0 ? row[channel - 1] : 0);
+            int4* ring = rdma_ring_for(rdma, rl.data, channel, node, n);
+            // producer of node n's RDMA ring (its tail is published by rdma_publish_slots)
+            const RingProducer<> out{nullptr, rl.head.on(rdma_base, channel, n), num_rdma_slots};
+            long long* slot = sh.slot[warp];
+            const int4* nvl0 = nl.x.on(my_nvl, channel, 0);  // GPU j's ring: + j * elems_per_rank
+            int issued = 0, head = 0;
+            while (ok && issued < total) {
+                const int chunk = min(min(num_rdma_send, total - issued), num_rdma_slots - issued % num_rdma_slots);
+                ok = out.wait_for_space<kByWarpAll, false>(
+                    ctx, WaitSite{kKernelInternodeCombine, kNVLAndRDMAForwarder, channel, n}, issued, head, chunk,
+                    [&](long long& h, long long& tl, long long& e) {
+                        h = head;
+                        tl = issued;
+                        e = chunk;
+                    });
+                for (int i = issued; ok && i < issued + chunk; ++i) {
+                    const int h = lane < G ? send_nvl_head[(long long)(row_base + i) * G + lane] : -1;
+                    int seen = 0;  // lane j: consumer of sub-ring n of GPU j's ring
+                    ok = RingConsumer{nl.tail.on(my_nvl, channel, lane) + n, nullptr}.wait_for_data<kByWarpAll>(
+                        ctx, WaitSite{kKernelInternodeCombine, kNVLAndRDMAForwarder, channel, N + lane}, h + 1, seen,
+                        [&](long long& hh, long long& tl, long long& e) {
+                            hh = h;
+                            tl = ld_volatile(nl.tail.on(my_nvl, channel, lane) + n);
+                            e = h + 1;
+                        },
+                        h >= 0);
+                    if (!ok) break;
+                    if (lane < G)
+                        slot[lane] =
+                            h >= 0 ? lane * nl.x.elems_per_rank + (long long)(n * sub_slots + h % sub_slots) * fmt.int4s
+                                   : -1;
+                    __syncwarp();
+                    int4* dst = ring + (long long)(i % num_rdma_slots) * fmt.int4s;
+                    reduce_rows<G>(dst, nvl0, slot, nullptr, nullptr, hidden_int4);
+                    for (int kk = lane; kk < num_topk; kk += kWarpSize)
+                        reinterpret_cast<float*>(reinterpret_cast<char*>(dst) + fmt.weights_off)[kk] =
+                            sum_token_weight<G>(nvl0, slot, fmt.weights_off, kk);
+                    __syncwarp();
+                    // One consumer per sub-ring, in order: the slot is free again.
+                    if (lane < G && h >= 0) ring_release(nl.head.on(nvl_ptrs[lane], channel, nvl_rank) + n, h + 1);
+                }
                 if (!ok) break;
-                if (lane < G)
-                    slot[lane] = h >= 0 ? lane * nl.x.elems_per_rank + (long long)(n * sub_slots + h % sub_slots) * fmt.int4s : -1;
+                // Every lane's slot stores (into node n's receive half on the direct path, my send half for a put)
+                // -> its fence.acq_rel.sys -> __syncwarp -> lane 0's rdma.fence() (system scope) -> the tail add.
                 __syncwarp();
-                int4* dst = ring + (long long)(i % num_rdma_slots) * fmt.int4s;
-                reduce_rows<G>(dst, nvl0, slot, nullptr, nullptr, hidden_int4);
-                for (int kk = lane; kk < num_topk; kk += kWarpSize)
-                    reinterpret_cast<float*>(reinterpret_cast<char*>(dst) + fmt.weights_off)[kk] =
-                        sum_token_weight<G>(nvl0, slot, fmt.weights_off, kk);
-                __syncwarp();
-                // One consumer per sub-ring, in order: the slot is free again.
-                if (lane < G && h >= 0) ring_release(nl.head.on(nvl_ptrs[lane], channel, nvl_rank) + n, h + 1);
+                fence_acq_rel_sys();
+                rdma_publish_slots(rdma, rl.data, rl.tail, channel, node, n, issued % num_rdma_slots, chunk, fmt.int4s,
+                                   fmt.bytes);
+                issued += chunk;
             }
-            if (!ok) break;
-            // Every lane's slot stores (into node n's receive half on the direct path, my send half for a put)
-            // -> its fence.acq_rel.sys -> __syncwarp -> lane 0's rdma.fence() (system scope) -> the tail add.
-            __syncwarp();
-            fence_acq_rel_sys();
-            rdma_publish_slots(rdma, rl.data, rl.tail, channel, node, n, issued % num_rdma_slots, chunk, fmt.int4s,
-                               fmt.bytes);
-            issued += chunk;
         }
-      }
         __syncwarp();
         if (lane == 0) rdma.quiet();
     }

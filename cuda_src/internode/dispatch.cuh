@@ -92,7 +92,8 @@ struct DispatchContext {
     // (num_worst_tokens; nobody else writes them).
     __device__ __forceinline__ void prepare() const {
         for (int i = threadIdx.x; i < kMaxRdmaRanks; i += blockDim.x) sh.lock[i] = sh.released[i] = sh.window[i] = 0;
-        for (int i = threadIdx.x; i < kMaxNvlRanks * kMaxRdmaRanks; i += blockDim.x) sh.fwd_head[i / kMaxRdmaRanks][i % kMaxRdmaRanks] = 0;
+        for (int i = threadIdx.x; i < kMaxNvlRanks * kMaxRdmaRanks; i += blockDim.x)
+            sh.fwd_head[i / kMaxRdmaRanks][i % kMaxRdmaRanks] = 0;
         for (int i = threadIdx.x; i < kMaxNvlRanks; i += blockDim.x) sh.retired[i] = 0;
         // num_worst_tokens: rows past the real count carry recv_topk_idx = -1 (nobody else writes them).
         if (num_worst_tokens > 0 && recv_topk_idx != nullptr) {
@@ -147,10 +148,15 @@ struct DispatchContext {
             const bool in_node = bits != 0;
             const unsigned node_mask = __ballot_sync(kFullMask, in_node);
             if ((t - begin) % S == warp) {
-                if (lane < N && send_rdma_head != nullptr) send_rdma_head[(long long)t * N + lane] = in_node ? tail : -1;
+                if (lane < N && send_rdma_head != nullptr)
+                    send_rdma_head[(long long)t * N + lane] = in_node ? tail : -1;
                 ok = ring.wait_for_space<kByWarpAll>(
                     ctx, WaitSite{kKernelInternodeDispatch, kRDMASender, channel, lane}, tail, cached_head, 1,
-                    [&](long long& h, long long& tl, long long& e) { h = cached_head; tl = tail; e = num_rdma_slots; },
+                    [&](long long& h, long long& tl, long long& e) {
+                        h = cached_head;
+                        tl = tail;
+                        e = num_rdma_slots;
+                    },
                     in_node);
                 if (!ok) break;
                 for (unsigned m = node_mask; m != 0; m &= m - 1) {
@@ -177,11 +183,14 @@ struct DispatchContext {
                 bool released = true;
                 if (in_node) {
                     __threadfence_block();
-                    released = wait_until(ctx, WaitSite{kKernelInternodeDispatch, kRDMASender, channel, lane},
-                                          [&] { return tail - ld_shared_volatile(&sh.released[lane]) < kSendWindow; },
-                                          [&](long long& h, long long& tl, long long& e) {
-                                              h = ld_shared_volatile(&sh.released[lane]); tl = tail; e = kSendWindow;
-                                          });
+                    released = wait_until(
+                        ctx, WaitSite{kKernelInternodeDispatch, kRDMASender, channel, lane},
+                        [&] { return tail - ld_shared_volatile(&sh.released[lane]) < kSendWindow; },
+                        [&](long long& h, long long& tl, long long& e) {
+                            h = ld_shared_volatile(&sh.released[lane]);
+                            tl = tail;
+                            e = kSendWindow;
+                        });
                     released = released &&
                                window_lock.acquire(ctx, WaitSite{kKernelInternodeDispatch, kRDMASender, channel, lane});
                     if (released) {
@@ -218,7 +227,11 @@ struct DispatchContext {
                     ready = issued < total ? ld_shared_volatile(&sh.released[lane < N ? lane : 0]) - issued : 0;
                     return ready >= num_rdma_send || (ready > 0 && issued + ready == total);
                 },
-                [&](long long& h, long long& tl, long long& e) { h = issued; tl = issued + ready; e = total; });
+                [&](long long& h, long long& tl, long long& e) {
+                    h = issued;
+                    tl = issued + ready;
+                    e = total;
+                });
             if (!ok) break;
             int count = 0;
             if (ready >= num_rdma_send || (ready > 0 && issued + ready == total))
@@ -247,14 +260,19 @@ struct DispatchContext {
         int start = 0, stop = 0;
         const int* start_ptr = nl.prefix_start.on(my_nvl, channel, j);
         const int* end_ptr = nl.prefix_end.on(my_nvl, channel, j);
-        bool ok = warp_wait_all(ctx, WaitSite{kKernelInternodeDispatch, kNVLReceivers, channel, j},
-                                [&] {
-                                    if (lane >= N) return true;
-                                    start = ld_volatile(start_ptr + lane);
-                                    stop = ld_volatile(end_ptr + lane);
-                                    return start != 0 && stop != 0;
-                                },
-                                [&](long long& h, long long& tl, long long& e) { h = start; tl = stop; e = -1; });
+        bool ok = warp_wait_all(
+            ctx, WaitSite{kKernelInternodeDispatch, kNVLReceivers, channel, j},
+            [&] {
+                if (lane >= N) return true;
+                start = ld_volatile(start_ptr + lane);
+                stop = ld_volatile(end_ptr + lane);
+                return start != 0 && stop != 0;
+            },
+            [&](long long& h, long long& tl, long long& e) {
+                h = start;
+                tl = stop;
+                e = -1;
+            });
         int next_row = 0, count = 0;  // lane n: next output row of source rank (n, j)
         if (ok && lane < N) {
             start = -start - 1;
@@ -262,7 +280,8 @@ struct DispatchContext {
             const int src = lane * G + j;
             next_row = (src > 0 ? recv_gbl_rank_prefix_sum[src - 1] : 0) + start;
             count = stop - start;
-            if (recv_gbl_channel_prefix_matrix != nullptr) recv_gbl_channel_prefix_matrix[src * num_channels + channel] = next_row;
+            if (recv_gbl_channel_prefix_matrix != nullptr)
+                recv_gbl_channel_prefix_matrix[src * num_channels + channel] = next_row;
         }
         const int num_to_recv = warp_reduce_sum(count);
         const int experts_per_rank = num_experts / R;
@@ -271,9 +290,12 @@ struct DispatchContext {
         int head = 0;
         while (ok && head < num_to_recv) {
             int tl = head;
-            ok = counters.wait_for_data<kByWarpAll>(
-                ctx, WaitSite{kKernelInternodeDispatch, kNVLReceivers, channel, j}, head + 1, tl,
-                [&](long long& h, long long& t2, long long& e) { h = head; t2 = tl; e = num_to_recv; });
+            ok = counters.wait_for_data<kByWarpAll>(ctx, WaitSite{kKernelInternodeDispatch, kNVLReceivers, channel, j},
+                                                    head + 1, tl, [&](long long& h, long long& t2, long long& e) {
+                                                        h = head;
+                                                        t2 = tl;
+                                                        e = num_to_recv;
+                                                    });
             if (!ok) break;
             // Every lane loaded the tail itself; take lane 0's value so that the token loop below
             // (full-mask __shfl_sync inside) has one trip count for the whole warp even if the loads differed;
@@ -286,9 +308,11 @@ struct DispatchContext {
                 const int src_bits = ld_volatile(reinterpret_cast<const int*>(tb + fmt.meta_off) + 1);
                 const long long row = __shfl_sync(kFullMask, next_row, src_node);
                 if (lane == src_node) ++next_row;
-                warp_copy<true, kCopyUnroll>(recv_x + row * hidden_int4, reinterpret_cast<const int4*>(tb), hidden_int4);
+                warp_copy<true, kCopyUnroll>(recv_x + row * hidden_int4, reinterpret_cast<const int4*>(tb),
+                                             hidden_int4);
                 for (int s = lane; s < num_scales; s += kWarpSize)
-                    recv_x_scales[row * num_scales + s] = ld_volatile(reinterpret_cast<const float*>(tb + fmt.scales_off) + s);
+                    recv_x_scales[row * num_scales + s] =
+                        ld_volatile(reinterpret_cast<const float*>(tb + fmt.scales_off) + s);
                 if (lane == 0 && recv_src_meta != nullptr) recv_src_meta[row] = make_int2(src_node, src_bits);
                 if (recv_topk_idx != nullptr) {
                     for (int k = lane; k < num_topk; k += kWarpSize) {
@@ -311,12 +335,16 @@ struct DispatchContext {
     // of my node into GPU j's NVLink ring.
     __device__ __forceinline__ void rdma_and_nvl_forwarder(int j) const {
         const int* meta = rl.meta.recv(rdma_base, channel, lane < N ? lane : 0);
-        bool ok = warp_wait_all(ctx, WaitSite{kKernelInternodeDispatch, kRDMAAndNVLForwarder, channel, lane},
-                                [&] {
-                                    return lane >= N || (ld_volatile(meta + j) < 0 && ld_volatile(meta + G + j) < 0 &&
-                                                         ld_volatile(meta + 2 * G) < 0 && ld_volatile(meta + 2 * G + 1) < 0);
-                                },
-                                [&](long long& h, long long& tl, long long& e) { h = ld_volatile(meta + j); e = -1; });
+        bool ok = warp_wait_all(
+            ctx, WaitSite{kKernelInternodeDispatch, kRDMAAndNVLForwarder, channel, lane},
+            [&] {
+                return lane >= N || (ld_volatile(meta + j) < 0 && ld_volatile(meta + G + j) < 0 &&
+                                     ld_volatile(meta + 2 * G) < 0 && ld_volatile(meta + 2 * G + 1) < 0);
+            },
+            [&](long long& h, long long& tl, long long& e) {
+                h = ld_volatile(meta + j);
+                e = -1;
+            });
         int consumed = 0, num_rdma = 0, forwarded = 0, row_base = 0;  // lane n: source node n
         if (ok && lane < N) {
             st_relaxed_sys(nl.prefix_start.on(nvl_ptrs[j], channel, nvl_rank) + lane, ld_volatile(meta + j));
@@ -330,18 +358,28 @@ struct DispatchContext {
         // consumer of node n's RDMA ring (lane n; its head goes back through the coordinator), producer of GPU j's
         // NVLink ring (the whole warp)
         const RingConsumer rdma_ring{rl.tail.on(rdma_base, channel, lane < N ? lane : 0), nullptr};
-        const RingProducer<> nvl{nl.tail.on(nvl_ptrs[j], channel, nvl_rank), nl.head.on(my_nvl, channel, j), num_nvl_slots};
+        const RingProducer<> nvl{nl.tail.on(nvl_ptrs[j], channel, nvl_rank), nl.head.on(my_nvl, channel, j),
+                                 num_nvl_slots};
         int4* nvl_ring = nl.x.on(nvl_ptrs[j], channel, nvl_rank);
         int nvl_tail = 0, nvl_head = 0, rr = 0, avail = 0;
         while (ok && __any_sync(kFullMask, consumed < num_rdma)) {
             ok = nvl.wait_for_space<kByWarpAll>(
                 ctx, WaitSite{kKernelInternodeDispatch, kRDMAAndNVLForwarder, channel, N + j}, nvl_tail, nvl_head,
-                num_nvl_send, [&](long long& h, long long& tl, long long& e) { h = nvl_head; tl = nvl_tail; e = num_nvl_send; });
+                num_nvl_send, [&](long long& h, long long& tl, long long& e) {
+                    h = nvl_head;
+                    tl = nvl_tail;
+                    e = num_nvl_send;
+                });
             int rdma_tail = consumed;
             ok = ok && rdma_ring.wait_for_data<kByWarpAny>(
-                ctx, WaitSite{kKernelInternodeDispatch, kRDMAAndNVLForwarder, channel, lane}, consumed + 1, rdma_tail,
-                [&](long long& h, long long& tl, long long& e) { h = consumed; tl = rdma_tail; e = num_rdma; },
-                lane < N && consumed < num_rdma);
+                           ctx, WaitSite{kKernelInternodeDispatch, kRDMAAndNVLForwarder, channel, lane}, consumed + 1,
+                           rdma_tail,
+                           [&](long long& h, long long& tl, long long& e) {
+                               h = consumed;
+                               tl = rdma_tail;
+                               e = num_rdma;
+                           },
+                           lane < N && consumed < num_rdma);
             avail = min(rdma_tail, num_rdma) - consumed;
             if (!ok) break;
             // Only lane n acquired node n's tail; ballot/shfl are not memory-ordering operations, so
@@ -357,12 +395,14 @@ struct DispatchContext {
             int used = 0, sent = 0;
             for (; used < cnt && sent < num_nvl_send; ++used) {
                 const int4* token = src_ring + (long long)((first + used) % num_rdma_slots) * fmt.int4s;
-                const int bits = ld_volatile(reinterpret_cast<const int*>(reinterpret_cast<const char*>(token) + fmt.meta_off) + 1);
+                const int bits =
+                    ld_volatile(reinterpret_cast<const int*>(reinterpret_cast<const char*>(token) + fmt.meta_off) + 1);
                 const bool to_j = (bits >> j) & 1;
                 if (lane == 0 && send_nvl_head != nullptr)
                     send_nvl_head[(long long)(base_row + first + used) * G + j] = to_j ? fwd : -1;
                 if (to_j) {
-                    warp_copy<true, kCopyUnroll>(nvl_ring + (long long)(nvl_tail % num_nvl_slots) * fmt.int4s, token, fmt.int4s);
+                    warp_copy<true, kCopyUnroll>(nvl_ring + (long long)(nvl_tail % num_nvl_slots) * fmt.int4s, token,
+                                                 fmt.int4s);
                     ++nvl_tail;
                     ++fwd;
                     ++sent;
@@ -396,10 +436,15 @@ struct DispatchContext {
                     for (int w = 0; w < G; ++w) all_retired &= ld_shared_volatile(&sh.retired[w]) != 0;
                     __threadfence_block();
                     min_head = 0x7fffffff;
-                    for (int w = 0; w < G; ++w) min_head = min(min_head, ld_shared_volatile(&sh.fwd_head[w][lane < N ? lane : 0]));
+                    for (int w = 0; w < G; ++w)
+                        min_head = min(min_head, ld_shared_volatile(&sh.fwd_head[w][lane < N ? lane : 0]));
                     return all_retired || (lane < N && min_head - returned >= num_rdma_send);
                 },
-                [&](long long& h, long long& tl, long long& e) { h = returned; tl = min_head; e = num_rdma_send; });
+                [&](long long& h, long long& tl, long long& e) {
+                    h = returned;
+                    tl = min_head;
+                    e = num_rdma_send;
+                });
             if (!ok) break;
             all_retired = __all_sync(kFullMask, all_retired) != 0;
             if (lane < N && min_head > returned && (all_retired || min_head - returned >= num_rdma_send)) {

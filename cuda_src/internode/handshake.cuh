@@ -23,8 +23,12 @@ __device__ bool nvl_barrier(void** nvl_ptrs, int nvl_rank, const DeviceCtx* ctx,
         int* mine = barrier_signals(nvl_ptrs[nvl_rank]) + i;
         atomicAdd_system(mine, 1);
         atomicSub_system(barrier_signals(nvl_ptrs[i]) + nvl_rank, 1);
-        ok = wait_until(ctx, WaitSite{kernel, kRoleNvlBarrier, -1, i}, [&] { return ld_volatile(mine) <= 0; },
-                        [&](long long& h, long long& t, long long& e) { h = ld_volatile(mine); e = 0; });
+        ok = wait_until(
+            ctx, WaitSite{kernel, kRoleNvlBarrier, -1, i}, [&] { return ld_volatile(mine) <= 0; },
+            [&](long long& h, long long& t, long long& e) {
+                h = ld_volatile(mine);
+                e = 0;
+            });
         fence_acq_rel_sys();
     }
     return __syncthreads_and(ok) != 0;
@@ -47,9 +51,12 @@ __device__ bool rdma_barrier(const Rdma& rdma, int node, const DeviceCtx* ctx, i
         fence_acq_rel_sys();
         rdma.add(4LL * node, 1, i);
         const int epoch = s_epoch;
-        ok = wait_until(ctx, WaitSite{kernel, kRoleRdmaBarrier, -1, i},
-                        [&] { return ld_volatile(arrivals + i) >= epoch; },
-                        [&](long long& h, long long& t, long long& e) { h = ld_volatile(arrivals + i); e = epoch; });
+        ok = wait_until(
+            ctx, WaitSite{kernel, kRoleRdmaBarrier, -1, i}, [&] { return ld_volatile(arrivals + i) >= epoch; },
+            [&](long long& h, long long& t, long long& e) {
+                h = ld_volatile(arrivals + i);
+                e = epoch;
+            });
         fence_acq_rel_sys();
     }
     return __syncthreads_and(ok) != 0;
@@ -93,8 +100,8 @@ __device__ void put_notify_vectors(const Rdma& rdma, const SymBuffer<int>& count
     bool put = false;
     for (int n = warp_id(); n < kNumRdmaRanks; n += num_warps) {
         if (n == node) continue;
-        rdma.put_warp(offset_in(rdma.a.base, counts.recv(rdma.a.base, 0, node)), counts.send(rdma.a.base, 0, n),
-                      bytes, n);
+        rdma.put_warp(offset_in(rdma.a.base, counts.recv(rdma.a.base, 0, node)), counts.send(rdma.a.base, 0, n), bytes,
+                      n);
         put = true;
     }
     __syncwarp();

@@ -51,7 +51,7 @@ struct NotifyContext {
         const InternodeNvlNotify nnotify(G);
         const int experts_per_rank = num_experts / R, experts_per_node = experts_per_rank * G;
         const int words[kCallWords] = {kOpInternodeDispatch, num_channels, num_rdma_slots, num_nvl_slots,
-                                       hidden_int4, num_topk, num_scales, num_experts};
+                                       hidden_int4,          num_topk,     num_scales,     num_experts};
         const int kRdmaHead = kCallWords + G + 1;  // where the expert counts start in an RDMA vector
         if (!both_barriers<N, G>(rdma, nvl_ptrs, node, nvl_rank, ctx, kKernelInternodeNotifyDispatch)) return;
 
@@ -60,10 +60,14 @@ struct NotifyContext {
             int* vec = n == node ? rnotify.counts.recv(rdma_base, 0, node) : rnotify.counts.send(rdma_base, 0, n);
             for (int i = threadIdx.x; i < kRdmaHead + experts_per_node; i += blockDim.x) {
                 int v;
-                if (i < kCallWords) v = words[i];
-                else if (i < kCallWords + G) v = num_tokens_per_rank[n * G + i - kCallWords];
-                else if (i == kCallWords + G) v = num_tokens_per_rdma_rank[n];
-                else v = num_tokens_per_expert[n * experts_per_node + i - kRdmaHead];
+                if (i < kCallWords)
+                    v = words[i];
+                else if (i < kCallWords + G)
+                    v = num_tokens_per_rank[n * G + i - kCallWords];
+                else if (i == kCallWords + G)
+                    v = num_tokens_per_rdma_rank[n];
+                else
+                    v = num_tokens_per_expert[n * experts_per_node + i - kRdmaHead];
                 vec[i] = v;
             }
         }
@@ -122,7 +126,8 @@ struct NotifyContext {
         if (host_counters != nullptr) {
             for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
                 int sum = 0;
-                for (int g = 0; g < G; ++g) sum += ld_volatile(rows + g * kNvlNotifyInts + kCallWords + kMaxRdmaRanks + e);
+                for (int g = 0; g < G; ++g)
+                    sum += ld_volatile(rows + g * kNvlNotifyInts + kCallWords + kMaxRdmaRanks + e);
                 host_counters[2 + e] = (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
             }
         }
@@ -135,8 +140,8 @@ struct NotifyContext {
                     recv_gbl_rank_prefix_sum[n * G + g] = sum;
                 }
             if (max_num_recv >= 0 && sum > max_num_recv)
-                report_failure(ctx, WaitSite{kKernelInternodeNotifyDispatch, kRoleCapacity, -1, -1}, sum,
-                               max_num_recv, 0, 0);
+                report_failure(ctx, WaitSite{kKernelInternodeNotifyDispatch, kRoleCapacity, -1, -1}, sum, max_num_recv,
+                               0, 0);
             if (host_counters != nullptr) {
                 __threadfence_system();
                 st_volatile(host_counters, sum);

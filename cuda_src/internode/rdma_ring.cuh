@@ -34,8 +34,8 @@ __device__ __forceinline__ bool rdma_needs_put(const Rdma& rdma, int node, int n
 // acquires. The caller orders the slots' own stores before this (fence_acq_rel_sys + __syncwarp).
 template <typename Rdma>
 __device__ __forceinline__ void rdma_publish_slots(const Rdma& rdma, const SymBuffer<int4>& data,
-                                                   const AsymBuffer<int>& tail, int channel, int node, int n,
-                                                   int first, int count, int token_int4s, int token_bytes) {
+                                                   const AsymBuffer<int>& tail, int channel, int node, int n, int first,
+                                                   int count, int token_int4s, int token_bytes) {
     if (rdma_needs_put(rdma, node, n))
         rdma.put_warp(offset_in(rdma.a.base, data.recv(rdma.a.base, channel, node) + (long long)first * token_int4s),
                       data.send(rdma.a.base, channel, n) + (long long)first * token_int4s, token_bytes * count, n);

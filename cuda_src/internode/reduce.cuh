@@ -45,8 +45,9 @@ __device__ __forceinline__ void reduce_columns(int4* dst, const int4* src0, cons
     }
 #pragma unroll
     for (int u = 0; u < kCols; ++u)
-        dst[c + u * kWarpSize] = make_int4((int)pack_bf16x2(acc[u][0], acc[u][1]), (int)pack_bf16x2(acc[u][2], acc[u][3]),
-                                           (int)pack_bf16x2(acc[u][4], acc[u][5]), (int)pack_bf16x2(acc[u][6], acc[u][7]));
+        dst[c + u * kWarpSize] =
+            make_int4((int)pack_bf16x2(acc[u][0], acc[u][1]), (int)pack_bf16x2(acc[u][2], acc[u][3]),
+                      (int)pack_bf16x2(acc[u][4], acc[u][5]), (int)pack_bf16x2(acc[u][6], acc[u][7]));
 }
 // Top-k weight k of a token summed over its sources' ring copies (slot < 0: the source does not hold it), in
 // source order like reduce_rows; the weights sit at weights_off bytes into each ring token.

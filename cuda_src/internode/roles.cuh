@@ -19,7 +19,7 @@ struct RoleOf {
 };
 
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kSendWindow = 32;       // tokens a sender may run ahead of the in-order release, per node
+constexpr int kSendWindow = 32;  // tokens a sender may run ahead of the in-order release, per node
 
 template <int kNumNvlRanks>
 struct DispatchShape {
@@ -30,7 +30,8 @@ struct DispatchShape {
 template <int kNumRdmaRanks, int kNumNvlRanks>
 struct CombineShape {
     static constexpr int kEvenWarps = kNumNvlRanks + kCombineRecvWarps + 1;
-    static constexpr int kOddWarps = kNumRdmaRanks < kMaxCombineForwarderWarps ? kNumRdmaRanks : kMaxCombineForwarderWarps;
+    static constexpr int kOddWarps =
+        kNumRdmaRanks < kMaxCombineForwarderWarps ? kNumRdmaRanks : kMaxCombineForwarderWarps;
     static constexpr int kWarps = kEvenWarps > kOddWarps ? kEvenWarps : kOddWarps;
     static constexpr int kThreads = kWarps * kWarpSize;
 };

@@ -176,7 +176,9 @@ struct CombineContext {
                 if (!ring.has_space(cached_tail, cached_head, n)) {
                     ok = ring.wait_for_space(ctx, WaitSite{kKernelCombine, kRoleSender, channel, peer}, cached_tail,
                                              cached_head, n, [&](long long& h, long long& tl, long long& ex) {
-                                                 h = cached_head; tl = cached_tail; ex = n;
+                                                 h = cached_head;
+                                                 tl = cached_tail;
+                                                 ex = n;
                                              });
                 }
                 sh.abort[peer] = !ok;
@@ -185,8 +187,8 @@ struct CombineContext {
             if (sh.abort[peer]) break;
             for (int i = warp_in_group; i < n; i += RG::kWarpsPerPeer) {
                 const int slot = (cached_tail + i) % num_slots;
-                warp_copy<false, kSendUnroll>(ring_x + (long long)slot * hidden_int4, x + (long long)(row + i) * hidden_int4,
-                                     hidden_int4);
+                warp_copy<false, kSendUnroll>(ring_x + (long long)slot * hidden_int4,
+                                              x + (long long)(row + i) * hidden_int4, hidden_int4);
                 if (topk_weights != nullptr)
                     for (int k = lane_id(); k < num_topk; k += kWarpSize)
                         ring_weights[slot * num_topk + k] = topk_weights[(long long)(row + i) * num_topk + k];
@@ -207,7 +209,7 @@ struct CombineContext {
         TmaCopier tma;  // only its buffer and mbarrier: the reduction needs the data in registers
         tma.init(tma_buf + warp_id() * kTmaChunkBytes, &sh.tma_bar[warp_id()]);
         constexpr int batch = G::kWarps * kCombineTokensPerWarp;  // = the rows of sh.heads
-        int released = 0;  // thread r < R: slots of ring r already handed back
+        int released = 0;                                         // thread r < R: slots of ring r already handed back
         for (int b = begin; b < end; b += batch) {
             const int b_end = min(b + batch, end);
             // The batch's send_head rows, staged by the whole block at once: one load latency per batch instead
@@ -227,7 +229,9 @@ struct CombineContext {
                     int tail = 0;
                     ok = ring.wait_for_data(ctx, WaitSite{kKernelCombine, kRoleReceiver, channel, r}, need, tail,
                                             [&](long long& h, long long& tl, long long& ex) {
-                                                h = released; tl = tail; ex = need;
+                                                h = released;
+                                                tl = tail;
+                                                ex = need;
                                             });
                 }
             }
@@ -368,9 +372,14 @@ struct DirectCombineContext {
                 int row = send_head[(long long)t * kNumRanks + r];
                 if (row >= 0 && r != rank) {
                     const int* flag = layout.flags.on(mine) + (long long)(row / rows_per_flag) * kNumRanks + r;
-                    ok = wait_until(ctx, WaitSite{kKernelCombineDirect, kRoleReceiver, t, r},
-                                    [&] { return ld_acquire_sys(flag) != 0; },
-                                    [&](long long& h, long long& tl, long long& ex) { h = row; tl = 0; ex = 1; });
+                    ok = wait_until(
+                        ctx, WaitSite{kKernelCombineDirect, kRoleReceiver, t, r},
+                        [&] { return ld_acquire_sys(flag) != 0; },
+                        [&](long long& h, long long& tl, long long& ex) {
+                            h = row;
+                            tl = 0;
+                            ex = 1;
+                        });
                 }
                 sh.row[warp_id()][r] = row;
             }
@@ -389,7 +398,8 @@ struct DirectCombineContext {
                                  : ld_volatile(inbox_weights + ((long long)r * capacity + row) * num_topk + k);
             };
             if (combined_topk_weights != nullptr)
-                sum_token_weights<kNumRanks>(combined_topk_weights + (long long)t * num_topk, num_topk, rows, weight_of);
+                sum_token_weights<kNumRanks>(combined_topk_weights + (long long)t * num_topk, num_topk, rows,
+                                             weight_of);
             __syncwarp();  // the lanes are done with sh.row before the next token overwrites it
         }
     }

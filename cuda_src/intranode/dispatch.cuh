@@ -77,8 +77,8 @@ __device__ void copy_own_rows(int own_block, int num_own_blocks, TmaCopier& tma,
             const long long out = row_begin + count + j;
             if (lane_id() == 0) tma.copy(recv_x + out * hidden_int4, x + (long long)t * hidden_int4, row_bytes);
             if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = t;
-            copy_own_row_meta(recv_topk_idx, recv_topk_weights, recv_x_scales, out, topk_idx, topk_weights, x_scales,
-                              t, num_topk, rank, experts_per_rank, num_scales, scale_token_stride, scale_hidden_stride);
+            copy_own_row_meta(recv_topk_idx, recv_topk_weights, recv_x_scales, out, topk_idx, topk_weights, x_scales, t,
+                              num_topk, rank, experts_per_rank, num_scales, scale_token_stride, scale_hidden_stride);
         }
         count += __popc(mask);
     }
@@ -188,7 +188,9 @@ struct DispatchContext {
                     ok = ring.wait_for_space(ctx, WaitSite{kKernelDispatch, kRoleSender, channel, peer}, cached_tail,
                                              cached_head, RG::kBatchTokens,
                                              [&](long long& h, long long& tl, long long& ex) {
-                                                 h = cached_head; tl = cached_tail; ex = RG::kBatchTokens;
+                                                 h = cached_head;
+                                                 tl = cached_tail;
+                                                 ex = RG::kBatchTokens;
                                              });
                 }
                 sh.abort[peer] = !ok;
@@ -253,15 +255,18 @@ struct DispatchContext {
 
         if (leader) {
             int start = 0, stop = 0;
-            const bool ok = wait_until(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
-                                       [&] {
-                                           start = ld_volatile(start_ptr);
-                                           stop = ld_volatile(end_ptr);
-                                           return start != 0 && stop != 0;
-                                       },
-                                       [&](long long& h, long long& tl, long long& ex) {
-                                           h = start; tl = stop; ex = -1;
-                                       });
+            const bool ok = wait_until(
+                ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
+                [&] {
+                    start = ld_volatile(start_ptr);
+                    stop = ld_volatile(end_ptr);
+                    return start != 0 && stop != 0;
+                },
+                [&](long long& h, long long& tl, long long& ex) {
+                    h = start;
+                    tl = stop;
+                    ex = -1;
+                });
             sh.abort[peer] = !ok;
             sh.start[peer] = -start - 1;
             sh.count[peer] = (-stop - 1) - (-start - 1);
@@ -278,11 +283,13 @@ struct DispatchContext {
             while (cached_head < num_to_recv) {
                 if (leader) {
                     int tail = cached_head;
-                    const bool ok = ring.wait_for_data(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
-                                                       cached_head + 1, tail,
-                                                       [&](long long& h, long long& tl, long long& ex) {
-                                                           h = cached_head; tl = tail; ex = num_to_recv;
-                                                       });
+                    const bool ok =
+                        ring.wait_for_data(ctx, WaitSite{kKernelDispatch, kRoleReceiver, channel, peer},
+                                           cached_head + 1, tail, [&](long long& h, long long& tl, long long& ex) {
+                                               h = cached_head;
+                                               tl = tail;
+                                               ex = num_to_recv;
+                                           });
                     sh.abort[peer] = !ok;
                     sh.value[peer] = tail;
                 }
@@ -293,7 +300,8 @@ struct DispatchContext {
                 for (int i = warp_in_group; i < tail - cached_head; i += RG::kWarpsPerPeer) {
                     const int slot = (cached_head + i) % num_slots;
                     const long long out = row + i;
-                    if (lane_id() == 0) tma.copy(recv_x + out * hidden_int4, ring_x + (long long)slot * hidden_int4, row_bytes);
+                    if (lane_id() == 0)
+                        tma.copy(recv_x + out * hidden_int4, ring_x + (long long)slot * hidden_int4, row_bytes);
                     if (lane_id() == 0 && recv_src_idx != nullptr) recv_src_idx[out] = ld_volatile(&ring_src[slot]);
                     if (recv_topk_idx != nullptr) {
                         for (int k = lane_id(); k < num_topk; k += kWarpSize) {
@@ -314,12 +322,11 @@ struct DispatchContext {
 
     // kOwnRows: this rank's own tokens straight from x into their final rows.
     __device__ __forceinline__ void own_rows(TmaCopier& tma, int own_block) const {
-        copy_own_rows<kNumRanks, IdxT>(own_block, gridDim.x - 2 * num_channels, tma, recv_x,
-                                       recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights, send_head,
-                                       x, x_scales, topk_idx, topk_weights, is_token_in_rank,
-                                       channel_prefix_matrix, rank_prefix_matrix, num_tokens, num_channels,
-                                       hidden_int4, num_topk, num_experts, num_scales, scale_token_stride,
-                                       scale_hidden_stride, rank);
+        copy_own_rows<kNumRanks, IdxT>(own_block, gridDim.x - 2 * num_channels, tma, recv_x, recv_x_scales,
+                                       recv_src_idx, recv_topk_idx, recv_topk_weights, send_head, x, x_scales, topk_idx,
+                                       topk_weights, is_token_in_rank, channel_prefix_matrix, rank_prefix_matrix,
+                                       num_tokens, num_channels, hidden_int4, num_topk, num_experts, num_scales,
+                                       scale_token_stride, scale_hidden_stride, rank);
     }
 
     // Every block, last: rows past the real count carry recv_topk_idx = -1 (num_worst_tokens; the rest is left as

@@ -125,7 +125,8 @@ struct DirectDispatchContext {
 #pragma unroll 8
                 for (int t = first_channel * per_channel + lane_id(); t < begin; t += kWarpSize)
                     before += is_token_in_rank[(long long)t * kNumRanks + d];
-                base = warp_reduce_sum(before) + (first_channel > 0 ? channel_prefix_matrix[d * num_channels + first_channel - 1] : 0);
+                base = warp_reduce_sum(before) +
+                       (first_channel > 0 ? channel_prefix_matrix[d * num_channels + first_channel - 1] : 0);
             }
             if (lane_id() == 0) {
                 sh.base[d] = base;
@@ -159,7 +160,8 @@ struct DirectDispatchContext {
             unsigned my_mask = 0;
 #pragma unroll
             for (int d = 0; d < kNumRanks; ++d) {
-                const unsigned m = __ballot_sync(0xffffffffu, t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + d]);
+                const unsigned m =
+                    __ballot_sync(0xffffffffu, t_lane < end && is_token_in_rank[(long long)t_lane * kNumRanks + d]);
                 if (lane_id() == d) my_mask = m;
             }
             const int j0 = w0 - begin;
@@ -168,7 +170,7 @@ struct DirectDispatchContext {
                 const int t = w0 + l;
                 const bool selected = lane_id() < kNumRanks && ((my_mask >> l) & 1u);
                 const int pos = my_count + __popc(my_mask & ((1u << l) - 1u));  // inside this block's share
-                const int row = sh.first_row[my_rank_lane] + pos;                 // lane d: the row on rank d
+                const int row = sh.first_row[my_rank_lane] + pos;               // lane d: the row on rank d
                 if (send_head != nullptr && lane_id() < kNumRanks && ((role_targets >> lane_id()) & 1u))
                     send_head[(long long)t * kNumRanks + lane_id()] = selected ? sh.base[lane_id()] + pos : -1;
                 const unsigned targets = __ballot_sync(0xffffffffu, selected) & role_targets;
@@ -180,7 +182,8 @@ struct DirectDispatchContext {
                 // store (a bulk copy of the own row next to it took the fused 8-SM dispatch from ~310 to 336.5 us).
                 if (targets == (1u << rank)) {
                     const long long own_row = __shfl_sync(0xffffffffu, row, rank);
-                    if (lane_id() == 0) tma.copy(sh.dst_x[rank] + own_row * hidden_int4, src, (long long)hidden_int4 * 16);
+                    if (lane_id() == 0)
+                        tma.copy(sh.dst_x[rank] + own_row * hidden_int4, src, (long long)hidden_int4 * 16);
                 } else {
                     warp_copy_to_targets<kNumRanks>(sh.dst_x, row, targets, src, hidden_int4);
                 }
@@ -201,7 +204,8 @@ struct DirectDispatchContext {
                         }
                     }
                     for (int i = lane_id(); i < num_scales; i += kWarpSize)
-                        layout.scales.on(dst)[r * num_scales + i] = x_scales[t * scale_token_stride + i * scale_hidden_stride];
+                        layout.scales.on(dst)[r * num_scales + i] =
+                            x_scales[t * scale_token_stride + i * scale_hidden_stride];
                 }
             }
             my_count += __popc(my_mask);
@@ -228,9 +232,14 @@ struct DirectDispatchContext {
             const int* done = layout.done.on(mine);
             const int expected = num_recv + kNumRanks;
             int seen = 0;
-            ok = wait_until(ctx, WaitSite{kKernelDispatchDirect, kRoleReceiver, (int)blockIdx.x, -1},
-                            [&] { return (seen = ld_acquire_sys(done)) >= expected; },
-                            [&](long long& h, long long& tl, long long& ex) { h = seen; tl = seen; ex = expected; });
+            ok = wait_until(
+                ctx, WaitSite{kKernelDispatchDirect, kRoleReceiver, (int)blockIdx.x, -1},
+                [&] { return (seen = ld_acquire_sys(done)) >= expected; },
+                [&](long long& h, long long& tl, long long& ex) {
+                    h = seen;
+                    tl = seen;
+                    ex = expected;
+                });
         }
         return __syncthreads_and(ok) != 0;
     }
@@ -239,9 +248,11 @@ struct DirectDispatchContext {
     __device__ __forceinline__ void copy_outputs() const {
         void* mine = buffer_ptrs[rank];
         const int rows_out = min(totals[rank], num_out_rows);
-        const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+        const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x,
+                        stride = (long long)gridDim.x * blockDim.x;
         if (recv_src_idx != nullptr)
-            for (long long i = gid; i < rows_out; i += stride) recv_src_idx[i] = ld_volatile(layout.src_idx.on(mine) + i);
+            for (long long i = gid; i < rows_out; i += stride)
+                recv_src_idx[i] = ld_volatile(layout.src_idx.on(mine) + i);
         if (recv_topk_idx != nullptr) {
             for (long long i = gid; i < (long long)num_out_rows * num_topk; i += stride) {
                 const bool real = i < (long long)rows_out * num_topk;  // rows past the real count: expert -1

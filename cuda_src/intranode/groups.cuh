@@ -28,8 +28,8 @@ template <int kNumRanks>
 struct RemoteGroups {
     static constexpr int kRemoteRanks = kNumRanks > 1 ? kNumRanks - 1 : 1;  // R = 1: nothing remote
     static constexpr bool kRegroup = Groups<kNumRanks>::kWarps / kRemoteRanks > Groups<kNumRanks>::kWarpsPerRank;
-    static constexpr int kWarpsPerPeer = kRegroup ? Groups<kNumRanks>::kWarps / kRemoteRanks
-                                                  : Groups<kNumRanks>::kWarpsPerRank;
+    static constexpr int kWarpsPerPeer =
+        kRegroup ? Groups<kNumRanks>::kWarps / kRemoteRanks : Groups<kNumRanks>::kWarpsPerRank;
     static constexpr int kThreadsPerPeer = kWarpsPerPeer * kWarpSize;
     // The dispatch sender claims ring slots for a batch of windows of 32 tokens at a time, enough for about
     // four rows per warp: one barrier per window would leave most warps waiting for the one with an extra row.

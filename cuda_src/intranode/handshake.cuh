@@ -22,11 +22,12 @@ __device__ bool barrier_block(void** buffer_ptrs, int rank, const DeviceCtx* ctx
         int* mine = barrier_signals(buffer_ptrs[rank]) + i;
         atomicAdd_system(mine, 1);
         atomicSub_system(barrier_signals(buffer_ptrs[i]) + rank, 1);
-        ok = wait_until(ctx, WaitSite{kernel, kRoleBarrier, -1, i}, [&] { return ld_volatile(mine) <= 0; },
-                        [&](long long& head, long long& tail, long long& expected) {
-                            head = ld_volatile(mine);
-                            expected = 0;
-                        });
+        ok = wait_until(
+            ctx, WaitSite{kernel, kRoleBarrier, -1, i}, [&] { return ld_volatile(mine) <= 0; },
+            [&](long long& head, long long& tail, long long& expected) {
+                head = ld_volatile(mine);
+                expected = 0;
+            });
         fence_acq_rel_sys();
     }
     return __syncthreads_and(ok) != 0;
@@ -55,16 +56,16 @@ __device__ __forceinline__ CallWords dispatch_call_words(bool cached, int num_ch
                                                          int num_topk, int num_scales, int num_experts,
                                                          int direct_capacity) {
     const bool direct = direct_capacity > 0;
-    const int op = cached ? (direct ? kOpCachedDirectDispatch : kOpCachedDispatch)
-                          : (direct ? kOpDirectDispatch : kOpDispatch);
+    const int op =
+        cached ? (direct ? kOpCachedDirectDispatch : kOpCachedDispatch) : (direct ? kOpDirectDispatch : kOpDispatch);
     return CallWords{{op, num_channels, num_slots, hidden_int4, num_topk, num_scales, num_experts, direct_capacity}};
 }
 
 // The dispatch meta that the notify kernels zero, as offsets [begin, end): the rings' counters, or the zero-copy
 // counter and channel starts.
 __device__ __forceinline__ void dispatch_meta_range(int num_ranks, int num_channels, int num_slots, int hidden_int4,
-                                                    int num_topk, int num_scales, int direct_capacity,
-                                                    long long& begin, long long& end) {
+                                                    int num_topk, int num_scales, int direct_capacity, long long& begin,
+                                                    long long& end) {
     if (direct_capacity > 0) {
         const DirectDispatchLayout d(num_channels, direct_capacity, hidden_int4, num_topk, num_scales);
         begin = d.begin, end = d.meta_end;
@@ -146,8 +147,9 @@ __device__ int open_direct_call(void** buffer_ptrs, int rank, const CallWords& w
     if (blockIdx.x == 0) {
         zero_ints(at_offset<int>(mine, zero_begin), (zero_end - zero_begin) / 4);
         if (threadIdx.x < kNumRanks)
-            write_call_words(notify.entry_words.on(buffer_ptrs[threadIdx.x]) +
-                             ((epoch & 1) * kMaxNvlRanks + rank) * kCallWords, words);
+            write_call_words(
+                notify.entry_words.on(buffer_ptrs[threadIdx.x]) + ((epoch & 1) * kMaxNvlRanks + rank) * kCallWords,
+                words);
         __syncthreads();
         if (threadIdx.x < kNumRanks) {
             fence_acq_rel_sys();  // the block's zeroes and words before the entry
@@ -159,19 +161,25 @@ __device__ int open_direct_call(void** buffer_ptrs, int rank, const CallWords& w
 
 // False (for the whole block) on a timeout or a disagreement.
 template <int kNumRanks>
-__device__ bool wait_direct_call(void** buffer_ptrs, int rank, const CallWords& words, int epoch,
-                                 const DeviceCtx* ctx, int kernel) {
+__device__ bool wait_direct_call(void** buffer_ptrs, int rank, const CallWords& words, int epoch, const DeviceCtx* ctx,
+                                 int kernel) {
     bool ok = true;
     if (threadIdx.x < kNumRanks) {
         const int s = threadIdx.x;
         const NotifyArea notify;
         const int* entry = notify.entry.on(buffer_ptrs[rank]) + s;
         int seen = 0;
-        ok = wait_until(ctx, WaitSite{kernel, kRoleEntry, -1, s}, [&] { return (seen = ld_acquire_sys(entry)) - epoch >= 0; },
-                        [&](long long& h, long long& tl, long long& ex) { h = seen; tl = seen; ex = epoch; });
+        ok = wait_until(
+            ctx, WaitSite{kernel, kRoleEntry, -1, s}, [&] { return (seen = ld_acquire_sys(entry)) - epoch >= 0; },
+            [&](long long& h, long long& tl, long long& ex) {
+                h = seen;
+                tl = seen;
+                ex = epoch;
+            });
         if (ok)
-            ok = same_call_words(notify.entry_words.on(buffer_ptrs[rank]) + ((epoch & 1) * kMaxNvlRanks + s) * kCallWords,
-                                 words, ctx, kernel, s);
+            ok = same_call_words(
+                notify.entry_words.on(buffer_ptrs[rank]) + ((epoch & 1) * kMaxNvlRanks + s) * kCallWords, words, ctx,
+                kernel, s);
     }
     return __syncthreads_and(ok) != 0;
 }
@@ -179,8 +187,8 @@ __device__ bool wait_direct_call(void** buffer_ptrs, int rank, const CallWords& 
 // Zero a layout's ring meta (start/end/head/tail) in my buffer between two barriers, and check that all
 // ranks agree about the call. num_tokens >= 0: also tell every peer my token count (notify.num_tokens).
 template <int kNumRanks>
-__device__ void reset_rings(void** buffer_ptrs, int rank, long long begin, long long meta_end,
-                            const CallWords& words, const DeviceCtx* ctx, int kernel, int num_tokens = -1) {
+__device__ void reset_rings(void** buffer_ptrs, int rank, long long begin, long long meta_end, const CallWords& words,
+                            const DeviceCtx* ctx, int kernel, int num_tokens = -1) {
     if (!barrier_block<kNumRanks>(buffer_ptrs, rank, ctx, kernel)) return;
     publish_call_words<kNumRanks>(buffer_ptrs, rank, words);
     if (num_tokens >= 0 && threadIdx.x < kNumRanks)

@@ -66,14 +66,14 @@ struct CombineShared {
     long long row[kCombineBatch][kMaxTopk];  // the kept entries on this rank, k order: rows in the expert input
     float weight[kCombineBatch][kMaxTopk];   //   and their weights, num_kept[j] of them
     int num_kept[kCombineBatch];
-    unsigned long long has[kCombineBatch];     // bit r: rank r holds a kept entry of the token
-    unsigned long long dropped[kCombineBatch]; // (C) shrink mode: bit r: rank r got masked waiting for its partial
-    unsigned long long masked;                 // stage_masked: the ranks masked when the launch started
-    int value;                                 // (B): the owner's meta flag
-    int owner;                                 // (B) shrink mode: the owner served next (next_ready_owner)
+    unsigned long long has[kCombineBatch];      // bit r: rank r holds a kept entry of the token
+    unsigned long long dropped[kCombineBatch];  // (C) shrink mode: bit r: rank r got masked waiting for its partial
+    unsigned long long masked;                  // stage_masked: the ranks masked when the launch started
+    int value;                                  // (B): the owner's meta flag
+    int owner;                                  // (B) shrink mode: the owner served next (next_ready_owner)
     int failed;
-    int flag_token[2];                         // (B) compute -> flagger, by handoff parity: the token, -1 = the end
-    unsigned long long full, empty, compute;   // (B) combine_reduce_owner's mbarriers
+    int flag_token[2];                        // (B) compute -> flagger, by handoff parity: the token, -1 = the end
+    unsigned long long full, empty, compute;  // (B) combine_reduce_owner's mbarriers
 };
 
 // Per thread, what combine_reduce_owner's mbarriers have completed so far (the same counts on every thread that
@@ -99,9 +99,8 @@ __device__ __forceinline__ void stage_range_begins(const long long* layout_range
 // sh.weight[j][i]; sh.num_kept[j]; sh.dropped[j] = 0. The caller syncs before reading them. Entries of a rank
 // masked when the launch started (sh.masked) are not kept.
 template <typename Entries, typename WeightT, typename Shared>
-__device__ __forceinline__ void prepare_batch(Entries entries, const WeightT* weights, int K, int t0, int stride,
-                                              int n, int rank, const LowLatencyLayout& L, const int* begin,
-                                              Shared& sh) {
+__device__ __forceinline__ void prepare_batch(Entries entries, const WeightT* weights, int K, int t0, int stride, int n,
+                                              int rank, const LowLatencyLayout& L, const int* begin, Shared& sh) {
     const int j = warp_id(), k = lane_id();
     if (j >= n) return;  // uniform per warp
     const long long f = (long long)(t0 + j * stride) * K + k;
@@ -144,8 +143,8 @@ __device__ __forceinline__ int4* stage_slot(int4* stage, int i, int q) {
 
 // Entries [i0, i1) (at most kCombineStageEntries) into the stage: entry i's chunks at slot i - i0.
 template <int kStride>
-__device__ __forceinline__ void stage_rows(const int4* rows, const long long* row, int i0, int i1, int c,
-                                           int row_int4, int4* stage) {
+__device__ __forceinline__ void stage_rows(const int4* rows, const long long* row, int i0, int i1, int c, int row_int4,
+                                           int4* stage) {
     for (int i = i0; i < i1; ++i) {
         const int4* src = rows + row[i] * row_int4 + c;
 #pragma unroll
@@ -155,8 +154,8 @@ __device__ __forceinline__ void stage_rows(const int4* rows, const long long* ro
 }
 // acc[q] += fp32(weight[i] * staged row of entry i) for entries [i0, i1), i ascending (stage_rows' slots).
 template <int kStride>
-__device__ __forceinline__ void add_staged_rows(float (&acc)[kCombineChunks][8], const float* weight, int i0,
-                                                int i1, int c, int row_int4, int4* stage) {
+__device__ __forceinline__ void add_staged_rows(float (&acc)[kCombineChunks][8], const float* weight, int i0, int i1,
+                                                int c, int row_int4, int4* stage) {
     for (int i = i0; i < i1; ++i) {
         const float wt = weight[i];
 #pragma unroll
@@ -239,7 +238,7 @@ __device__ __forceinline__ float logfmt_log2(float a) {
         e += 1;
     }
     const float s = __fdiv_rn(__fadd_rn(m, -1.0f), __fadd_rn(m, 1.0f)), z = __fmul_rn(s, s);
-    float poly = f32_bits(0x3e124925u);                          // 1/7
+    float poly = f32_bits(0x3e124925u);                           // 1/7
     poly = __fadd_rn(__fmul_rn(poly, z), f32_bits(0x3e4ccccdu));  // 1/5
     poly = __fadd_rn(__fmul_rn(poly, z), f32_bits(0x3eaaaaabu));  // 1/3
     poly = __fadd_rn(__fmul_rn(poly, z), 1.0f);
@@ -249,8 +248,8 @@ __device__ __forceinline__ float logfmt_log2(float a) {
 // 2^-126.
 __device__ __forceinline__ float logfmt_exp2(float y) {
     const float n = floorf(__fadd_rn(y, 0.5f)), x = __fmul_rn(__fadd_rn(y, -n), f32_bits(0x3f317218u));  // ln2
-    const unsigned inv_fact[7] = {0x39500d01u, 0x3ab60b61u, 0x3c088889u, 0x3d2aaaabu, 0x3e2aaaabu, 0x3f000000u,
-                                  0x3f800000u};  // 1/7! .. 1/1!
+    const unsigned inv_fact[7] = {0x39500d01u, 0x3ab60b61u, 0x3c088889u, 0x3d2aaaabu,
+                                  0x3e2aaaabu, 0x3f000000u, 0x3f800000u};  // 1/7! .. 1/1!
     float p = f32_bits(inv_fact[0]);
 #pragma unroll
     for (int i = 1; i < 7; ++i) p = __fadd_rn(__fmul_rn(p, x), f32_bits(inv_fact[i]));
@@ -374,15 +373,14 @@ __device__ __forceinline__ PartialChunk load_partial(const char* row, int hidden
         return w;
     }
     w.high = ld_ring_v4(reinterpret_cast<const int4*>(row) + c);
-    w.low = wire == kWireBf16 ? make_uint2(0u, 0u)
-                              : ld_ring_v2(reinterpret_cast<const uint2*>(row + 2LL * hidden) + c);
+    w.low = wire == kWireBf16 ? make_uint2(0u, 0u) : ld_ring_v2(reinterpret_cast<const uint2*>(row + 2LL * hidden) + c);
     return w;
 }
 template <bool kLogFmt>
 __device__ __forceinline__ void add_partial(float (&acc)[8], const PartialChunk& w) {
     if constexpr (kLogFmt) {
-        const LogFmtChunk chunk{w.low, (unsigned)w.high.z, make_float2(__int_as_float(w.high.x),
-                                                                        __int_as_float(w.high.y))};
+        const LogFmtChunk chunk{w.low, (unsigned)w.high.z,
+                                make_float2(__int_as_float(w.high.x), __int_as_float(w.high.y))};
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], logfmt_decode(chunk, j));
         return;
@@ -409,7 +407,9 @@ static_assert(kLLMaxTokens + 1 < (1 << kMetaTopkShift) && kLLMaxTopk < (1 << (kM
 __device__ __forceinline__ int meta_flag_value(int num_topk, int num_tokens, int wire) {
     return (wire << kMetaWireShift) | (num_topk << kMetaTopkShift) | (num_tokens + 1);
 }
-__device__ __forceinline__ int meta_flag_topk(int v) { return (v >> kMetaTopkShift) & ((1 << (kMetaWireShift - kMetaTopkShift)) - 1); }
+__device__ __forceinline__ int meta_flag_topk(int v) {
+    return (v >> kMetaTopkShift) & ((1 << (kMetaWireShift - kMetaTopkShift)) - 1);
+}
 __device__ __forceinline__ int meta_flag_tokens(int v) { return (v & ((1 << kMetaTopkShift) - 1)) - 1; }
 __device__ __forceinline__ int meta_flag_wire(int v) { return (v >> kMetaWireShift) & 3; }
 
@@ -422,9 +422,8 @@ struct Blocks {
 // (A) blocks b < R: the meta for rank b (not for this rank itself, nor a masked rank).
 template <typename TopkT>
 __device__ void combine_send_meta(OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
-                                  int wire, char* base, const unsigned long long* peer_bases,
-                                  const LowLatencyLayout& L, int rank, int buffer_idx, unsigned long long masked,
-                                  Blocks blocks) {
+                                  int wire, char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L,
+                                  int rank, int buffer_idx, unsigned long long masked, Blocks blocks) {
     for (int r = blocks.index; r < L.num_ranks; r += blocks.count) {
         if (r == rank || has_rank(masked, r)) continue;  // (B) reads this rank's own top-k from the arguments
         const long long dst = L.recv_offset(buffer_idx) + L.combine_meta_in(rank);
@@ -476,9 +475,8 @@ __device__ __forceinline__ void hand_to_flagger(int t, Shared& sh, HandoffPhases
 template <bool kLogFmt, typename Entries, typename WeightT, typename Shared>
 __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, const WeightT* weights, int T, int K,
                                                      int wire, const int4* rows, const int* begin, int4* stage,
-                                                     char* base,
-                                                     const unsigned long long* peer_bases, const LowLatencyLayout& L,
-                                                     int rank, int buffer_idx, Shared& sh,
+                                                     char* base, const unsigned long long* peer_bases,
+                                                     const LowLatencyLayout& L, int rank, int buffer_idx, Shared& sh,
                                                      HandoffPhases& ph, Blocks blocks, long long* stamps) {
     const int row_int4 = L.hidden / 8;  // bf16 input row: chunks of 8 values
     constexpr int compute_threads = kLLCombineThreads - kWarpSize;
@@ -516,8 +514,8 @@ __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, con
                                               : recv + L.combine_partial_out(s, t);
                 for (int c = threadIdx.x; c < row_int4; c += kCombineChunks * compute_threads) {
                     float acc[kCombineChunks][8];
-                    partial_sums<compute_threads, Shared::kTopkBound>(acc, rows, sh.row[j], sh.weight[j], sh.num_kept[j], c, row_int4,
-                                                   stage);
+                    partial_sums<compute_threads, Shared::kTopkBound>(acc, rows, sh.row[j], sh.weight[j],
+                                                                      sh.num_kept[j], c, row_int4, stage);
 #pragma unroll
                     for (int q = 0; q < kCombineChunks; ++q)
                         if (c + q * compute_threads < row_int4)
@@ -536,8 +534,10 @@ __device__ __forceinline__ void combine_reduce_owner(int s, Entries entries, con
 // combine_reduce_owner in owner s's wire: the LogFMT instantiation or the 24-bit / bf16 one (store_partial).
 template <typename... Args>
 __device__ __forceinline__ void reduce_owner_as(bool logfmt, Args&&... args) {
-    if (logfmt) combine_reduce_owner<true>(static_cast<Args&&>(args)...);
-    else combine_reduce_owner<false>(static_cast<Args&&>(args)...);
+    if (logfmt)
+        combine_reduce_owner<true>(static_cast<Args&&>(args)...);
+    else
+        combine_reduce_owner<false>(static_cast<Args&&>(args)...);
 }
 
 // (B), thread 0: owner s's meta flag, acquired with value v, into sh.value; consumed once every block of this role
@@ -557,8 +557,8 @@ __device__ __forceinline__ void take_meta(int* flag, int v, int s, int* meta_rea
 // them (wait_until), which is dropped with any other masked meanwhile, and the rest are waited for again. Returns
 // -1 once none is left, -2 on a failure that stops the buffer.
 __device__ __forceinline__ int next_ready_owner(const int* signals, const LowLatencyLayout& L, int rank,
-                                                unsigned long long& todo, const int* shrink_mask,
-                                                const DeviceCtx* ctx, int& v) {
+                                                unsigned long long& todo, const int* shrink_mask, const DeviceCtx* ctx,
+                                                int& v) {
     const int R = L.num_ranks;
     for (;;) {
         int first = -1;
@@ -569,23 +569,24 @@ __device__ __forceinline__ int next_ready_owner(const int* signals, const LowLat
         }
         if (first < 0) return -1;
         int s = -1;
-        const bool ok = wait_until<true>(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, -1, first},
-                                         [&] {
-                                             for (int i = 1; i < R; ++i) {
-                                                 const int r = (rank + i) % R;
-                                                 if (!has_rank(todo, r)) continue;
-                                                 if ((v = ld_acquire_sys(signals + L.combine_meta_flag(r))) != 0) {
-                                                     s = r;
-                                                     return true;
-                                                 }
-                                             }
-                                             return false;
-                                         },
-                                         [&](long long& head, long long& tail, long long& expected) {
-                                             head = ld_volatile(signals + L.combine_meta_flag(first));
-                                             tail = 0;
-                                             expected = 1;
-                                         });
+        const bool ok = wait_until<true>(
+            ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, -1, first},
+            [&] {
+                for (int i = 1; i < R; ++i) {
+                    const int r = (rank + i) % R;
+                    if (!has_rank(todo, r)) continue;
+                    if ((v = ld_acquire_sys(signals + L.combine_meta_flag(r))) != 0) {
+                        s = r;
+                        return true;
+                    }
+                }
+                return false;
+            },
+            [&](long long& head, long long& tail, long long& expected) {
+                head = ld_volatile(signals + L.combine_meta_flag(first));
+                tail = 0;
+                expected = 1;
+            });
         if (ok) {
             todo &= ~(1ull << s);
             return s;
@@ -603,8 +604,7 @@ __device__ __forceinline__ int next_ready_owner(const int* signals, const LowLat
 template <typename TopkT, typename Shared>
 __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, const long long* layout_range,
                                                OwnEntries<TopkT> own, const float* topk_weights, int num_tokens,
-                                               int num_topk, int wire, char* base,
-                                               const unsigned long long* peer_bases,
+                                               int num_topk, int wire, char* base, const unsigned long long* peer_bases,
                                                const LowLatencyLayout& L, int rank, int buffer_idx, int* meta_readers,
                                                const int* shrink_mask, const DeviceCtx* ctx, int* begin, int4* stage,
                                                Shared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
@@ -621,10 +621,10 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
     __syncthreads();
     HandoffPhases ph;
     if (!own_in_recv)
-        reduce_owner_as(wire == kWireLogFmt, rank, own, topk_weights, num_tokens, num_topk, wire, rows, begin,
-                        stage, base, peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
+        reduce_owner_as(wire == kWireLogFmt, rank, own, topk_weights, num_tokens, num_topk, wire, rows, begin, stage,
+                        base, peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
     stamp(stamps, kStampSendPrepared);  // the own tokens' partials are written and flagged (hook mode)
-    unsigned long long todo = 0;  // shrink mode, thread 0: the remote owners not served yet (next_ready_owner)
+    unsigned long long todo = 0;        // shrink mode, thread 0: the remote owners not served yet (next_ready_owner)
     for (int r = 0; shrink_mask != nullptr && r < R; ++r)
         if (r != rank && !has_rank(sh.masked, r)) todo |= 1ull << r;
     for (int i = 1; i < R; ++i) {
@@ -635,15 +635,18 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
             if (threadIdx.x == 0) {
                 int* flag = signals + L.combine_meta_flag(s);
                 int v = 0;
-                const bool ok = wait_until(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, -1, s},
-                                           [&] { return (v = ld_acquire_sys(flag)) != 0; },
-                                           [&](long long& head, long long& tail, long long& expected) {
-                                               head = ld_volatile(flag);
-                                               tail = 0;
-                                               expected = 1;
-                                           });
-                if (ok) take_meta(flag, v, s, meta_readers, blocks, sh);
-                else sh.failed = 1;
+                const bool ok = wait_until(
+                    ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, -1, s},
+                    [&] { return (v = ld_acquire_sys(flag)) != 0; },
+                    [&](long long& head, long long& tail, long long& expected) {
+                        head = ld_volatile(flag);
+                        tail = 0;
+                        expected = 1;
+                    });
+                if (ok)
+                    take_meta(flag, v, s, meta_readers, blocks, sh);
+                else
+                    sh.failed = 1;
             }
             __syncthreads();
         } else {  // (uniform)
@@ -659,30 +662,30 @@ __device__ __forceinline__ void combine_reduce(const int4* x, bool zero_copy, co
             if (s >= 0) stage_range_begins(layout_range, s, L, begin);  // read after the barrier below
         }
         if (i == 1) stamp(stamps, kStampSendRouted);  // the first remote owner's meta is in
-        if (sh.failed) return;  // uniform
-        if (s < 0) break;       // (shrink mode) no owner left
+        if (sh.failed) return;                        // uniform
+        if (s < 0) break;                             // (shrink mode) no owner left
         const int K = meta_flag_topk(sh.value), T = meta_flag_tokens(sh.value);
         const int owner_wire = meta_flag_wire(sh.value);  // the wire format owner s reads
         __syncthreads();  // sh.value is read by every thread before thread 0 waits for the next owner
         const char* meta = recv + L.combine_meta_in(s);
         reduce_owner_as(owner_wire == kWireLogFmt, s, MetaEntries{reinterpret_cast<const volatile int*>(meta)},
-                        reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, owner_wire, rows,
-                        begin, stage, base, peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
+                        reinterpret_cast<const volatile float*>(meta + L.meta_weights()), T, K, owner_wire, rows, begin,
+                        stage, base, peer_bases, L, rank, buffer_idx, sh, ph, blocks, stamps);
     }
 }
 
 template <typename TopkT, typename Shared>
 __device__ void combine_send(const int4* x, bool zero_copy, const long long* layout_range, OwnEntries<TopkT> own,
                              const float* topk_weights, int num_tokens, int num_topk, int wire, char* base,
-                             const unsigned long long* peer_bases, const LowLatencyLayout& L, int rank,
-                             int buffer_idx, int* workspace, const int* shrink_mask, const DeviceCtx* ctx, int* begin,
-                             int4* stage, Shared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
+                             const unsigned long long* peer_bases, const LowLatencyLayout& L, int rank, int buffer_idx,
+                             int* workspace, const int* shrink_mask, const DeviceCtx* ctx, int* begin, int4* stage,
+                             Shared& sh, bool own_in_recv, Blocks blocks, long long* stamps) {
     stamp(stamps, kStampSendStart);
     combine_send_meta(own, topk_weights, num_tokens, num_topk, wire, base, peer_bases, L, rank, buffer_idx, sh.masked,
                       blocks);
-    combine_reduce(x, zero_copy, layout_range, own, topk_weights, num_tokens, num_topk, wire, base, peer_bases,
-                   L, rank, buffer_idx, workspace + kWsMetaReaders, shrink_mask, ctx, begin, stage, sh, own_in_recv,
-                   blocks, stamps);
+    combine_reduce(x, zero_copy, layout_range, own, topk_weights, num_tokens, num_topk, wire, base, peer_bases, L, rank,
+                   buffer_idx, workspace + kWsMetaReaders, shrink_mask, ctx, begin, stage, sh, own_in_recv, blocks,
+                   stamps);
     stamp_after_barrier(stamps, kStampSendEnd);
 }
 
@@ -694,10 +697,10 @@ __device__ void combine_send(const int4* x, bool zero_copy, const long long* lay
 // mode: a rank masked while this rank waits for its partial of a token (sh.dropped) is left out of the token's sum.
 template <bool kLogFmt, typename TopkT, typename Shared>
 __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, const long long* layout_range,
-                             OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk,
-                             int wire, char* base, const LowLatencyLayout& L, int rank, int buffer_idx,
-                             const int* shrink_mask, const DeviceCtx* ctx, int* begin, int4* stage, Shared& sh,
-                             bool own_in_recv, Blocks blocks, long long* wait_stats, long long* stamps) {
+                             OwnEntries<TopkT> own, const float* topk_weights, int num_tokens, int num_topk, int wire,
+                             char* base, const LowLatencyLayout& L, int rank, int buffer_idx, const int* shrink_mask,
+                             const DeviceCtx* ctx, int* begin, int4* stage, Shared& sh, bool own_in_recv, Blocks blocks,
+                             long long* wait_stats, long long* stamps) {
     stamp_after_barrier(stamps, kStampRecvStart);
     long long waited = 0;  // thread r < R: the cycles spent waiting for rank r's flags (wait_stats)
     const int R = L.num_ranks, row_int4 = L.hidden / 8;
@@ -719,7 +722,8 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                 // the same chunks per thread as the sums' reads below
                 for (int c = threadIdx.x; c < row_int4; c += kCombineChunks * threads) {
                     float p[kCombineChunks][8];
-                    partial_sums<threads, Shared::kTopkBound>(p, rows, sh.row[j], sh.weight[j], sh.num_kept[j], c, row_int4, stage);
+                    partial_sums<threads, Shared::kTopkBound>(p, rows, sh.row[j], sh.weight[j], sh.num_kept[j], c,
+                                                              row_int4, stage);
 #pragma unroll
                     for (int q = 0; q < kCombineChunks; ++q)
                         if (c + q * threads < row_int4)
@@ -736,21 +740,25 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                 if ((has >> r & 1ull) && !(own_in_recv && r == rank)) {
                     int* flag = signals + L.combine_token_flag(r, t);
                     const long long waiting_since = wait_clock(wait_stats);
-                    const bool ok = wait_until<true>(ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, t, r},
-                                                     [&] { return ld_acquire_sys(flag) != 0; },
-                                                     [&](long long& head, long long& tail, long long& expected) {
-                                                         head = ld_volatile(flag);
-                                                         tail = t;
-                                                         expected = 1;
-                                                     });
+                    const bool ok = wait_until<true>(
+                        ctx, WaitSite{kKernelLowLatencyCombine, kRoleReceiver, t, r},
+                        [&] { return ld_acquire_sys(flag) != 0; },
+                        [&](long long& head, long long& tail, long long& expected) {
+                            head = ld_volatile(flag);
+                            tail = t;
+                            expected = 1;
+                        });
                     waited += waited_since(wait_stats, waiting_since);
-                    if (ok) *flag = 0;  // consumed
-                    else if (peer_dropped(shrink_mask, r)) atomicOr(&sh.dropped[j], 1ull << r);
-                    else sh.failed = 1;
+                    if (ok)
+                        *flag = 0;  // consumed
+                    else if (peer_dropped(shrink_mask, r))
+                        atomicOr(&sh.dropped[j], 1ull << r);
+                    else
+                        sh.failed = 1;
                 }
             }
             __syncthreads();
-            const unsigned long long got = has & ~sh.dropped[j];  // the ranks whose partials are summed
+            const unsigned long long got = has & ~sh.dropped[j];        // the ranks whose partials are summed
             if (t == blocks.index) stamp(stamps, kStampRecvFirstData);  // the first token's partials are in
             if (sh.failed) {  // uniform: every thread read it after the barrier
                 if ((int)threadIdx.x < R) add_wait_cost(wait_stats, threadIdx.x, waited);
@@ -767,7 +775,7 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
                         for (int u = 0; u < kSumInFlight; ++u)
                             if (r0 + u < R && (got >> (r0 + u) & 1ull) && c + q * threads < row_int4)
                                 w[q][u] = load_partial<kLogFmt>(recv + L.combine_partial_in(r0 + u, t), L.hidden,
-                                                       c + q * threads, wire);
+                                                                c + q * threads, wire);
 #pragma unroll
                     for (int q = 0; q < kCombineChunks; ++q)
 #pragma unroll
@@ -791,8 +799,10 @@ __device__ void combine_recv(int4* combined_x, const int4* x, bool zero_copy, co
 // combine_recv in this rank's wire: the LogFMT instantiation or the 24-bit / bf16 one (store_partial).
 template <typename... Args>
 __device__ __forceinline__ void combine_recv_as(bool logfmt, Args&&... args) {
-    if (logfmt) combine_recv<true>(static_cast<Args&&>(args)...);
-    else combine_recv<false>(static_cast<Args&&>(args)...);
+    if (logfmt)
+        combine_recv<true>(static_cast<Args&&>(args)...);
+    else
+        combine_recv<false>(static_cast<Args&&>(args)...);
 }
 
 }  // namespace ep::low_latency

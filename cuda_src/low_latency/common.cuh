@@ -51,13 +51,23 @@ constexpr bool kStampsBuilt = false;
 //             partials computed (one launch); recv_first_data = the first token's partials in.
 constexpr int kLLStamps = 13;
 enum LLStamp : int {
-    kStampSendStart = 0, kStampSendPrepared = 1, kStampSendRouted = 2, kStampSendEncoded = 3,
-    kStampSendWritten = 4, kStampSendEnd = 5, kStampRecvStart = 6, kStampRecvPrepared = 7,
-    kStampRecvFirstData = 8, kStampRecvEnd = 9, kStampSendFirstStored = 10, kStampRecvCopyStart = 11,
+    kStampSendStart = 0,
+    kStampSendPrepared = 1,
+    kStampSendRouted = 2,
+    kStampSendEncoded = 3,
+    kStampSendWritten = 4,
+    kStampSendEnd = 5,
+    kStampRecvStart = 6,
+    kStampRecvPrepared = 7,
+    kStampRecvFirstData = 8,
+    kStampRecvEnd = 9,
+    kStampSendFirstStored = 10,
+    kStampRecvCopyStart = 11,
     kStampRecvRowSeen = 12,
 };
 __device__ __forceinline__ void stamp_by(long long* stamps, int which, bool writer) {
-    if (kStampsBuilt && stamps != nullptr && writer) stamps[blockIdx.x * kLLStamps + which] = (long long)globaltimer_ns();
+    if (kStampsBuilt && stamps != nullptr && writer)
+        stamps[blockIdx.x * kLLStamps + which] = (long long)globaltimer_ns();
 }
 __device__ __forceinline__ void stamp(long long* stamps, int which) { stamp_by(stamps, which, threadIdx.x == 0); }
 // A block barrier only when stamping (the condition is uniform over the block).
@@ -103,8 +113,8 @@ __device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float& 
 }
 
 // One int to PE `pe`'s symmetric buffer at `offset`, ordered after everything this thread has observed.
-__device__ __forceinline__ void send_signal(char* base, const unsigned long long* peer_bases, int pe,
-                                            long long offset, int value) {
+__device__ __forceinline__ void send_signal(char* base, const unsigned long long* peer_bases, int pe, long long offset,
+                                            int value) {
     char* direct = reinterpret_cast<char*>(peer_bases[pe]);
     if (direct != nullptr) {
         st_release_sys(reinterpret_cast<int*>(direct + offset), value);

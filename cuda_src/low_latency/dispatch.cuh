@@ -29,8 +29,8 @@ __device__ __forceinline__ const TopkT* stage_topk(const TopkT* topk_idx, int co
 // Counts into the zeroed histograms (zero_histograms; a block barrier since): hist[e] over the rows before
 // first_token, hist_all[e] over all rows. Ends with a block barrier.
 template <typename TopkT>
-__device__ void build_histograms(const TopkT* topk_idx, int num_tokens, int num_topk, int num_experts,
-                                 int first_token, int* hist, int* hist_all) {
+__device__ void build_histograms(const TopkT* topk_idx, int num_tokens, int num_topk, int num_experts, int first_token,
+                                 int* hist, int* hist_all) {
     const int prefix = min(first_token, num_tokens) * num_topk;
     for (int f = threadIdx.x; f < num_tokens * num_topk; f += blockDim.x) {
         const long long e = (long long)topk_idx[f];
@@ -42,8 +42,8 @@ __device__ void build_histograms(const TopkT* topk_idx, int num_tokens, int num_
 }
 
 template <typename TopkT>
-__device__ void advance_histogram(const TopkT* topk_idx, int from_token, int to_token, int num_topk,
-                                  int num_experts, int* hist) {
+__device__ void advance_histogram(const TopkT* topk_idx, int from_token, int to_token, int num_topk, int num_experts,
+                                  int* hist) {
     for (int f = from_token * num_topk + (int)threadIdx.x; f < to_token * num_topk; f += blockDim.x) {
         const long long e = (long long)topk_idx[f];
         if (e >= 0 && e < num_experts) atomicAdd(&hist[e], 1);
@@ -81,8 +81,8 @@ struct DispatchShared {
     int slot[kMaxTopk];          // token_slots: its slot, -1 = not kept
     int put_dest[kMaxTopk];      // destination ranks reached by NVSHMEM puts (no NVLink mapping), num_put of them
     char* target[kMaxTopk + 1];  // where the message bytes are stored: each mapped destination's recv slot
-                                   // (num_store of them), then this rank's send slot when num_put > 0 (the puts'
-                                   // symmetric source)
+                                 // (num_store of them), then this rank's send slot when num_put > 0 (the puts'
+                                 // symmetric source)
     int num_target, num_store, num_put;
     unsigned long long peer[kLLMaxRanks];  // peer_bases, staged by warp 0 at the start (no global load per use)
     unsigned long long masked;             // stage_masked, likewise (the receive phase reads it too)
@@ -148,7 +148,8 @@ __device__ __forceinline__ void send_index_entries(int t, int num_topk, char* ba
 // alternates them per call, but a CUDA graph bakes the index in at capture, so a graph holding an odd number of
 // low-latency calls replays two sends on one buffer in a row; stop the buffer loudly instead of letting the
 // receivers read stale signals. (The peers make the same calls, so they stop as well.)
-__device__ __forceinline__ void check_buffer_alternates(int* workspace, int buffer_idx, const DeviceCtx* ctx, int kernel) {
+__device__ __forceinline__ void check_buffer_alternates(int* workspace, int buffer_idx, const DeviceCtx* ctx,
+                                                        int kernel) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const int previous = workspace[kWsLastSend];  // written only here, by one thread per launch (stream order)
     if (previous == 1 + buffer_idx)
@@ -230,8 +231,8 @@ __device__ __forceinline__ void encode_token(const TokenLoads& in, const int4* x
 // min(hist_all[e], M), at its owner's dispatch_count(e % L, rank) as epoch << 32 | count in one 8-byte store.
 // They order nothing: a receiver waits for each row's index entry to carry the epoch too.
 template <typename Shared>
-__device__ __forceinline__ void send_counts(const int* hist_all, char* base, const LowLatencyLayout& L,
-                                            int buffer_idx, int rank, const Shared& sh) {
+__device__ __forceinline__ void send_counts(const int* hist_all, char* base, const LowLatencyLayout& L, int buffer_idx,
+                                            int rank, const Shared& sh) {
     if (lane_id() != 0 || warp_id() == 0) return;  // (warp 0 goes on to the token's slots)
     const FastDiv by_local(L.num_local);
     for (int e = blockIdx.x + gridDim.x * (warp_id() - 1); e < L.num_experts; e += gridDim.x * (kLLWarps - 1)) {
@@ -240,8 +241,10 @@ __device__ __forceinline__ void send_counts(const int* hist_all, char* base, con
         const long long offset = L.signal_offset(buffer_idx) + 8LL * L.dispatch_count(by_local.mod(e), rank);
         const long long value = ((long long)sh.epoch << 32) | (unsigned)count;
         char* direct = reinterpret_cast<char*>(sh.peer[pe]);
-        if (direct != nullptr) st_relaxed_sys(reinterpret_cast<long long*>(direct + offset), value);
-        else ll_put_longlong(reinterpret_cast<long long*>(base + offset), value, pe);
+        if (direct != nullptr)
+            st_relaxed_sys(reinterpret_cast<long long*>(direct + offset), value);
+        else
+            ll_put_longlong(reinterpret_cast<long long*>(base + offset), value, pe);
     }
 }
 
@@ -261,9 +264,9 @@ struct StoreToTargets {
 // bytes straight from registers into every mapped destination (and the send slot for puts). The stores are issued,
 // not ordered: the caller's block barrier and the index entries' releases follow.
 template <bool kUseFP8, typename Shared>
-__device__ __forceinline__ void send_message(const int4* x, const TokenLoads& in, int t, bool round_scale,
-                                             char* send, long long recv, const LowLatencyLayout& L,
-                                             int rank, Shared& sh, long long* stamps) {
+__device__ __forceinline__ void send_message(const int4* x, const TokenLoads& in, int t, bool round_scale, char* send,
+                                             long long recv, const LowLatencyLayout& L, int rank, Shared& sh,
+                                             long long* stamps) {
     const int hidden_int4 = L.hidden / 8;
     // this thread's first x chunk is in flight while warp 0 works out where the token goes
     token_targets(in.expert, L.num_experts, L.num_local, recv + L.dispatch_recv_msg(rank, t),
@@ -287,8 +290,7 @@ __device__ __noinline__ void put_message(char* base, const char* send_msg, long 
     const int part_int4 = (row_int4 + warps_per_dest - 1) / warps_per_dest;
     const int begin = 1 + part * part_int4, n = min(part_int4, msg_int4 - begin);
     for (int d = warp_id() / warps_per_dest; d < num_put; d += groups)
-        if (n > 0)
-            ll_put_warp(base + recv_msg + begin * 16LL, send_msg + begin * 16LL, (size_t)n * 16, sh.put_dest[d]);
+        if (n > 0) ll_put_warp(base + recv_msg + begin * 16LL, send_msg + begin * 16LL, (size_t)n * 16, sh.put_dest[d]);
     if (warp_id() / warps_per_dest >= num_put) return;
     __syncwarp();
     if (lane_id() == 0) ll_quiet();
@@ -310,10 +312,10 @@ __device__ __forceinline__ void stage_send_shared(const unsigned long long* peer
 // slots); then per token its slots, one block barrier, and its index entries, each after a system-scope release.
 template <bool kUseFP8, typename TopkT, typename Shared>
 __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_slots, int num_tokens, int num_topk,
-                              bool round_scale,
-                              char* base, const unsigned long long* peer_bases, const LowLatencyLayout& L, int rank,
-                              int buffer_idx, int* workspace, const int* shrink_mask, const DeviceCtx* ctx,
-                              int* hist, int* hist_all, TopkT* topk_stage, Shared& sh, long long* stamps) {
+                              bool round_scale, char* base, const unsigned long long* peer_bases,
+                              const LowLatencyLayout& L, int rank, int buffer_idx, int* workspace,
+                              const int* shrink_mask, const DeviceCtx* ctx, int* hist, int* hist_all, TopkT* topk_stage,
+                              Shared& sh, long long* stamps) {
     const int E = L.num_experts, hidden_int4 = L.hidden / 8;
     stamp(stamps, kStampSendStart);
     // the first token's loads go out before warp 0's staging waits on its own loads (which would hold back warp
@@ -325,8 +327,8 @@ __device__ void dispatch_send(const int4* x, const TopkT* topk_idx, int* topk_sl
     const long long recv = L.recv_offset(buffer_idx);  // (the send slot is recomputed where used: registers)
     cp_async_wait_all();  // this thread's part of the stage; the next block barrier publishes it and the zeroes
     if ((int)blockIdx.x < num_tokens)
-        send_message<kUseFP8>(x, first, blockIdx.x, round_scale, base + L.send_offset(buffer_idx), recv, L, rank,
-                              sh, stamps);
+        send_message<kUseFP8>(x, first, blockIdx.x, round_scale, base + L.send_offset(buffer_idx), recv, L, rank, sh,
+                              stamps);
     else
         __syncthreads();  // (uniform) as send_message's first barrier
     stamp(stamps, kStampSendFirstStored);
@@ -456,14 +458,14 @@ __device__ __forceinline__ void read_counts(const long long* counts, int n, int 
         }
         long long v = 0;
         const long long waiting_since = wait_clock(wait_stats);
-        const bool ok = wait_until<true>(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, i / L.num_ranks,
-                                                       i % L.num_ranks},
-                                         [&] { return (int)((v = ld_volatile(counts + i)) >> 32) == epoch; },
-                                         [&](long long& head, long long& tail, long long& expected) {
-                                             head = v >> 32;
-                                             tail = (int)(v & 0xffffffff);
-                                             expected = epoch;
-                                         });
+        const bool ok = wait_until<true>(
+            ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, i / L.num_ranks, i % L.num_ranks},
+            [&] { return (int)((v = ld_volatile(counts + i)) >> 32) == epoch; },
+            [&](long long& head, long long& tail, long long& expected) {
+                head = v >> 32;
+                tail = (int)(v & 0xffffffff);
+                expected = epoch;
+            });
         add_wait_cost(wait_stats, i % L.num_ranks, waited_since(wait_stats, waiting_since));
         prefix[i] = ok ? (int)(v & 0xffffffff) : 0;
         if (!ok && !peer_dropped(shrink_mask, i % L.num_ranks)) rs.failed = 1;
@@ -490,13 +492,14 @@ __device__ __forceinline__ int wait_row(int row, int pair, int s, const int* pre
     const int e = pair / L.num_ranks;
     const long long* entry = reinterpret_cast<const long long*>(recv + L.dispatch_recv_index(e, s, row - prefix[pair]));
     long long v = 0;
-    const bool ok = wait_until<true>(ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
-                                     [&] { return (int)((v = ld_acquire_sys(entry)) >> 32) == epoch; },
-                                     [&](long long& head, long long& tail, long long& expected) {
-                                         head = v >> 32;
-                                         tail = row - prefix[pair];
-                                         expected = epoch;
-                                     });
+    const bool ok = wait_until<true>(
+        ctx, WaitSite{kKernelLowLatencyDispatch, kRoleReceiver, e, s},
+        [&] { return (int)((v = ld_acquire_sys(entry)) >> 32) == epoch; },
+        [&](long long& head, long long& tail, long long& expected) {
+            head = v >> 32;
+            tail = row - prefix[pair];
+            expected = epoch;
+        });
     return ok ? (int)(v & 0xffffffff) : -1;
 }
 
@@ -509,9 +512,8 @@ __device__ __forceinline__ int wait_row(int row, int pair, int s, const int* pre
 template <bool kUseFP8>
 __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* prefix, int n, const char* recv,
                                                    int epoch, void* packed_recv_x, void* packed_recv_scales,
-                                                   int* packed_recv_src_info, bool use_ue8m0,
-                                                   const LowLatencyLayout& L, const int* shrink_mask,
-                                                   const DeviceCtx* ctx, long long* stamps) {
+                                                   int* packed_recv_src_info, bool use_ue8m0, const LowLatencyLayout& L,
+                                                   const int* shrink_mask, const DeviceCtx* ctx, long long* stamps) {
     constexpr int kInFlight = 8, kMaxParts = 8;  // 8 loads per lane: a unit (half a row at 512 threads) in one pass
     const int rows = hi - lo, R = L.num_ranks, rows_per_expert = R * L.num_max_tokens, lane = lane_id();
     if (rows <= 0) return true;
@@ -535,7 +537,7 @@ __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* pr
         if (lane == 0) token = wait_row(row, pair, s, prefix, recv, epoch, L, ctx);
         if (u == 0) stamp_by(stamps, kStampRecvRowSeen, lane == 0);
         token = __shfl_sync(0xffffffffu, token, 0);
-        __syncwarp();  // the message's bytes are read after lane 0's acquire of its entry
+        __syncwarp();     // the message's bytes are read after lane 0's acquire of its entry
         if (token < 0) {  // uniform over the warp
             if (peer_dropped(shrink_mask, s)) continue;
             return false;
@@ -568,8 +570,9 @@ __device__ __forceinline__ bool copy_rows_as_ready(int lo, int hi, const int* pr
             } else {
                 value = ld_volatile(reinterpret_cast<const int*>(msg + 16 + L.hidden) + w);
             }
-            reinterpret_cast<int*>(packed_recv_scales)[((long long)e * words + w) * rows_per_expert +
-                                                       (out_row - e * rows_per_expert)] = value;
+            reinterpret_cast<int*>(
+                packed_recv_scales)[((long long)e * words + w) * rows_per_expert + (out_row - e * rows_per_expert)] =
+                value;
         }
         if (lane == 0) packed_recv_src_info[out_row] = token;
     }
@@ -609,7 +612,8 @@ __device__ void dispatch_recv(void* packed_recv_x, void* packed_recv_scales, int
 #pragma unroll 1
             for (int s = lane_id(); s < R; s += kWarpSize) {
                 const int from = prefix[e * R + s];
-                packed_recv_layout_range[(long long)e * R + s] = ((long long)(from - begin) << 32) | (prefix[e * R + s + 1] - from);
+                packed_recv_layout_range[(long long)e * R + s] =
+                    ((long long)(from - begin) << 32) | (prefix[e * R + s + 1] - from);
             }
             if (lane_id() == 0) {
                 packed_recv_count[e] = prefix[e * R + R] - begin;

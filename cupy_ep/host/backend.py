@@ -587,7 +587,7 @@ class HostBackend(BackendBase):
         args, notes = self._agree("low_latency_combine", lambda: self._check_low_latency_combine(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
             combine_wait_recv_cost_stats, bf16_partials), low_latency=True)
-        me, num_ranks, num_local = self.rank, self.num_ranks, args.num_local
+        num_ranks, num_local = self.num_ranks, args.num_local
         taking_part = np.array([n is not None for n in notes])
         args.topk_idx = self._masked_topk(args.topk_idx, args.num_experts)
         # The routing must be the dispatch's: what each owner's handle holds for each token owner equals
