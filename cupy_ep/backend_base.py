@@ -23,6 +23,9 @@ class BackendBase:
     _unusable_reason: str | None = None  # why the buffer refuses every later call (a failed wait)
     #: the context a public call runs in (the CUDA backend: its device); the host backend needs none
     scope = contextlib.nullcontext()
+    #: the framework this buffer serves where no array names one (``get_comm_stream``): "torch" for a buffer over a
+    #: torch.distributed group, else unknown (None) until a call's arrays name one (:meth:`note_arrays`)
+    framework: str | None = None
 
     def __init__(self, comm=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
@@ -36,8 +39,9 @@ class BackendBase:
             raise TypeError(f"timeout_s: must be a number of seconds, got {timeout_s!r}") from None
         if not self.timeout_s > 0:  # also refuses NaN
             raise ValueError(f"timeout_s: must be positive, got {self.timeout_s}")
-        from .bootstrap import as_comm
+        from .bootstrap import as_comm, is_torch_group
         from .validate import check_comm
+        self.framework = "torch" if is_torch_group(comm) else None
         comm = as_comm(comm, timeout_s=self.timeout_s)
         check_comm(comm)
         self.comm = comm
@@ -55,6 +59,14 @@ class BackendBase:
 
     def get_comm_stream(self):
         return None
+
+    def note_arrays(self, x) -> None:
+        """Remember the framework of a call's main array (``x``, or an FP8 pair's first item): the one a later
+        call without arrays serves. Anything that is not a CuPy array or torch tensor leaves it as it was."""
+        from . import interop
+        lib = interop.library_of(x[0] if isinstance(x, (tuple, list)) and x else x)
+        if lib is not None:
+            self.framework = lib
 
     def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
         from . import interop, validate

@@ -217,8 +217,10 @@ class Buffer:
             ``topk_idx``'s kind."""
         impl = self.impl
         with impl.scope:
-            return impl.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
-                                            allocate_on_comm_stream)
+            result = impl.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
+                                              allocate_on_comm_stream)
+            impl.note_arrays(topk_idx)
+            return result
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -252,9 +254,11 @@ class Buffer:
             DeepEP's internode 10-tuple."""
         impl = self.impl
         with impl.scope:
-            return impl.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                                 config, previous_event, async_finish, allocate_on_comm_stream, zero_copy)
+            result = impl.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                   num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                                   config, previous_event, async_finish, allocate_on_comm_stream, zero_copy)
+            impl.note_arrays(x)
+            return result
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False, zero_copy: bool = False):
@@ -276,8 +280,10 @@ class Buffer:
             sum (0 + bias0 + bias1 + contributions in ascending rank order) rounded once to bf16."""
         impl = self.impl
         with impl.scope:
-            return impl.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                allocate_on_comm_stream, zero_copy)
+            result = impl.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                  allocate_on_comm_stream, zero_copy)
+            impl.note_arrays(x)
+            return result
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
@@ -327,9 +333,11 @@ class Buffer:
             the host backend)."""
         impl = self.impl
         with impl.scope:
-            return impl.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                             cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                                             use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+            result = impl.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                               cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                               use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+            impl.note_arrays(x)
+            return result
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
@@ -364,8 +372,10 @@ class Buffer:
             ascending, rounded to bf16 once (:func:`reference.low_latency_combine`)."""
         impl = self.impl
         with impl.scope:
-            return impl.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                                            return_recv_hook, out, combine_wait_recv_cost_stats, bf16_partials)
+            result = impl.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                              return_recv_hook, out, combine_wait_recv_cost_stats, bf16_partials)
+            impl.note_arrays(topk_idx)
+            return result
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The bf16 ``[L, R*M, H]`` array a ``zero_copy`` combine with this handle's shape reads (local).
@@ -422,9 +432,10 @@ class Buffer:
 
     def get_comm_stream(self):
         """The stream the communication kernels run on (``async_finish`` calls, hooks), in the caller's framework:
-        a ``torch.cuda.ExternalStream`` for torch users, the ``cupy.cuda.Stream`` for CuPy users (as
-        :meth:`capture` tells them apart; ``buf.comm_stream`` is always the CuPy one); None on the host backend,
-        which runs every call synchronously on the host."""
+        a ``torch.cuda.ExternalStream`` when this buffer's most recent call with arrays took torch tensors (or,
+        before any, when it was made over a ``torch.distributed`` group), the ``cupy.cuda.Stream`` when it took
+        CuPy arrays; before any call otherwise as :meth:`capture` chooses. ``buf.comm_stream`` is always the CuPy
+        one. None on the host backend, which runs every call synchronously on the host."""
         return self.impl.get_comm_stream()
 
     def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):

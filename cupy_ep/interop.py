@@ -59,6 +59,11 @@ def _lib(x) -> str | None:
     return lib
 
 
+def library_of(x) -> str | None:
+    """``"torch"``, ``"cupy"`` or ``"numpy"`` for an array of that library, None for anything else."""
+    return _lib(x)
+
+
 def kind_of(x) -> Kind:
     lib = _lib(x)
     if lib == "torch":
@@ -245,8 +250,8 @@ _DEFAULT_STREAMS = (0, 1, 2)
 
 
 def caller_kind() -> Kind:
-    """The framework a call without arrays serves (``Buffer.capture()``, ``get_comm_stream()``, the mask-buffer
-    calls): CuPy when the caller entered a CuPy stream (CuPy's current stream is not a default stream); else torch
+    """The framework a call without arrays serves (``Buffer.capture()``, the mask-buffer calls, and
+    ``get_comm_stream()`` on a buffer no call has named a framework for yet): CuPy when the caller entered a CuPy stream (CuPy's current stream is not a default stream); else torch
     when torch is imported and has initialized CUDA in this process; else CuPy. Never imports torch.
 
     Why this order: torch users are told apart by torch having touched the GPU; a CuPy user who also uses torch

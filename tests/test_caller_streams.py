@@ -161,6 +161,46 @@ def test_get_comm_stream_is_cupys_for_cupy_users(streams):
     assert buf.get_comm_stream() is buf.comm_stream
 
 
+def _fake_torch_streams(initialized: bool):
+    fake = _fake_torch(initialized)
+    fake.device = lambda kind, index: (kind, index)
+    fake.cuda.ExternalStream = lambda ptr, device: ("torch-stream", ptr, device)
+    return fake
+
+
+@pytest.mark.parametrize("framework, torch_initialized, want", [
+    ("cupy", True, "cupy"),     # the last call took CuPy arrays: CuPy's stream, though torch touched the GPU
+    ("torch", False, "torch"),  # the last call took torch tensors (or the buffer is over a torch group)
+    (None, True, "torch"),      # no call yet: caller_kind (torch has initialized CUDA)
+    (None, False, "cupy"),      # no call yet, torch never touched the GPU
+])
+def test_get_comm_stream_follows_the_buffers_framework(streams, monkeypatch, framework, torch_initialized, want):
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch_streams(torch_initialized))
+    buf = _cuda_buffer(streams.log)
+    buf._torch_comm_stream = None
+    buf.framework = framework
+    got = buf.get_comm_stream()
+    if want == "cupy":
+        assert got is buf.comm_stream
+    else:
+        assert got == ("torch-stream", buf.comm_stream.ptr, ("cuda", 0))
+        assert buf.get_comm_stream() is got  # made once
+
+
+def test_a_call_names_the_buffers_framework():
+    import numpy as np
+    torch = pytest.importorskip("torch")
+    buf = CudaBackend.__new__(CudaBackend)
+    assert buf.framework is None
+    buf.note_arrays(torch.zeros(2))
+    assert buf.framework == "torch"
+    buf.note_arrays((np.zeros(2), np.zeros(1)))   # an FP8 pair: its first item names it
+    assert buf.framework == "numpy"
+    buf.note_arrays(None)                          # a zero-copy combine without x: no change
+    buf.note_arrays([1, 2])
+    assert buf.framework == "numpy"
+
+
 def test_the_static_helpers_need_no_buffer():
     from cupy_ep import config
     assert cupy_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == \

@@ -148,7 +148,7 @@ class CudaBackend(BackendBase):
         self.runtime.check_health()
 
     def get_comm_stream(self):
-        if interop.caller_kind().lib == "torch":
+        if (self.framework or interop.caller_kind().lib) == "torch":
             import torch
             if self._torch_comm_stream is None:
                 self._torch_comm_stream = torch.cuda.ExternalStream(

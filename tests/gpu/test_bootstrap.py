@@ -79,8 +79,15 @@ def test_local_buffer_tensor_is_what_the_peers_see(comm, gpu_buffer):
             torch_ok = t.is_cuda and t.cpu().numpy().tolist() == view.get().tolist()
     ok = (np.array_equal(got, np.arange(n) + 7000 * (src + 1)) and same_bytes and torch_ok
           and whole.shape == (gpu_buffer.num_nvl_bytes,)
-          and gpu_buffer.get_comm_stream() is gpu_buffer.comm_stream and cupy_ep.Buffer.is_sm90_compiled())
+          and _stream_ptr(gpu_buffer.get_comm_stream()) == gpu_buffer.comm_stream.ptr
+          and cupy_ep.Buffer.is_sm90_compiled())
     assert all_ok(comm, ok), f"rank {rank}: got {got[:4]}.. from rank {src}, same bytes {same_bytes}, torch {torch_ok}"
+
+
+def _stream_ptr(stream) -> int:
+    """The CUDA stream behind a CuPy or a torch stream object (get_comm_stream gives the one of the framework the
+    buffer's last call used: test_streams.py checks which)."""
+    return stream.cuda_stream if hasattr(stream, "cuda_stream") else stream.ptr
 
 
 _ARRIVE = r"""
