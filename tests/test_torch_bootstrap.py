@@ -140,6 +140,25 @@ def test_torch_adapter_matches_mpi4py_method_by_method(comm, gloo_group):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_large_values_cross_the_store_in_linear_time(comm, gloo_group):
+    """A 24 MiB value per rank (six store chunks and a tail) arrives whole, by rank, in well under the 20 s
+    bound: the store's batched multi_set / multi_get take time quadratic in their payload (about 40 s for
+    32 MiB), one set or get per chunk about a millisecond (the GPU tests' reference exchanges are this big)."""
+    from cupy_ep.bootstrap.torch_group import TorchComm
+    adapter = TorchComm(gloo_group)
+    rank, size = adapter.Get_rank(), adapter.Get_size()
+    n = (24 << 20) + 5
+    mine = (np.arange(n, dtype=np.int64) * (rank + 3) % 251).astype(np.uint8)
+    start = time.monotonic()
+    got = adapter.allgather(mine)
+    seconds = time.monotonic() - start
+    want = [(np.arange(n, dtype=np.int64) * (r + 3) % 251).astype(np.uint8) for r in range(size)]
+    equal = [np.array_equal(g, w) for g, w in zip(got, want)]
+    ok = len(got) == size and all(equal) and seconds < 20
+    assert all_ok(comm, ok), f"rank {rank}: {len(got)} values, equal {equal}, {seconds:.1f} s"
+
+
+@pytest.mark.mpi(min_size=2)
 def test_torchrun_never_imports_mpi(comm):
     if bootstrap.is_mpi4py(comm):
         pytest.skip("checked under torchrun (--with-torchrun)")
