@@ -269,14 +269,41 @@ def tuned_config_path() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cupy_ep" / "tuned_configs.json"
 
 
+_tuned_paths: dict = {}    # (CUPY_EP_TUNED_CONFIG, XDG_CACHE_HOME) -> tuned_config_path() as a string
+_tuned_tables: dict = {}   # path -> ((its mtime in ns, size, inode), its entries)
+
+
+def _tuned_entries() -> dict:
+    """The tuned-config file's entries ({} without one), read again only when the file changes: every call with
+    the default config looks here, and building the path and reading the file took ~12 us a call."""
+    env = (os.environ.get("CUPY_EP_TUNED_CONFIG"), os.environ.get("XDG_CACHE_HOME"))
+    path = _tuned_paths.get(env)
+    if path is None:
+        path = _tuned_paths[env] = str(tuned_config_path())
+    try:
+        st = os.stat(path)
+    except OSError:
+        return {}
+    stamp = (st.st_mtime_ns, st.st_size, st.st_ino)   # the tuner replaces the file (a new inode)
+    cached = _tuned_tables.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        entries = {}
+    if not isinstance(entries, dict):
+        entries = {}
+    _tuned_tables[path] = (stamp, entries)
+    return entries
+
+
 def load_tuned(kind: str, num_ranks: int, hidden_bytes: int | None) -> Config | None:
     """The tuned ``Config`` for (kind, num_ranks, hidden_bytes) if the tuner wrote one, else None."""
-    path = tuned_config_path()
-    if hidden_bytes is None or not path.is_file():
+    if hidden_bytes is None:
         return None
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
+    entries = _tuned_entries()
+    if not entries:
         return None
     key = f"{kind}/{num_ranks}/{hidden_bytes}"
     entry = entries.get(key)
@@ -285,7 +312,7 @@ def load_tuned(kind: str, num_ranks: int, hidden_bytes: int | None) -> Config | 
     try:
         return Config(**entry)
     except TypeError as e:
-        raise ValueError(f"CUPY_EP_TUNED_CONFIG {path}: entry {key}: {e}") from None
+        raise ValueError(f"CUPY_EP_TUNED_CONFIG {tuned_config_path()}: entry {key}: {e}") from None
 
 
 _default_num_sms = 20

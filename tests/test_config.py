@@ -222,3 +222,17 @@ def test_dispatch_split_needs_four_sms():
     with pytest.raises(ValueError, match="config: an intranode dispatch needs num_sms >= 4"):
         Config(num_sms=2).intranode_dispatch_split(2)
     assert Config(num_sms=2).num_channels == 1  # a combine (or internode) on 2 SMs is fine
+
+
+def test_a_rewritten_or_removed_tuned_file_is_read_again(tmp_path, monkeypatch):
+    """The file's entries are kept between calls (every default-config call looks them up) but re-read when the
+    tuner rewrites the file, and forgotten when it is removed."""
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv("CUPY_EP_TUNED_CONFIG", str(path))
+    entry = {"num_max_nvl_chunked_send_tokens": 8, "num_max_nvl_chunked_recv_tokens": 512}
+    path.write_text(json.dumps({"dispatch/4/14336": {"num_sms": 24, **entry}}))
+    assert Buffer.get_dispatch_config(4, 14336) == Config(24, 8, 512)
+    path.write_text(json.dumps({"dispatch/4/14336": {"num_sms": 128, **entry}}))   # the size changes too
+    assert Buffer.get_dispatch_config(4, 14336) == Config(128, 8, 512)
+    path.unlink()
+    assert Buffer.get_dispatch_config(4, 14336) == Config(Buffer.num_sms, 6, 256, 6, 128)
