@@ -5,6 +5,8 @@ same routing and checks, which depend on the seed only) and never import ``mpi4p
 the children refuses that import and leaves a marker file when anything asks for it.
 
 Single-process tests: each starts its own launcher (torchrun, and mpiexec for the comparison where one is on PATH).
+The benchmark's NCCL baseline, which only a GPU runs, is checked here for the part a CPU can see: where a rank
+cannot use it, every rank skips it alike.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,7 @@ _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "OMPI_COMM_WORLD", "OMPI_MCA_", "MPI_LOCAL", "MV2_", "SLURM_")
 TIMEOUT_S = 240
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
 
 def child_env(tmp_path: Path) -> tuple[dict, Path]:
@@ -107,6 +110,7 @@ def _launch_independent(doc: dict) -> dict:
             "records": sorted(tuple(str(r.get(k)) for k in keys) for r in doc["results"])}
 
 
+@needs_torch
 def test_bench_under_torchrun_is_the_mpi_run(tmp_path):
     """``-m cupy_ep.bench`` under torchrun: rank 0 alone prints and writes the host results, the world started by
     torch.distributed (``startup.mpi_start``), NCCL said to be absent, every op verified; the records, bytes and
@@ -138,6 +142,7 @@ def test_bench_under_torchrun_is_the_mpi_run(tmp_path):
     assert _launch_independent(doc) == _launch_independent(mpi_doc)
 
 
+@needs_torch
 def test_bench_low_latency_under_torchrun_is_the_mpi_run(tmp_path):
     """``-m cupy_ep.bench --mode low-latency`` under torchrun: verified, one report from rank 0, the same records,
     bytes and routing as under mpiexec."""
@@ -167,6 +172,7 @@ def test_bench_low_latency_under_torchrun_is_the_mpi_run(tmp_path):
                                                                  mpi_doc["nccl"])
 
 
+@needs_torch
 @pytest.mark.parametrize("mode, argv, summary", [
     ("normal", ["--iters", "6", "--check-every", "2", "--max-tokens", "32"],
      "cupy_ep.soak: 6 iterations from 0 (seed 7, backend host, 2 ranks): 0 mismatches, "),
@@ -188,6 +194,7 @@ def test_soak_under_torchrun_is_the_mpi_run(tmp_path, mode, argv, summary):
     assert lines_with(ran[1], summary) == [line]
 
 
+@needs_torch
 def test_soak_mismatch_under_torchrun_stops_every_rank(tmp_path):
     """A corrupted reference under torchrun: every rank stops with exit status 1 (torchrun's own is non-zero) and
     rank 0 alone prints the mismatch and the replay command."""
@@ -226,6 +233,7 @@ def test_soak_mismatch_under_torchrun_stops_every_rank(tmp_path):
     assert "exitcode  : 1" in text, text  # torchrun's report of a rank's own exit status
 
 
+@needs_torch
 def test_tune_under_torchrun_without_a_gpu_is_one_error(tmp_path):
     """``-m cupy_ep.tune`` under torchrun on a machine without a GPU: the one argparse error, printed once (rank
     0), exit status 2 as under mpiexec; no file written."""
@@ -241,8 +249,52 @@ def test_tune_under_torchrun_without_a_gpu_is_one_error(tmp_path):
     assert not out.exists()
 
 
+@needs_torch
 def test_help_under_torchrun_prints_once(tmp_path):
     """``--help`` under torchrun: parsed before the world starts, printed by rank 0 only (RANK), exit status 0."""
     done, text = torchrun(tmp_path, "bench", ["--help"])
     check_ok(done, text)
     assert len(lines_with(text, "usage: python -m cupy_ep.bench")) == 1, text
+
+
+# ------------------------------------------------------------------------------------------------------
+# the NCCL baseline: its own cupy.cuda.nccl communicator under either launcher, skipped alike on every rank
+# ------------------------------------------------------------------------------------------------------
+class _GatherComm:
+    """A stand-in communicator whose allgather returns what each rank gave (``values``, this rank's slot
+    replaced by its own)."""
+
+    def __init__(self, rank, values):
+        self.rank, self.values = rank, values
+
+    def allgather(self, mine):
+        return [mine if r == self.rank else v for r, v in enumerate(self.values)]
+
+
+def test_nccl_baseline_without_nccl_on_one_rank_is_skipped_on_all(monkeypatch):
+    """One rank's CuPy without NCCL: every rank gets (None, the same skip naming that rank), so none waits in the
+    baseline's unique-id broadcast for a rank that skipped it."""
+    from cupy_ep.tools import harness
+    monkeypatch.setattr(harness, "nccl_unavailable", lambda: None)
+    got = harness.nccl_baseline(_GatherComm(0, [None, "no libnccl"]), [])
+    assert got == (None, "skipped: CuPy has no usable NCCL (no libnccl; rank 1)")
+    monkeypatch.setattr(harness, "nccl_unavailable", lambda: "no libnccl")
+    assert harness.nccl_baseline(_GatherComm(1, [None, None]), []) == got
+    # ranks sharing a GPU are named first, as before (no collective needed: every rank knows the groups)
+    assert harness.nccl_baseline(object(), [[0, 1]])[1].startswith("skipped: ranks 0, 1 share a GPU")
+
+
+def test_nccl_unavailable_reads_cupys_flag(monkeypatch):
+    """CuPy's nccl module imports without libnccl and says so in ``available``; the reason names the fix."""
+    from cupy_ep.tools import harness
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    cuda = types.ModuleType("cupy.cuda")
+    cupy = types.ModuleType("cupy")
+    cuda.nccl, cupy.cuda = nccl, cuda
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    nccl.available = False
+    assert "cupy.cuda.nccl.available is False" in harness.nccl_unavailable()
+    nccl.available = True
+    assert harness.nccl_unavailable() is None

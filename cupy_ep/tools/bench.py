@@ -344,6 +344,8 @@ class Bench(harness.Tool):
                 self.nccl, self.nccl_status = nccl_baseline(self.comm, self.shared)
                 if self.shared:
                     self.log(shared_gpu_warning("cupy_ep.bench", self.shared, self.nccl_status))
+                elif self.nccl is None:
+                    self.log(f"cupy_ep.bench: NCCL baseline {self.nccl_status}: no NCCL times or ratios")
                 self.measure_ceiling(GpuTimer(self.comm, a.iters, a.warmup))
             for shape in self.shapes:
                 self.shape = shape
