@@ -1,9 +1,9 @@
 """``python -m cupy_ep.soak``: many randomly shaped dispatch/cached dispatch/combine rounds, checked against
 the reference.
 
-Run under mpirun or torchrun (any backend). Every iteration draws its shape (tokens, hidden, top-k, routing skew, dtype)
-from a generator seeded identically on all ranks, and its data from a per-rank generator, so any iteration
-can be replayed alone with ``--start``. Each iteration's outputs are checksummed; every ``--check-every``-th
+Run under mpirun or torchrun (any backend). Every iteration draws its shape (tokens, hidden, top-k, routing
+skew, dtype) from a generator seeded identically on all ranks, and its data from a per-rank generator, so any
+iteration can be replayed alone with ``--start``. Each iteration's outputs are checksummed; every ``--check-every``-th
 iteration and a random tenth of the others are compared bit for bit with ``cupy_ep.reference``. The first
 mismatch stops all ranks with a non-zero exit and the seed/iteration to replay.
 
@@ -49,8 +49,8 @@ def build_parser(rank: int | None = None) -> CliParser:
     from . import soak_ll
     p = CliParser(prog="python -m cupy_ep.soak", rank=rank, description=(
         "Many randomly shaped dispatch / cached dispatch / combine rounds (or low-latency ones), checked against "
-        "cupy_ep.reference; start it under mpirun or torchrun, on any backend. The first mismatch stops every rank with exit "
-        "status 1 and the command that replays it."))
+        "cupy_ep.reference; start it under mpirun or torchrun, on any backend. The first mismatch stops every rank "
+        "with exit status 1 and the command that replays it."))
     p.add_argument("--mode", choices=["normal", "low-latency"], default="normal",
                    help="normal: intranode dispatch/combine; low-latency: the low-latency kernels (cupy_ep/tools/soak_ll.py)")
     p.add_argument("--iters", type=positive_int, default=10000, help="iterations to run")
