@@ -71,6 +71,8 @@ for n in 2 4; do
 done
 
 # torchrun: the MPI-marked tests with their comm fixture over torch.distributed (gloo), then the examples unchanged.
+# The tools (python -m cupy_ep.bench, .soak, .tune) under torchrun are tests/test_tools_torchrun.py, in the unit
+# step: each test starts its own torchrun (and the mpiexec run it compares with).
 torch_tests=(tests/test_torch_bootstrap.py tests/test_host_backend.py tests/test_host_low_latency.py
              tests/test_host_faults.py tests/test_torch_layer.py tests/test_topology.py
              tests/test_cuda_low_latency_shrink.py tests/test_bad_inputs.py)

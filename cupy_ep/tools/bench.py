@@ -1,8 +1,12 @@
-"""``python -m cupy_ep.bench``: the main job. Run under mpirun, one rank per GPU (``scripts/bench.sh``).
+"""``python -m cupy_ep.bench``: the main job. Run under mpirun (``scripts/bench.sh``) or ``torchrun
+--nproc-per-node N -m cupy_ep.bench``, one rank per GPU.
 
 In ONE run it measures, for each ``--model`` shape (GPU backend):
   * the ceiling: an SM-driven copy where every GPU writes to all its peers at once (cuda_src/probes/copy.cu);
-  * the baseline: NCCL grouped send/recv moving exactly the per-peer bytes our dispatch (combine) moves;
+  * the baseline: NCCL grouped send/recv moving exactly the per-peer bytes our dispatch (combine) moves (a
+    communicator of its own, ``cupy.cuda.nccl``, its unique id sent over the job's communicator; under torchrun
+    too: torch.distributed's default group is gloo there unless ``CUPY_EP_TORCH_BACKEND`` says otherwise, and the
+    baseline is launched on CuPy streams inside CuPy-captured CUDA graphs, which takes raw NCCL calls);
   * ours: layout, dispatch, cached dispatch (BF16 and FP8), combine (BF16) and the round trip (cached dispatch, a
     stand-in expert step, combine, back to back with no host sync) over several SM counts and token counts, CUDA
     events, warm-up, median/min of --iters iterations, L2 flushed before each.
@@ -330,7 +334,9 @@ class Bench(harness.Tool):
                  + ", ".join(s.describe() for s in self.shapes) + f" routing={a.routing} seed={a.seed} skew={a.skew} "
                  f"iters={a.iters} steady_n={a.steady_n}")
         if self.startup:
-            self.log(f"  warm start (s; MPI start {self.startup['mpi_start']}): "
+            # mpi_start names how the world started: MPI (overlapped, mpi4py, already) or torch.distributed
+            # (torchrun, torchrun-already), whose init_process_group mpi_init_s then counts
+            self.log(f"  warm start (s; world start {self.startup['mpi_start']}): "
                      + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in self.startup.items() if isinstance(v, float)))
         with self.device_ctx():
             if self.gpu and self.shapes:
@@ -338,6 +344,8 @@ class Bench(harness.Tool):
                 self.nccl, self.nccl_status = nccl_baseline(self.comm, self.shared)
                 if self.shared:
                     self.log(shared_gpu_warning("cupy_ep.bench", self.shared, self.nccl_status))
+                elif self.nccl is None:
+                    self.log(f"cupy_ep.bench: NCCL baseline {self.nccl_status}: no NCCL times or ratios")
                 self.measure_ceiling(GpuTimer(self.comm, a.iters, a.warmup))
             for shape in self.shapes:
                 self.shape = shape

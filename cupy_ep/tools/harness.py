@@ -387,10 +387,31 @@ def nccl_baseline(comm, shared: list) -> tuple[NcclAllToAll | None, str]:
     """Collective (GPU): the NCCL baseline and what the results say of it (their ``nccl`` field):
     ``(NcclAllToAll, "measured")``, or, where ranks share a GPU (``shared``: :func:`shared_gpus`), ``(None,
     "skipped: ranks 0, 1 share a GPU (NCCL refuses two ranks on one GPU)")``: NCCL fails such a communicator with
-    NCCL_ERROR_INVALID_USAGE in its first call, so the benchmark runs without it and says so."""
+    NCCL_ERROR_INVALID_USAGE in its first call, so the benchmark runs without it and says so. Where a rank's CuPy
+    has no NCCL (:func:`nccl_unavailable`), every rank skips it alike: ``(None, "skipped: ... (rank r)")``.
+
+    The baseline is a communicator of its own (``cupy.cuda.nccl``, the unique id sent over ``comm``), under mpirun
+    and torchrun alike: the timings launch it on CuPy streams and capture it in CuPy graphs, which takes raw NCCL
+    calls, whatever backend torch.distributed's default group has."""
     if shared:
         return None, f"skipped: {shared_text(shared)} (NCCL refuses two ranks on one GPU)"
+    # collective: a rank that skipped while the others waited in NcclAllToAll's bcast would hang them
+    why = comm.allgather(nccl_unavailable())
+    first = next(((r, w) for r, w in enumerate(why) if w), None)
+    if first is not None:
+        return None, f"skipped: CuPy has no usable NCCL ({first[1]}; rank {first[0]})"
     return NcclAllToAll(comm), "measured"
+
+
+def nccl_unavailable() -> str | None:
+    """Why this process cannot use ``cupy.cuda.nccl`` (CuPy built or installed without NCCL), or None."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError as e:
+        return f"cupy.cuda.nccl: {e}"
+    if not getattr(nccl, "available", True):  # CuPy's module imports without libnccl and says so here
+        return "cupy.cuda.nccl.available is False (install nvidia-nccl-cu12 or a CuPy with NCCL)"
+    return None
 
 
 def shared_gpu_warning(prog: str, shared: list, nccl: str | None) -> str:

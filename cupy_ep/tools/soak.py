@@ -1,9 +1,9 @@
 """``python -m cupy_ep.soak``: many randomly shaped dispatch/cached dispatch/combine rounds, checked against
 the reference.
 
-Run under mpirun (any backend). Every iteration draws its shape (tokens, hidden, top-k, routing skew, dtype)
-from a generator seeded identically on all ranks, and its data from a per-rank generator, so any iteration
-can be replayed alone with ``--start``. Each iteration's outputs are checksummed; every ``--check-every``-th
+Run under mpirun or torchrun (any backend). Every iteration draws its shape (tokens, hidden, top-k, routing
+skew, dtype) from a generator seeded identically on all ranks, and its data from a per-rank generator, so any
+iteration can be replayed alone with ``--start``. Each iteration's outputs are checksummed; every ``--check-every``-th
 iteration and a random tenth of the others are compared bit for bit with ``cupy_ep.reference``. The first
 mismatch stops all ranks with a non-zero exit and the seed/iteration to replay.
 
@@ -18,6 +18,7 @@ import zlib
 import numpy as np
 
 from .. import Buffer, Config, reference
+from ..bootstrap import allreduce
 from .cli import CliParser, fail_once, non_negative_int, positive_int, sm_count
 from .harness import make_routing, progress, to_device, to_host
 
@@ -48,8 +49,8 @@ def build_parser(rank: int | None = None) -> CliParser:
     from . import soak_ll
     p = CliParser(prog="python -m cupy_ep.soak", rank=rank, description=(
         "Many randomly shaped dispatch / cached dispatch / combine rounds (or low-latency ones), checked against "
-        "cupy_ep.reference; start it under mpirun, on any backend. The first mismatch stops every rank with exit "
-        "status 1 and the command that replays it."))
+        "cupy_ep.reference; start it under mpirun or torchrun, on any backend. The first mismatch stops every rank "
+        "with exit status 1 and the command that replays it."))
     p.add_argument("--mode", choices=["normal", "low-latency"], default="normal",
                    help="normal: intranode dispatch/combine; low-latency: the low-latency kernels (cupy_ep/tools/soak_ll.py)")
     p.add_argument("--iters", type=positive_int, default=10000, help="iterations to run")
@@ -83,8 +84,8 @@ def main(argv=None) -> int:
     """``python -m cupy_ep.soak``: returns the exit status (0: no mismatch, 1: a mismatch)."""
     from . import soak_ll
     args = parse_args(argv)
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
+    from ..mpi_start import start_world
+    comm = start_world().comm  # MPI.COMM_WORLD, or torch.distributed's default group under torchrun
     if args.backend == "cuda":
         from ..buffer import gpu_available
         fail_once(comm, build_parser(), None if gpu_available() else "argument --backend: cuda, but this rank sees no GPU")
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
             cached_mismatch = True
         else:
             cached_mismatch = False
-        if comm.allreduce(shape["check"] or it % args.check_every == 0, op=MPI.LOR):
+        if allreduce(comm, shape["check"] or it % args.check_every == 0, "lor"):
             checked += 1
             got = [to_host(a) for a in outputs]
             x = to_host(dx)

@@ -1,8 +1,8 @@
 """``python -m cupy_ep.tune``: sweep SM counts and ring/chunk sizes of dispatch and combine on this machine,
 and write the best configs where ``Buffer`` finds them by default (``config.tuned_config_path()``).
 
-Run under mpirun with one rank per GPU (``scripts/bench.sh`` style). Every candidate is timed as CUDA-graph
-replays of a cached dispatch / a combine (device time), on the benchmark's default workload. For each
+Run under mpirun or torchrun with one rank per GPU (``scripts/bench.sh`` style). Every candidate is timed as
+CUDA-graph replays of a cached dispatch / a combine (device time), on the benchmark's default workload. For each
 operation the chosen entry is the fastest config with at most ``--max-sms`` SMs; the whole sweep is kept in
 the JSON under ``"sweep"`` for reference. Explicit ``Config`` arguments always override tuned ones.
 """
@@ -21,8 +21,8 @@ def build_parser(rank: int | None = None) -> CliParser:
     """The tuner's options (``python -m cupy_ep.tune --help``)."""
     p = CliParser(prog="python -m cupy_ep.tune", rank=rank, description=(
         "Sweep SM counts and ring/chunk sizes of dispatch and combine on this machine (GPU only; start it under "
-        "mpirun, one rank per GPU) and write the fastest configs where Buffer finds them by default. Each candidate "
-        "is timed as CUDA-graph replays on the benchmark's default workload."))
+        "mpirun or torchrun, one rank per GPU) and write the fastest configs where Buffer finds them by default. "
+        "Each candidate is timed as CUDA-graph replays on the benchmark's default workload."))
     p.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")
     p.add_argument("--hidden", type=positive_int, default=7168, help="hidden size, bf16 values per token (a multiple of 16)")
     p.add_argument("--topk", type=positive_int, default=8, help="experts per token (at most --experts)")
@@ -62,9 +62,8 @@ def parse_args(argv=None, rank: int | None = None):
 def main(argv=None):
     """``python -m cupy_ep.tune``."""
     args = parse_args(argv)
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
+    from ..mpi_start import start_world
+    comm = start_world().comm  # MPI.COMM_WORLD, or torch.distributed's default group under torchrun
     from ..buffer import gpu_available
     problem = None
     if not gpu_available():
