@@ -355,6 +355,42 @@ class CudaBackend(BackendBase):
         """See :meth:`cupy_ep.Buffer.low_latency_clean_mask_buffer`."""
         self._shrink().clean_mask()
 
+    # ---- what the tools read (benchmarks: cupy_ep/tools) ---------------------------------------------
+    @property
+    def nvl_peer_table(self):
+        """CuPy uint64 ``[D]`` on this buffer's GPU: the NVLink buffer of each of the D ranks of this rank's NVLink
+        domain (all ranks inside one domain, this node's across nodes), in domain-rank order, as mapped here over
+        CUDA IPC: the ``buffer_ptrs`` the kernels take. Each buffer starts with ``config.SIGNAL_BYTES`` of signals;
+        tools may write past them only between calls."""
+        return (self._nvl if self._nvl is not None else self._internode.nvl).ptr_table
+
+    @property
+    def low_latency_transport(self) -> str | None:
+        """The low-latency buffer's transport, ``"nvshmem"`` or ``"ipc"``; None without ``low_latency_mode``."""
+        return self._ll.transport if self._ll is not None else None
+
+    @property
+    def internode_transport(self) -> str | None:
+        """The internode path's RDMA transport, ``"nvshmem"`` or ``"ipc"``; None inside one NVLink domain."""
+        return self._internode.transport if self._internode is not None else None
+
+    def low_latency_state(self) -> cuda_low_latency.LowLatencyState:
+        """The low-latency path's state, for profiling (its ``enable_stamps`` and ``stamps_of``: the kernels' phase
+        stamps); checks the buffer is usable. ValueError naming ``low_latency_mode`` without it."""
+        return self._low_latency()
+
+    def internode_put_ceiling_launcher(self, bytes_per_peer: int, num_blocks: int):
+        """A function of no arguments that launches the RDMA put-bandwidth kernel once on the current stream: every
+        GPU puts ``bytes_per_peer`` bytes (rounded up to 16) to each other node's GPU of its index, through this
+        buffer's transport, from ``num_blocks`` blocks (the internode benchmark's ceiling). It uses the RDMA
+        buffer's channel area as scratch: run it between calls only. ValueError when the job spans one node (no RDMA
+        domain), or naming ``bytes_per_peer`` when the region does not fit the RDMA buffer."""
+        self.check_usable()
+        if self._internode is None:
+            raise ValueError("internode_put_ceiling_launcher: needs a buffer whose job spans more than one node")
+        with self._device:
+            return self._internode.put_ceiling_launcher(bytes_per_peer, num_blocks)
+
     # ---- tests / tools ------------------------------------------------------------------------------
     def barrier(self) -> None:
         """See :meth:`cupy_ep.Buffer.barrier`."""

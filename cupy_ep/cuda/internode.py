@@ -40,16 +40,14 @@ import numpy as np
 from .. import bootstrap, handles, ids, interop, jit, validate
 from .. import config as _config
 from ..errors import CommTimeoutError
+from . import kernels_internode as kin
+# the instantiation names and block rule live with the launchers; readable from here too (the CPU tests do)
+from .kernels_internode import TRANSPORT_TYPES as _TRANSPORT_TYPES  # noqa: F401
+from .kernels_internode import kernel_name, threads
 
-_FILE = "internode.cu"
-_NOTIFY_THREADS = ids.INTERNODE_NOTIFY_THREADS                      # kNotifyThreads
-_SENDER_WARPS = ids.INTERNODE_DISPATCH_SENDER_WARPS                  # kDispatchSenderWarps
-_COMBINE_RECV_WARPS = ids.INTERNODE_COMBINE_RECV_WARPS               # kCombineRecvWarps
-_MAX_COMBINE_FORWARDER_WARPS = ids.INTERNODE_MAX_COMBINE_FORWARDER_WARPS
 _OP_CACHED_DISPATCH, _OP_COMBINE = ids.OP["kOpInternodeCachedDispatch"], ids.OP["kOpInternodeCombine"]
 _FORCE_PUT_ENV = "CUPY_EP_INTERNODE_FORCE_PUT"
 TRANSPORTS = ("nvshmem", "ipc")
-_TRANSPORT_TYPES = {"nvshmem": "ep::NvshmemRdma", "ipc": "ep::IpcRdma"}
 
 HANDLE_FIELDS = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
                  "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
@@ -109,16 +107,6 @@ def check_config(cfg: _config.Config, num_nodes: int, kind: str) -> None:
                              f"num_max_nvl_chunked_send_tokens = {cfg.num_max_nvl_chunked_send_tokens}")
 
 
-def threads(kind: str, num_nodes: int, gpus_per_node: int) -> int:
-    """Block size of the dispatch / combine kernel (DispatchShape / CombineShape in internode/roles.cuh;
-    tests/test_mirrors.py compares at compile time)."""
-    if kind == "dispatch":
-        return (_SENDER_WARPS + 1 + gpus_per_node) * 32
-    even = gpus_per_node + _COMBINE_RECV_WARPS + 1
-    odd = min(num_nodes, _MAX_COMBINE_FORWARDER_WARPS)
-    return max(even, odd) * 32
-
-
 def check_buffer_sizes(lay: dict, what: str, num_nvl_bytes: int, num_rdma_bytes: int) -> None:
     """ValueError naming the buffer that is too small for a call's carve (``config.internode_layout``)."""
     nvl = lay[f"nvl_{what}_end"] - _config.SIGNAL_BYTES
@@ -161,14 +149,6 @@ def check_handle(handle, num_ranks: int, num_nodes: int, gpus_per_node: int, num
     if fields["recv_src_meta"].shape[1] != 8:
         raise ValueError(f"handle.recv_src_meta: expected shape (num_recv, 8), got {tuple(fields['recv_src_meta'].shape)}")
     return fields
-
-
-def kernel_name(kind: str, num_nodes: int, gpus_per_node: int, transport: str, idx_ctype: str | None = None) -> str:
-    """Name expression of one internode kernel instantiation."""
-    t = _TRANSPORT_TYPES[transport]
-    if kind == "dispatch":
-        return f"ep::internode_dispatch<{num_nodes}, {gpus_per_node}, {t}, {idx_ctype}>"
-    return f"ep::internode_{kind}<{num_nodes}, {gpus_per_node}, {t}>"
 
 
 # ---- the GPU state --------------------------------------------------------------------------------------
@@ -238,10 +218,12 @@ class InternodeState:
 
     # ---- plumbing -----------------------------------------------------------------------------------
     def launch(self, name: str, grid: int, block: int, args) -> None:
+        """Launch ``name`` (of this transport's build; NVSHMEM: its module initialised at first use) on the comm
+        stream; the launchers of :mod:`.kernels_internode` call it with their grid and block."""
         k = self._kernels.get(name)
         if k is None:
             extra = (jit.NVSHMEM_DEFINE,) if self.transport == "nvshmem" else ()
-            k = jit.get_kernel(_FILE, name, extra)
+            k = jit.get_kernel(kin.INTERNODE, name, extra)
             if self.nv is not None:
                 self.nv.init_module(k._module.ptr)
             self._kernels[name] = k
@@ -252,8 +234,10 @@ class InternodeState:
         """The RDMA peer table the kernels get: without load/store addresses with force_put (every peer by puts)."""
         return self.rdma_put_peers if self.force_put else self.rdma_peers
 
-    def rdma_args(self):
-        return (np.uint64(self.rdma_base), self.peer_bases)
+    def endpoints(self) -> tuple:
+        """The arguments every communicating kernel of the path takes, in their order: ``nvl_ptrs`` (the node's
+        NVLink buffers), ``rdma_base``, ``rdma_peers`` (:attr:`peer_bases`), ``rank``."""
+        return (self.nvl.ptr_table, np.uint64(self.rdma_base), self.peer_bases, np.int32(self.buf.rank))
 
     def wait_counter(self) -> int:
         """Host wait for the notify kernel's receive count (the only CPU sync of a non-cached dispatch)."""
@@ -273,10 +257,9 @@ class InternodeState:
 
     def barrier(self) -> None:
         """Both domains meet (a cached notify for combine with 1 channel: barriers + clearing, no ring in use)."""
-        self.launch(kernel_name("cached_notify", self.num_nodes, self.gpus_per_node, self.transport), 1,
-                    _NOTIFY_THREADS, (np.int32(_OP_COMBINE), np.int32(1), np.int32(2), np.int32(2), np.int32(1),
-                                      np.int32(0), np.int32(0), self.nvl.ptr_table) + self.rdma_args()
-                    + (np.int32(self.buf.rank), self.rt.ctx))
+        kin.cached_notify(self, kin.InternodeCachedNotify(
+            np.int32(_OP_COMBINE), np.int32(1), np.int32(2), np.int32(2), np.int32(1), np.int32(0), np.int32(0),
+            *self.endpoints(), self.rt.ctx), self.num_nodes, self.gpus_per_node, self.transport)
 
     # ---- dispatch -----------------------------------------------------------------------------------
     def dispatch(self, info, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
@@ -285,6 +268,7 @@ class InternodeState:
         """See ``CudaBackend.dispatch``; ``info`` is ``validate.check_x``'s result, ``cfg`` the resolved config."""
         import cupy
         buf = self.buf
+        # plan
         R, N, G = buf.num_ranks, self.num_nodes, self.gpus_per_node
         C, T = cfg.num_channels, info.num_tokens
         dev = buf.device_id
@@ -312,24 +296,24 @@ class InternodeState:
         lay = _config.internode_layout(N, G, C, cfg.num_max_rdma_chunked_recv_tokens,
                                        cfg.num_max_nvl_chunked_recv_tokens, info.hidden_bytes, S, num_topk)
         check_buffer_sizes(lay, "dispatch", self.num_nvl_bytes, self.num_rdma_bytes)
-
         kind = interop.kind_of(info.x)
         raw_x = interop.unwrap(info.x, "bfloat16" if info.dtype == "bfloat16" else "float8_e4m3fn")
         raw_scales = interop.unwrap(info.scales)
+        rdma_slots, nvl_slots = cfg.num_max_rdma_chunked_recv_tokens, cfg.num_max_nvl_chunked_recv_tokens
+        ends, ctx = self.endpoints(), self.rt.ctx
         compute = self.rt.begin(kind, previous_event)
         alloc_stream = buf.comm_stream if allocate_on_comm_stream else compute
-        common = (self.nvl.ptr_table,) + self.rdma_args() + (np.int32(buf.rank),)
         per_expert_list = None
+        # the notify kernel (the receive counts: the one host sync of a dispatch without num_worst_tokens)
         if cached:
             raw = {k: interop.unwrap(v) for k, v in h.items()}
             in_rank = raw["is_token_in_rank"]
             rdma_cpm, gbl_cpm = raw["rdma_channel_prefix_matrix"], raw["gbl_channel_prefix_matrix"]
             rrps, rgps = raw["recv_rdma_rank_prefix_sum"], raw["recv_gbl_rank_prefix_sum"]
             num_recv = int(raw["recv_src_meta"].shape[0])
-            self.launch(kernel_name("cached_notify", N, G, self.transport), 1, _NOTIFY_THREADS,
-                        (np.int32(_OP_CACHED_DISPATCH), np.int32(C), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
-                         np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4), np.int32(0),
-                         np.int32(S)) + common + (self.rt.ctx,))
+            kin.cached_notify(self, kin.InternodeCachedNotify(
+                np.int32(_OP_CACHED_DISPATCH), np.int32(C), np.int32(rdma_slots), np.int32(nvl_slots),
+                np.int32(hidden_int4), np.int32(0), np.int32(S), *ends, ctx), N, G, self.transport)
             raw_idx = raw_w = src_meta = rrcpm = rgcpm = send_rdma_head = send_nvl_head = None
         else:
             in_rank = interop.unwrap(is_token_in_rank)
@@ -343,15 +327,13 @@ class InternodeState:
             sync = num_worst_tokens == 0
             if sync:
                 self.counters[0] = self.counters[1] = -1
-            self.launch(kernel_name("notify_dispatch", N, G, self.transport), 1 + N, _NOTIFY_THREADS,
-                        (interop.unwrap(num_tokens_per_rank), interop.unwrap(num_tokens_per_rdma_rank),
-                         interop.unwrap(num_tokens_per_expert), np.int32(num_experts), in_rank, np.int32(T),
-                         np.int32(C), np.int32(expert_alignment), rdma_cpm, rrps, gbl_cpm, rgps,
-                         np.uint64(self.host.ptr) if sync else None,
-                         np.int32(-1 if sync else num_worst_tokens), np.int32(-1 if sync else num_worst_tokens))
-                        + (self.nvl.ptr_table,) + self.rdma_args() + (np.int32(buf.rank),
-                           np.int32(cfg.num_max_rdma_chunked_recv_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
-                           np.int32(hidden_int4), np.int32(num_topk), np.int32(S), self.rt.ctx))
+            kin.notify_dispatch(self, kin.InternodeNotifyDispatch(
+                interop.unwrap(num_tokens_per_rank), interop.unwrap(num_tokens_per_rdma_rank),
+                interop.unwrap(num_tokens_per_expert), np.int32(num_experts), in_rank, np.int32(T), np.int32(C),
+                np.int32(expert_alignment), rdma_cpm, rrps, gbl_cpm, rgps, np.uint64(self.host.ptr) if sync else None,
+                np.int32(-1 if sync else num_worst_tokens), np.int32(-1 if sync else num_worst_tokens), *ends,
+                np.int32(rdma_slots), np.int32(nvl_slots), np.int32(hidden_int4), np.int32(num_topk), np.int32(S),
+                ctx), N, G, self.transport)
             if sync:
                 num_recv = self.wait_counter()
                 num_rdma_recv = int(self.counters[1])
@@ -368,23 +350,23 @@ class InternodeState:
                 rgcpm = cupy.empty((R, C), dtype=cupy.int32)
                 send_rdma_head = cupy.empty((T, N), dtype=cupy.int32)
                 send_nvl_head = cupy.empty((num_rdma_recv, G), dtype=cupy.int32)
+        # allocate
         with alloc_stream:
             recv_x, recv_scales, recv_idx, recv_w = interop.alloc_dispatch_outputs(
                 num_recv, info, raw_x, raw_scales, raw_idx, num_topk)
+        # launch
         stride_t, stride_h = interop.scale_strides(raw_scales)
-        ctype = "long long" if idx_name == "int64" else "int"
-        self.launch(kernel_name("dispatch", N, G, self.transport, ctype), 2 * C, threads("dispatch", N, G),
-                    (recv_x, recv_scales, recv_idx, recv_w, src_meta, rrcpm, rgcpm, send_rdma_head, send_nvl_head,
-                     raw_x, raw_scales, raw_idx, raw_w, in_rank, rdma_cpm, rrps, gbl_cpm, rgps, np.int32(T),
-                     np.int32(num_worst_tokens), np.int32(hidden_int4), np.int32(num_topk), np.int32(num_experts),
-                     np.int32(S), np.int64(stride_t), np.int64(stride_h)) + common
-                    + (np.int32(cfg.num_max_rdma_chunked_send_tokens), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
-                       np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
-                       self.rt.ctx))
+        kin.dispatch(self, kin.InternodeDispatch(
+            recv_x, recv_scales, recv_idx, recv_w, src_meta, rrcpm, rgcpm, send_rdma_head, send_nvl_head, raw_x,
+            raw_scales, raw_idx, raw_w, in_rank, rdma_cpm, rrps, gbl_cpm, rgps, np.int32(T), np.int32(num_worst_tokens),
+            np.int32(hidden_int4), np.int32(num_topk), np.int32(num_experts), np.int32(S), np.int64(stride_t),
+            np.int64(stride_h), *ends, np.int32(cfg.num_max_rdma_chunked_send_tokens), np.int32(rdma_slots),
+            np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(nvl_slots), ctx),
+            N, G, self.transport, "long long" if idx_name == "int64" else "int", C)
         keep = (raw_x, raw_scales, raw_idx, raw_w, recv_x, recv_scales, recv_idx, recv_w, in_rank, rdma_cpm, gbl_cpm,
                 rrps, rgps, src_meta, rrcpm, rgcpm, send_rdma_head, send_nvl_head)
         event = self.rt.finish(compute, async_finish, keep, kind)
-
+        # wrap
         out_x = interop.wrap_recv_x(recv_x, recv_scales, kind, info)
         if cached:
             return out_x, None, None, None, None, event
@@ -402,6 +384,7 @@ class InternodeState:
         """See ``CudaBackend.combine``. ``config_getter(num_channels)`` resolves the config for the handle's C."""
         import cupy
         buf = self.buf
+        # plan
         R, N, G, dev = buf.num_ranks, self.num_nodes, self.gpus_per_node, buf.device_id
         num_recv, hidden = validate.check_combine_x(x, dev)
         h = check_handle(handle, R, N, G, None, dev, getattr(buf, "buffer_id", None))
@@ -420,30 +403,30 @@ class InternodeState:
         lay = _config.internode_layout(N, G, C, cfg.num_max_rdma_chunked_recv_tokens,
                                        cfg.num_max_nvl_chunked_recv_tokens, hidden * 2, 0, num_topk)
         check_buffer_sizes(lay, "combine", self.num_nvl_bytes, self.num_rdma_bytes)
-
         kind = interop.kind_of(x)
         raw = {k: interop.unwrap(v) for k, v in h.items()}
         raw_x = interop.unwrap(x)
         raw_w = interop.unwrap(topk_weights)
         raw_b = [interop.unwrap(b) for b in biases]
+        rdma_slots, nvl_slots = cfg.num_max_rdma_chunked_recv_tokens, cfg.num_max_nvl_chunked_recv_tokens
         compute = self.rt.begin(kind, previous_event)
+        # allocate
         with (buf.comm_stream if allocate_on_comm_stream else compute):
             out = cupy.empty((T, hidden), dtype=cupy.uint16)
             out_w = cupy.empty((T, num_topk), dtype=cupy.float32) if raw_w is not None else None
-        common = (self.nvl.ptr_table,) + self.rdma_args() + (np.int32(buf.rank),)
-        self.launch(kernel_name("cached_notify", N, G, self.transport), 1, _NOTIFY_THREADS,
-                    (np.int32(_OP_COMBINE), np.int32(C), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
-                     np.int32(cfg.num_max_nvl_chunked_recv_tokens), np.int32(hidden_int4), np.int32(num_topk),
-                     np.int32(0)) + common + (self.rt.ctx,))
-        self.launch(kernel_name("combine", N, G, self.transport), 2 * C, threads("combine", N, G),
-                    (out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], raw["recv_gbl_channel_prefix_matrix"],
-                     raw["recv_gbl_rank_prefix_sum"], raw["recv_rdma_channel_prefix_matrix"],
-                     raw["recv_rdma_rank_prefix_sum"], raw["send_rdma_head"], raw["send_nvl_head"], np.int32(T),
-                     np.int32(hidden_int4), np.int32(num_topk)) + common
-                    + (np.int32(cfg.num_max_rdma_chunked_send_tokens), np.int32(cfg.num_max_rdma_chunked_recv_tokens),
-                       np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(cfg.num_max_nvl_chunked_recv_tokens),
-                       self.rt.ctx))
+        # launch: the cached notify (meet, zero the combine rings' meta, compare the calls), then the combine
+        ends, ctx = self.endpoints(), self.rt.ctx
+        kin.cached_notify(self, kin.InternodeCachedNotify(
+            np.int32(_OP_COMBINE), np.int32(C), np.int32(rdma_slots), np.int32(nvl_slots), np.int32(hidden_int4),
+            np.int32(num_topk), np.int32(0), *ends, ctx), N, G, self.transport)
+        kin.combine(self, kin.InternodeCombine(
+            out, out_w, raw_x, raw_w, raw_b[0], raw_b[1], raw["recv_gbl_channel_prefix_matrix"],
+            raw["recv_gbl_rank_prefix_sum"], raw["recv_rdma_channel_prefix_matrix"], raw["recv_rdma_rank_prefix_sum"],
+            raw["send_rdma_head"], raw["send_nvl_head"], np.int32(T), np.int32(hidden_int4), np.int32(num_topk), *ends,
+            np.int32(cfg.num_max_rdma_chunked_send_tokens), np.int32(rdma_slots),
+            np.int32(cfg.num_max_nvl_chunked_send_tokens), np.int32(nvl_slots), ctx), N, G, self.transport, C)
         event = self.rt.finish(compute, async_finish, (raw_x, raw_w, *raw_b, out, out_w, *raw.values()), kind)
+        # wrap
         return interop.wrap(out, kind, "bfloat16"), interop.wrap(out_w, kind, "float32"), event
 
     # ---- tests / tools ------------------------------------------------------------------------------
@@ -459,16 +442,17 @@ class InternodeState:
         if offset + (1 + self.num_nodes) * bytes_per_peer > self.num_rdma_bytes:
             raise ValueError(f"bytes_per_peer: {bytes_per_peer} x {1 + self.num_nodes} does not fit the RDMA buffer "
                              f"({self.num_rdma_bytes} bytes)")
-        name = f"ep::internode_put_bandwidth<{_TRANSPORT_TYPES[self.transport]}>"
-        self.launch(name, 1, 32, (np.uint64(0), self.peer_bases, np.int32(self.node), np.int32(1), np.int64(0),
-                                  np.int64(0), np.int64(16)))  # load + module init now, outside any timing
-        kernel = self._kernels[name]
+        # load + module init now, outside any timing
+        kin.put_bandwidth_warm_up(self, kin.InternodePutBandwidth(
+            np.uint64(0), self.peer_bases, np.int32(self.node), np.int32(1), np.int64(0), np.int64(0), np.int64(16)),
+            self.transport)
+        kernel = self._kernels[kin.put_bandwidth_name(self.transport)]
 
         def run():
-            kernel((num_blocks,), (threads_per_block,),
-                   (np.uint64(self.rdma_base), self.peer_bases, np.int32(self.node), np.int32(self.num_nodes),
-                    np.int64(offset), np.int64(bytes_per_peer), np.int64(chunk_bytes)),
-                   stream=cupy.cuda.get_current_stream())
+            kin.put_bandwidth(kernel, kin.InternodePutBandwidth(
+                np.uint64(self.rdma_base), self.peer_bases, np.int32(self.node), np.int32(self.num_nodes),
+                np.int64(offset), np.int64(bytes_per_peer), np.int64(chunk_bytes)), num_blocks, threads_per_block,
+                cupy.cuda.get_current_stream())
         return run
 
     def carve_probe(self, num_channels: int, num_rdma_slots: int, num_nvl_slots: int, hidden_int4: int,
@@ -476,10 +460,9 @@ class InternodeState:
         """The device's own layout sums (``internode_carve_probe``), to compare with ``config.internode_layout``."""
         import cupy
         out = cupy.zeros(8, dtype=cupy.int64)
-        k = jit.get_kernel(_FILE, "ep::internode_carve_probe")
-        k((1,), (1,), (np.int32(self.num_nodes), np.int32(self.gpus_per_node), np.int32(num_channels),
-                       np.int32(num_rdma_slots), np.int32(num_nvl_slots), np.int32(hidden_int4), np.int32(num_scales),
-                       np.int32(num_topk), out))
+        kin.carve_probe(kin.InternodeCarveProbe(
+            np.int32(self.num_nodes), np.int32(self.gpus_per_node), np.int32(num_channels), np.int32(num_rdma_slots),
+            np.int32(num_nvl_slots), np.int32(hidden_int4), np.int32(num_scales), np.int32(num_topk), out))
         return [int(v) for v in out.get()]
 
     def destroy(self) -> None:

@@ -61,49 +61,28 @@ Decisions (DeepEP V1's low-latency path is the model):
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 
 import numpy as np
 
 from .. import config as _config
-from .. import bootstrap, handles, ids, interop, jit, validate
+from .. import bootstrap, handles, interop, jit, validate
 from ..event import EventOverlap, RecvHooks
 from ..handles import LowLatencyHandle
 from ..reference import LOW_LATENCY_MAX_TOPK
+from . import kernels_low_latency as kll
+from .kernels_low_latency import combine_stage_bytes, kernel_name
+# the launchers' block and shared-memory constants, readable from here too (the CPU tests read them here)
+from .kernels_low_latency import COMBINE_CHUNKS as _COMBINE_CHUNKS  # noqa: F401
+from .kernels_low_latency import COMBINE_STAGE_ENTRIES  # noqa: F401
+from .kernels_low_latency import COMBINE_THREADS as _COMBINE_THREADS  # noqa: F401
+from .kernels_low_latency import DISPATCH_THREADS as _THREADS  # noqa: F401
 from .runtime import capturing
 
-_FILE = "low_latency.cu"
 TRANSPORTS = ("nvshmem", "ipc")
 _TRANSPORT_ENV = "CUPY_EP_LL_TRANSPORT"
 _FORCE_PUT_ENV = "CUPY_EP_LL_FORCE_PUT"
-_THREADS = ids.LL_DISPATCH_THREADS              # kLLThreads (dispatch)
-_COMBINE_THREADS = ids.LL_COMBINE_THREADS       # kLLCombineThreads
-_COMBINE_CHUNKS = ids.LL_COMBINE_CHUNKS         # kCombineChunks
-
-
-COMBINE_STAGE_ENTRIES = 11      # kCombineStageEntries
-
-
-def combine_stage_bytes(num_topk: int) -> int:
-    """The combine's dynamic shared memory: partial_sums' cp.async slots, 16 bytes per (thread, chunk, top-k
-    entry) for at most COMBINE_STAGE_ENTRIES entries: kLLCombineThreads x kCombineChunks x min(K, 11) x 16 (176 KB
-    at K >= 11, with the kernel's 19-25 KB of static shared memory under the 227 KB a block may have; a larger
-    top-k stages its rows 11 at a time)."""
-    return _COMBINE_THREADS * _COMBINE_CHUNKS * min(num_topk, COMBINE_STAGE_ENTRIES) * 16
-
-
-@functools.lru_cache(maxsize=None)
-def kernel_name(op: str, use_fp8: bool, ctype: str, num_topk: int) -> str:
-    """The name expression of the low-latency ``op`` ("dispatch" or "combine") for a top-k of ``num_topk``: its
-    top-k bound (config.low_latency_topk_bound) the kernels' default for top-k up to 11, else explicit. Cached:
-    built once per (op, use_fp8, index type, K), not per call."""
-    bound = _config.low_latency_topk_bound(num_topk)
-    tail = "" if bound == _config.LL_TOPK_BOUNDS[0] else f", {bound}"
-    if op == "dispatch":
-        return f"ep::dispatch<{'true' if use_fp8 else 'false'}, {ctype}{tail}>"
-    return f"ep::combine<{ctype}{tail}>"
 
 
 _UINT8, _UINT16, _INT32, _INT64, _FLOAT32 = map(np.dtype, (np.uint8, np.uint16, np.int32, np.int64, np.float32))
@@ -350,15 +329,19 @@ class LowLatencyState:
         if k is None:
             nvshmem = self.transport == "nvshmem"
             options = ((jit.NVSHMEM_DEFINE,) if nvshmem else ()) + ((STAMPS_OPTION,) if key[1] else ())
-            k = jit.get_kernel(_FILE, name, extra_options=options)
+            k = jit.get_kernel(kll.LOW_LATENCY, name, extra_options=options)
             if nvshmem:
                 self.nv.init_module(k._module.ptr)
             self._kernels[key] = k
         return k
 
     def launch(self, name: str, args, stream, shared_mem: int = 0) -> None:
-        threads = _COMBINE_THREADS if name.startswith("ep::combine") else _THREADS
-        self.kernel(name)((self.num_blocks,), (threads,), args, shared_mem=shared_mem, stream=stream)
+        """Launch the kernel ``name`` through its launcher (:mod:`.kernels_low_latency`) with this rank's grid
+        on ``stream``; ``shared_mem``: the combine's (the dispatch has none)."""
+        if name.startswith(kll.COMBINE_PREFIX):
+            kll.combine(self.kernel(name), args, self.num_blocks, stream, shared_mem)
+        else:
+            kll.dispatch(self.kernel(name), args, self.num_blocks, stream)
         self.last_stream = stream
 
     def prepare(self, max_tokens: int, hidden: int, num_experts: int) -> dict:
@@ -543,6 +526,7 @@ class LowLatencyState:
     def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats, wait_stats, use_fp8,
                  round_scale, use_ue8m0, async_finish, return_recv_hook, check_values: bool):
         import cupy
+        # plan
         max_tokens, num_tokens, hidden, flags = self.check_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats, wait_stats, use_fp8, round_scale,
             use_ue8m0, async_finish, return_recv_hook, check_values)
@@ -557,6 +541,7 @@ class LowLatencyState:
         raw_x, raw_idx = interop.unwrap(x), interop.unwrap(topk_idx)
         raw_stats, raw_wait = interop.unwrap(stats), interop.unwrap(wait_stats)
         compute = interop.current_stream(kind, self.buf.device_id)
+        # allocate
         with allocating_on(compute, kind):
             # recv_x and its scales share one allocation, the count and the handle's arrays another (small: the
             # handle, which may be kept longer, does not keep recv_x's memory alive)
@@ -569,21 +554,22 @@ class LowLatencyState:
             count, src_info, layout_range, slots = carve((
                 ((L,), _INT32), ((L, rows), _INT32), ((L, R), _INT64),
                 (raw_idx.shape, _INT32)))  # slots: written by the send phase
+        # launch (a receive hook launches the same arguments again with its own phases)
         index = self.next_index()
         ctype = "long long" if raw_idx.dtype == np.int64 else "int"
         name = kernel_name("dispatch", use_fp8, ctype, raw_idx.shape[1])
         common = self.common_args(index, max_tokens, hidden, num_experts)
 
         def args(phases):
-            return (recv_x, scales, count, src_info, layout_range, raw_stats, raw_wait, raw_x, raw_idx, slots,
-                    np.int32(num_tokens),
-                    np.int32(raw_idx.shape[1]), _INT32_ARGS[round_scale], _INT32_ARGS[use_ue8m0]) + common + \
-                   (_INT32_ARGS[phases], self.stamps_of("dispatch"), self.rt.ctx)
+            return kll.Dispatch(recv_x, scales, count, src_info, layout_range, raw_stats, raw_wait, raw_x, raw_idx,
+                                slots, np.int32(num_tokens), np.int32(raw_idx.shape[1]), _INT32_ARGS[round_scale],
+                                _INT32_ARGS[use_ue8m0], *common, _INT32_ARGS[phases], self.stamps_of("dispatch"),
+                                self.rt.ctx)
         keep = (raw_x, raw_idx, raw_stats, raw_wait, recv_x, scales, count, src_info, layout_range, slots)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         event = self.run(kind, name, args, phases, async_finish, keep)
         hook = self.make_hook(kind, name, args, keep, "low_latency_dispatch") if return_recv_hook else None
-
+        # wrap
         out_x = interop.wrap(recv_x, kind, "float8_e4m3fn" if use_fp8 else "bfloat16")
         if scales is not None:
             out_x = (out_x, validate.last_two_transposed(
@@ -598,6 +584,7 @@ class LowLatencyState:
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook,
                 out, wait_stats, bf16_partials, check_values: bool):
         import cupy
+        # plan
         layout_range, slots, max_tokens, hidden, num_experts, num_tokens, num_topk, flags = self.check_combine(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
             wait_stats, bf16_partials, check_values)
@@ -610,25 +597,28 @@ class LowLatencyState:
         raw_idx, raw_w = interop.unwrap(topk_idx), interop.unwrap(topk_weights)
         raw_wait = interop.unwrap(wait_stats)
         compute = interop.current_stream(kind, self.buf.device_id)
+        # allocate
         if out is not None:
             raw_out = interop.unwrap(out)
         else:
             with allocating_on(compute, kind):
                 raw_out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
+        # launch (a receive hook launches the same arguments again with its own phases)
         index = self.next_index()
         ctype = "long long" if raw_idx.dtype == np.int64 else "int"
         name = kernel_name("combine", False, ctype, num_topk)
         common = self.common_args(index, max_tokens, hidden, num_experts)
 
         def args(phases):
-            return (raw_out, raw_x, layout_range, raw_idx, slots, raw_w, raw_wait, np.int32(num_tokens),
-                    np.int32(num_topk), _INT32_ARGS[zero_copy], _INT32_ARGS[wire]) + common + \
-                   (_INT32_ARGS[phases], self.stamps_of("combine"), self.rt.ctx)
+            return kll.Combine(raw_out, raw_x, layout_range, raw_idx, slots, raw_w, raw_wait, np.int32(num_tokens),
+                               np.int32(num_topk), _INT32_ARGS[zero_copy], _INT32_ARGS[wire], *common,
+                               _INT32_ARGS[phases], self.stamps_of("combine"), self.rt.ctx)
         keep = (raw_x, raw_idx, slots, raw_w, raw_wait, raw_out, layout_range)
         phases = _SEND if return_recv_hook else _SEND | _RECV
         smem = combine_stage_bytes(num_topk)
         event = self.run(kind, name, args, phases, async_finish, keep, smem)
         hook = self.make_hook(kind, name, args, keep, "low_latency_combine", smem) if return_recv_hook else None
+        # wrap
         result = out if out is not None else interop.wrap(raw_out, kind, "bfloat16")
         return result, event, hook
 

@@ -67,7 +67,7 @@ class InternodeBench(harness.Tool):
         rdma = max(rdma, cfgmod.align_up(4 << 20) + (1 + self.N) * self.ceiling_bytes)
         self.buf = Buffer(comm, num_nvl_bytes=nvl, num_rdma_bytes=rdma, num_ranks_per_node=self.G,
                           check_values=False, backend="cuda")
-        self.transport = self.buf.impl._internode.transport
+        self.transport = self.buf.impl.internode_transport
         self.records: list[dict] = []
         self.shared: list = []  # groups of ranks sharing a GPU (run() finds them)
 
@@ -100,7 +100,7 @@ class InternodeBench(harness.Tool):
             cupy.cuda.runtime.deviceSynchronize()
             self.verify(x_np, idx_np, w_np, recv_x, handle, combined, a.experts)
 
-            ceiling_fn = buf.impl._internode.put_ceiling_launcher(self.ceiling_bytes, 2 * self.sms)
+            ceiling_fn = buf.impl.internode_put_ceiling_launcher(self.ceiling_bytes, 2 * self.sms)
             t = timer(ceiling_fn)
             ceiling = (self.N - 1) * self.ceiling_bytes / (t.median_us * 1e-6) / 1e9
             self.log(f"  RDMA-domain put ceiling ({self.transport}): {ceiling:.1f} GB/s per GPU")

@@ -113,7 +113,7 @@ class LowLatencyBench(harness.Tool):
                           backend="host" if getattr(a, "backend", None) == "host" else "cuda",
                           low_latency_transport=getattr(a, "ll_transport", None))
         self.gpu = self.buf.backend == "cuda"
-        self.transport = self.buf.impl._ll.transport if self.gpu else "host"
+        self.transport = self.buf.impl.low_latency_transport if self.gpu else "host"
         self.records: list[dict] = []
         # run() opens the NCCL baseline (GPU)
         self.nccl, self.nccl_status, self.shared = None, None if self.gpu else "not measured: the host backend", []
@@ -296,7 +296,7 @@ class LowLatencyBench(harness.Tool):
         import cupy
 
         from ..cuda.low_latency import STAMP_NAMES, phase_breakdown
-        a, ll = self.args, self.buf.impl._low_latency()
+        a, ll = self.args, self.buf.impl.low_latency_state()
         ll.enable_stamps()
         try:
             for op, (fn, _, dtype) in runs.items():

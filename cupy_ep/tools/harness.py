@@ -343,7 +343,7 @@ def measure_ceiling(buf, timer, bytes_per_peer: int, sms_list, steady_n: int = 0
     graph, steady = {}, {}
     for sms in sms_list:
         def run():
-            kernel((sms,), (768,), (src, buf.impl._nvl.ptr_table, np.int64(cfgmod.SIGNAL_BYTES + cfgmod.NOTIFY_BYTES),
+            kernel((sms,), (768,), (src, buf.impl.nvl_peer_table, np.int64(cfgmod.SIGNAL_BYTES + cfgmod.NOTIFY_BYTES),
                                     np.int64(n_int4), np.int32(buf.rank), np.int32(R)))
         t = timer.graph(run)  # device time: the kernel alone, like the graph-timed ops
         graph[sms] = n_int4 * 16 * (R - 1) / (t.median_us * 1e-6) / 1e9
