@@ -23,9 +23,29 @@ def _torchrun(config) -> bool:
     return bool(config.getoption("--with-torchrun"))
 
 
+def move_runs_last_to_end(items) -> None:
+    """Reorders ``items`` in place: the tests marked ``runs_last`` after every other one, each part in its
+    collection order. Such a test leaves process state that later tests cannot use (a timed-out kernel's
+    buffer, a poisoned NVSHMEM or CUDA context), so the order is by marker, never by file name. Every rank of an
+    MPI run computes the same order from the same collection."""
+    last = []
+    for item in items:
+        mark = item.get_closest_marker("runs_last")
+        if mark is None:
+            continue
+        if not (mark.kwargs.get("reason") or mark.args):
+            raise pytest.UsageError(f"{item.nodeid}: runs_last needs a reason (what state the test leaves behind)")
+        last.append(item)
+    if last:
+        marked = {id(item) for item in last}
+        items[:] = [item for item in items if id(item) not in marked] + last
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Under --with-torchrun the MPI-marked tests run: drop pytest-mpi's skip (it only knows --with-mpi)."""
+    """Moves the ``runs_last`` tests to the end (:func:`move_runs_last_to_end`); under --with-torchrun the
+    MPI-marked tests run: drop pytest-mpi's skip (it only knows --with-mpi)."""
+    move_runs_last_to_end(items)
     if not _torchrun(config):
         return
     if config.getoption("--with-mpi", default=False) or config.getoption("--only-mpi", default=False):

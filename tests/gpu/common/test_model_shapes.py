@@ -3,12 +3,12 @@
 The experts, top-k and hidden size are the published ones (top-k up to 22, up to 896 experts); the token counts are
 small so that the whole module runs in about a minute at 2 ranks once its kernels are in the disk cache:
   * normal mode inside one node: layout, dispatch (ring, zero-copy; bf16 and FP8), cached dispatch, combine (ring
-    and zero-copy) -- tests/gpu/test_intranode.py's run_case;
+    and zero-copy) -- tests/gpu/intranode/test_intranode.py's run_case;
   * internode over the IPC transport (2 ranks: 2 nodes x 1 GPU; 4 ranks: 2 x 2) -- test_internode.py's
     run_internode_case;
   * low-latency: dispatch (bf16, FP8) and combine, one launch, with the receive hooks, and with the zero-copy
     combine buffer; the top-k above 11 runs the kernels of the larger top-k bounds (config.LL_TOPK_BOUNDS).
-Run (GPU machine): mpirun -n 2 python -m pytest --with-mpi -q tests/gpu/test_model_shapes.py
+Run (GPU machine): mpirun -n 2 python -m pytest --with-mpi -q tests/gpu/common/test_model_shapes.py
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import pytest
 import cupy_ep
 from cupy_ep import config as cfgmod, reference
 from cupy_ep.tools import models
-from tests.gpu import test_internode as inter
-from tests.gpu import test_intranode as intra
-from tests.gpu import test_low_latency as ll
+from tests.gpu.internode import test_internode as inter
+from tests.gpu.intranode import test_intranode as intra
+from tests.gpu.low_latency import test_low_latency as ll
 from tests.helpers import all_ok, gather_all, same_bytes
 
 pytestmark = pytest.mark.mpi(min_size=2)

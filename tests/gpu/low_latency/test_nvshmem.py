@@ -12,7 +12,7 @@ def test_nvshmem_init_align_and_linked_kernel(comm):
     import cupy
     from cupy_ep import jit
     from cupy_ep.nvshmem import Nvshmem
-    from tests.gpu.test_low_latency import mps_clients, ranks_share_a_gpu
+    from tests.gpu.low_latency.test_low_latency import mps_clients, ranks_share_a_gpu
     # NVSHMEM supports one PE per GPU (several only under MPS); with two ranks on one GPU outside MPS it
     # can crash the process in nvshmem init (SIGSEGV), so it is skipped there like the low-latency tests
     if ranks_share_a_gpu(comm) and not mps_clients(comm):

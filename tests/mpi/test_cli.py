@@ -20,7 +20,7 @@ import pytest
 
 from cupy_ep.tools import cli, soak, tune
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOOLS = {"bench": cli, "soak": soak, "tune": tune}
 # what --help must do without: the optional packages, MPI and CuPy (parsing comes before MPI starts)
 BLOCKED = ("matplotlib", "tqdm", "torch", "mpi4py", "cupy", "cupyx")

@@ -24,7 +24,7 @@ def run_child(code: str) -> dict[str, str]:
     """Run ``code`` in a fresh interpreter; returns its ``key=value`` output lines (the run must exit 0)."""
     env = dict(os.environ)  # as is: e.g. Open MPI's singleton start as root needs OMPI_ALLOW_RUN_AS_ROOT*
     env["CUPY_EP_PREINIT"] = "0"  # no CUDA start in these children: they test MPI's start only
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=120, env=env, cwd=root)

@@ -329,7 +329,7 @@ def test_docs_table_is_current(monkeypatch, tmp_path):
     from cupy_ep import Buffer
     monkeypatch.setenv("CUPY_EP_TUNED_CONFIG", str(tmp_path / "none.json"))
     monkeypatch.setattr(Buffer, "num_sms", 20)
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "internode_buffers.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "internode_buffers.md").read_text()
     assert cfg.internode_table() in doc
 
 

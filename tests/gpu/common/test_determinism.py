@@ -5,7 +5,7 @@ contributions in ascending source-rank order, fp32), rounded once to bf16; no at
 import numpy as np
 import pytest
 
-from tests.gpu.test_intranode import Case, _config_for, _inputs, _to_gpu
+from tests.gpu.intranode.test_intranode import Case, _config_for, _inputs, _to_gpu
 from tests.helpers import all_ok, random_bf16
 
 

@@ -1,5 +1,5 @@
 """DeepEP's raw-access methods on the host backend and their argument checks (no GPU): ``get_local_buffer_tensor``,
-``get_comm_stream``, ``is_sm90_compiled``. tests/gpu/test_bootstrap.py checks the CUDA backend's view against
+``get_comm_stream``, ``is_sm90_compiled``. tests/gpu/common/test_bootstrap.py checks the CUDA backend's view against
 what the peers see through CUDA IPC."""
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ def test_source_hash_and_package_data_cover_every_file(tmp_path, monkeypatch):
     rel = [p.relative_to(root).as_posix() for p in jit.source_files()]
     assert any("/" in r for r in rel) and not [p for p in root.rglob("*") if p.is_file() and p.suffix not in
                                               jit.SOURCE_SUFFIXES and "__pycache__" not in p.parts]
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["cupy_ep.cuda_src"]
 
     # setuptools expands package-data patterns with glob(recursive=True) in the package's folder

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHECKED = ("README.md", "docs", "cupy_ep", "cuda_src", "tests", "scripts", "examples")
 
 # Built from pieces so that this file, which is checked too, does not match its own patterns.

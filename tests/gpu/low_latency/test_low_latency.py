@@ -121,7 +121,7 @@ def ll_transport() -> str:
 def skip_unless_usable(comm) -> None:
     """Skip (on every rank alike) where this transport cannot run: NVSHMEM with ranks sharing a GPU outside MPS."""
     if ll_transport() == "nvshmem" and ranks_share_a_gpu(comm) and not mps_clients(comm):
-        pytest.skip("the NVSHMEM transport needs one GPU per rank or CUDA MPS (see test_zz_low_latency_timeout.py::"
+        pytest.skip("the NVSHMEM transport needs one GPU per rank or CUDA MPS (see test_low_latency_timeout.py::"
                     "test_ranks_sharing_a_gpu_are_refused; CUPY_EP_LL_TRANSPORT=ipc runs these tests there)")
 
 

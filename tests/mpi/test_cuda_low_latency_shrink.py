@@ -2,7 +2,7 @@
 check their arguments (naming them) before anything runs; the kernels get the mask as an argument of every launch;
 clean meets the unmasked ranks only (a timed point-to-point barrier, MPI tests below) and restarts the buffers; the
 DeviceCtx mirror in cuda/runtime.py matches cuda_src/common/wait.cuh, whose timed wait compiles in both policies
-(NVRTC, sm_90). The kernels' behaviour is tests/gpu/test_low_latency_shrink.py's."""
+(NVRTC, sm_90). The kernels' behaviour is tests/gpu/low_latency/test_low_latency_shrink.py's."""
 from __future__ import annotations
 
 import time
@@ -18,7 +18,7 @@ from cupy_ep.cuda.backend import CudaBackend  # noqa: E402
 from cupy_ep.cuda.runtime import CTX_DTYPE  # noqa: E402
 from cupy_ep.errors import BufferUnusableError  # noqa: E402
 from cupy_ep.event import RecvHooks  # noqa: E402
-from tests.test_cuda_low_latency_calls import (  # noqa: E402,F401  (ll: a fixture)
+from tests.unit.test_cuda_low_latency_calls import (  # noqa: E402,F401  (ll: a fixture)
     R, FakeDevice, combine, dispatch, gpu_array, ll)
 
 NUM_RANKS = 4

@@ -1,6 +1,7 @@
 """A dead peer in low-latency mode: rank SKIPPER skips a low_latency_dispatch, the others get CommTimeoutError
 in bounded time naming the low-latency dispatch's receiver, and the buffer then refuses further use.
-(Named zz_ so it runs last; its own process state: one NVSHMEM init. Every rank reaches destroy().)"""
+(Marked runs_last: it runs after the other GPU tests; its own process state: one NVSHMEM init. Every rank reaches
+destroy().)"""
 import time
 import traceback
 
@@ -11,6 +12,9 @@ import cupy_ep
 from cupy_ep import CommTimeoutError, config as cfgmod
 from tests.helpers import all_ok, make_inputs, random_bf16, refused_after_failure
 
+pytestmark = pytest.mark.runs_last(
+    reason="a rank skips a low-latency call on purpose: the timed-out buffer refuses further use")
+
 TIMEOUT_S = 3.0
 SKIPPER = 1
 
@@ -19,7 +23,7 @@ SKIPPER = 1
 def test_ranks_sharing_a_gpu_are_refused(comm):
     """With several ranks per GPU and no MPS, Buffer(low_latency_mode=True) on the NVSHMEM transport raises a
     ValueError naming low_latency_mode and pointing at the IPC transport on every rank (nobody hangs)."""
-    from tests.gpu.test_low_latency import mps_clients, ranks_share_a_gpu
+    from tests.gpu.low_latency.test_low_latency import mps_clients, ranks_share_a_gpu
     if not ranks_share_a_gpu(comm):
         pytest.skip("one rank per GPU here: low_latency_mode is allowed")
     if mps_clients(comm):
@@ -34,7 +38,7 @@ def test_ranks_sharing_a_gpu_are_refused(comm):
 def _small_ll_buffer(comm):
     """``(rank, R, M, H, E, buf)``: a small low-latency Buffer with the short timeout, on the transport of
     CUPY_EP_LL_TRANSPORT (skips where ranks share a GPU on NVSHMEM, which refuses that)."""
-    from tests.gpu.test_low_latency import skip_unless_usable
+    from tests.gpu.low_latency.test_low_latency import skip_unless_usable
     skip_unless_usable(comm)
     rank, R = comm.Get_rank(), comm.Get_size()
     M, H, E = 32, 1024, 8 * R

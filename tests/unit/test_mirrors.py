@@ -12,7 +12,7 @@ from cupy_ep.cuda import internode as cuda_internode
 from cupy_ep.cuda import runtime
 from cupy_ep.errors import CompileError
 
-SRC = Path(__file__).resolve().parent.parent / "cuda_src"
+SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 
 
 def source(*names: str) -> str:

@@ -95,7 +95,7 @@ def _config_for(kind: str, num_ranks: int, num_sms: int) -> Config:
 
 def check_dispatch_outputs(errors: list, case: Case, recv_x, recv_idx, recv_w, counts, ref) -> None:
     """recv_x (and FP8 scales), top-k and per-expert counts of a dispatch against the reference (shared with
-    tests/gpu/test_internode.py)."""
+    tests/gpu/internode/test_internode.py)."""
     if case.dtype == "fp8":
         _check(errors, "recv_x", recv_x[0], ref.recv_x)
         _check(errors, "recv_x_scales", recv_x[1], ref.recv_x_scales)

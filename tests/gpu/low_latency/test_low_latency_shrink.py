@@ -44,7 +44,7 @@ def _mask_ranks(topk_idx, masked, num_experts: int, num_ranks: int) -> np.ndarra
 def _make_buffer(comm, enable_shrink: bool = True):
     """A small low-latency Buffer (short timeout), its kernels compiled and its shape cleaned on every rank."""
     import cupy
-    from tests.gpu.test_low_latency import skip_unless_usable
+    from tests.gpu.low_latency.test_low_latency import skip_unless_usable
     skip_unless_usable(comm)
     R = comm.Get_size()
     buf = cupy_ep.Buffer(comm, num_rdma_bytes=cfgmod.low_latency_rdma_size_hint(M, H, R, LOCAL * R),
@@ -97,7 +97,7 @@ def _call(buf, inputs, use_fp8: bool, hook: bool, stop_after_dispatch: bool = Fa
     """One dispatch + combine of this rank's ``inputs`` (numpy, made device arrays first), back to back, then a
     device sync: ``(recv_x, recv_count, handle, combined_x or None, seconds of the calls)``."""
     import cupy
-    from tests.gpu.test_low_latency import _dev
+    from tests.gpu.low_latency.test_low_latency import _dev
     x, idx, w, y = (_dev(a) for a in inputs)
     cupy.cuda.runtime.deviceSynchronize()
     start = time.monotonic()
@@ -119,7 +119,7 @@ def _call(buf, inputs, use_fp8: bool, hook: bool, stop_after_dispatch: bool = Fa
 def _compare(got, want, want_c, idx_for_slots) -> list:
     """What differs from the reference: the dispatch (rows, scales, src_info, counts, layout_range, and the handle's
     topk_slots, those of ``idx_for_slots``: the routing as the send phase saw it) and the combined output."""
-    from tests.gpu.test_low_latency import _compare_dispatch
+    from tests.gpu.low_latency.test_low_latency import _compare_dispatch
     errors: list = []
     recv_x, count, handle, combined, _ = got
     _compare_dispatch(errors, (recv_x, count, handle), want, None, idx_for_slots)
@@ -152,7 +152,7 @@ class _Run:
         return self.rank == rank
 
     def step(self, what, fn, *args):
-        from tests.gpu.test_low_latency import _step
+        from tests.gpu.low_latency.test_low_latency import _step
         return _step(self.buf, self.live, what, fn, *args)
 
     def round(self, seed: int, use_fp8: bool, hook: bool, masked=(), combine_masked=None, slots_masked=None,
@@ -347,7 +347,7 @@ def test_a_graph_replay_reads_the_mask_when_it_runs(comm):
     by hand, each pair's outputs are the reference's with the other pair masked (the kernels read the mask at every
     launch, nothing of it is captured); after the mask is cleaned (and the buffer), a replay is the full reference's."""
     import cupy
-    from tests.gpu.test_low_latency import _dev
+    from tests.gpu.low_latency.test_low_latency import _dev
     R = comm.Get_size()
 
     def body(run):

@@ -17,7 +17,7 @@ from tests.helpers import (BF16, all_ok, gather_all, make_inputs, random_bf16, r
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-TABLE = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
+TABLE = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
 _ROW = re.compile(r"^\| `(?P<case>[^`]+)` \| `(?P<call>.+)` \| `(?P<exc>\w+)` \| `(?P<fragment>[^`]+)` \| "
                   r"(?P<after>\w+) \|$")
 M, HL = 8, 128

@@ -1,12 +1,12 @@
 """Internode layout / dispatch / cached dispatch / combine on the GPU, against the reference, with the intranode
-suite's cases (tests/gpu/test_intranode.py CASES).
+suite's cases (tests/gpu/intranode/test_intranode.py CASES).
 
 Topologies ("nodes" share one box;):
   * 2 ranks: 2 nodes x 1 GPU, over NVSHMEM (P2P transport) and over the IPC transport;
   * 4 ranks: 2 nodes x 2 ranks, IPC transport only (ranks of one RDMA domain share a GPU: NVSHMEM cannot).
 Other rank counts skip. Run (GPU machine):
-  mpirun -n 2 python -m pytest --with-mpi -q tests/gpu/test_internode.py
-  mpirun -n 4 python -m pytest --with-mpi -q tests/gpu/test_internode.py
+  mpirun -n 2 python -m pytest --with-mpi -q tests/gpu/internode/test_internode.py
+  mpirun -n 4 python -m pytest --with-mpi -q tests/gpu/internode/test_internode.py
 Checks: layout incl. num_tokens_per_rdma_rank; recv_x / scales / top-k / per-expert counts bit for bit
 (cupy_ep.reference.dispatch); every handle field (cupy_ep.internode_reference.handle); cached dispatch; combine
 with weights and two biases bit for bit against the two-level oracle (internode_reference.combine); the handle
@@ -25,7 +25,7 @@ import cupy_ep
 from cupy_ep import config as cfgmod
 from cupy_ep import internode_reference as iref
 from cupy_ep import reference
-from tests.gpu.test_intranode import (CASES, WORST_CASE, Case, _check, _config_for, _inputs, _to_gpu,
+from tests.gpu.intranode.test_intranode import (CASES, WORST_CASE, Case, _check, _config_for, _inputs, _to_gpu,
                                       check_cached_dispatch, check_dispatch_outputs, check_worst_outputs,
                                       combine_inputs, random_case, report)
 from tests.helpers import all_ok, gather_all, random_bf16, reference_dispatch, to_numpy
