@@ -7,24 +7,25 @@
 #
 # Steps (in this order): nvidia_smi unit gpu2 gpu4 gpu8 llipc mps internode torchrun bench llbench soak sanitize
 #   nvidia_smi  GPUs, links and software versions
-#   unit        the single-process tests (tests/, without tests/gpu)
-#   gpuN        tests/gpu under the MPI launcher with N ranks (4 and 8: several ranks per GPU), without internode
-#   llipc       the low-latency files over the CUDA-IPC transport (CUPY_EP_LL_TRANSPORT=ipc) at LLIPC_RANKS
-#               (default "4 8") ranks,
-#               several per GPU (NVSHMEM refuses that, so gpu4 / gpu8 skip them)
+#   unit        the single-process tests (tests/unit, and those of tests/mpi that need no second rank)
+#   gpuN        tests/gpu under the MPI launcher with N ranks (4 and 8: several ranks per GPU), without
+#               tests/gpu/internode
+#   llipc       tests/gpu/low_latency but test_nvshmem.py over the CUDA-IPC transport (CUPY_EP_LL_TRANSPORT=ipc)
+#               at LLIPC_RANKS (default "4 8") ranks, several per GPU (NVSHMEM refuses that, so gpu4 / gpu8 skip
+#               them)
 #   mps         ranks sharing each GPU as CUDA MPS clients of a private MPS control daemon (started and stopped
-#               here, its pipe and log folders in a temporary folder): the low-latency files on NVSHMEM (which
+#               here, its pipe and log folders in a temporary folder): tests/gpu/low_latency on NVSHMEM (which
 #               refuses ranks sharing a GPU without MPS) at MPS_RANKS_PER_GPU (default 2) ranks per GPU, then the
 #               rest of tests/gpu likewise; the kernels of the ranks on one GPU run at the same time there. Each
 #               rank gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_THREAD_PERCENTAGE (default 100 / ranks per GPU;
 #               empty: unset), so that the kernels run on provisioned shares; MPS_PARTS="ll rest" (default) picks
 #               the parts ("torchrun": the torchrun step's tests as MPS clients, steps named mps_torchrun<N>)
-#   internode   tests/gpu/test_internode.py at 2 ranks (2 nodes x 1 GPU) and 4 ranks (2 nodes x 2, IPC transport)
+#   internode   tests/gpu/internode at 2 ranks (2 nodes x 1 GPU) and 4 ranks (2 nodes x 2, IPC transport)
 #   torchrun    under torchrun (torch.distributed, gloo; no MPI) at TORCHRUN_RANKS (default 2) ranks:
-#               tests/gpu/test_intranode.py, test_low_latency.py (CUPY_EP_LL_TRANSPORT=ipc: 2 ranks may share a
-#               GPU) and test_streams.py, then examples/moe_layer.py; skipped where torch is not installed. Ranks
-#               sharing a GPU as MPS clients: start the step inside an MPS daemon's environment
-#               (CUDA_MPS_PIPE_DIRECTORY set)
+#               tests/gpu/intranode/test_intranode.py, low_latency/test_low_latency.py (CUPY_EP_LL_TRANSPORT=ipc:
+#               2 ranks may share a GPU) and common/test_streams.py, then examples/moe_layer.py; skipped where
+#               torch is not installed. Ranks sharing a GPU as MPS clients: start the step inside an MPS daemon's
+#               environment (CUDA_MPS_PIPE_DIRECTORY set)
 #   bench       python -m cupy_ep.bench --out $OUT_DIR at 2 ranks
 #   llbench     python -m cupy_ep.bench --mode low-latency --out $OUT_DIR at 2 ranks
 #   soak        python -m cupy_ep.soak (SOAK_ITERS, default 10000) at 2 ranks, then --zero-copy at 12 and 24 SMs
@@ -101,18 +102,17 @@ print("MPI:", MPI.Get_library_version().splitlines()[0])' || return 1
 
 want nvidia_smi && ep_plain_step nvidia_smi machine_info
 want unit && ep_pytest_step unit 0 -q -p no:cacheprovider --timeout=900 --timeout-method=thread \
-    tests --ignore=tests/gpu
+    tests/unit tests/mpi
 for n in 2 4 8; do
-    # The internode file has its own step (2 ranks: 2 nodes x 1 GPU; 4 ranks: 2 x 2 over the IPC transport).
+    # The internode tests have their own step (2 ranks: 2 nodes x 1 GPU; 4 ranks: 2 x 2 over the IPC transport).
     want "gpu$n" && ep_pytest_step "gpu$n" "$n" --with-mpi -q -p no:cacheprovider --color=no \
-        --timeout=900 --timeout-method=thread tests/gpu -rs --ignore=tests/gpu/test_internode.py
+        --timeout=900 --timeout-method=thread tests/gpu -rs --ignore=tests/gpu/internode
 done
 if want llipc; then
     export CUPY_EP_LL_TRANSPORT=ipc
     for n in ${LLIPC_RANKS:-4 8}; do
         ep_pytest_step "llipc$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
-            --timeout-method=thread tests/gpu/test_low_latency.py tests/gpu/test_low_latency_shrink.py \
-            tests/gpu/test_zz_low_latency_timeout.py -rs
+            --timeout-method=thread tests/gpu/low_latency -rs --ignore=tests/gpu/low_latency/test_nvshmem.py
     done
     unset CUPY_EP_LL_TRANSPORT
 fi
@@ -131,8 +131,8 @@ torchrun_step() {
         return 0
     fi
     CUPY_EP_LL_TRANSPORT=ipc ep_pytest_step "${prefix}torchrun$n" "torchrun:$n" --with-torchrun -q -p no:cacheprovider \
-        --color=no --timeout=300 --timeout-method=thread -rs tests/gpu/test_intranode.py \
-        tests/gpu/test_low_latency.py tests/gpu/test_streams.py
+        --color=no --timeout=300 --timeout-method=thread -rs tests/gpu/intranode/test_intranode.py \
+        tests/gpu/low_latency/test_low_latency.py tests/gpu/common/test_streams.py
     if "$EP_PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1; then
         ep_plain_step "${prefix}moe_torchrun$n" timeout -k 10 300 env CUPY_EP_BACKEND=cuda "$EP_PYTHON" \
             -m torch.distributed.run --standalone --nproc-per-node "$n" examples/moe_layer.py
@@ -154,12 +154,10 @@ if want mps; then
         [[ -n "$pct" ]] && export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="$pct"
         echo "mps: $n ranks, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${pct:-unset}"
         trap mps_stop EXIT  # a killed step must not leave the daemon running
-        ll=(tests/gpu/test_low_latency.py tests/gpu/test_low_latency_shrink.py tests/gpu/test_nvshmem.py
-            tests/gpu/test_zz_low_latency_timeout.py)
         [[ " ${MPS_PARTS:-ll rest} " == *" ll "* ]] && ep_pytest_step "mps_ll$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
-            --timeout-method=thread "${ll[@]}" -rs
+            --timeout-method=thread tests/gpu/low_latency -rs
         [[ " ${MPS_PARTS:-ll rest} " == *" rest "* ]] && ep_pytest_step "mps_rest$n" "$n" --with-mpi -q -p no:cacheprovider --color=no --timeout=900 \
-            --timeout-method=thread tests/gpu -rs $(printf -- '--ignore=%s ' "${ll[@]}")
+            --timeout-method=thread tests/gpu -rs --ignore=tests/gpu/low_latency
         [[ " ${MPS_PARTS:-ll rest} " == *" torchrun "* ]] && torchrun_step mps_
         mps_stop
         trap - EXIT
@@ -167,7 +165,7 @@ if want mps; then
 fi
 for n in 2 4; do
     want internode && ep_pytest_step "internode$n" "$n" --with-mpi -q -p no:cacheprovider --color=no \
-        --timeout=300 --timeout-method=thread tests/gpu/test_internode.py -rs
+        --timeout=300 --timeout-method=thread tests/gpu/internode -rs
 done
 want torchrun && torchrun_step ""
 if want bench; then

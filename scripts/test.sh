@@ -7,7 +7,8 @@
 #    wheels (CUPY_EP_SKIP_INSTALL=1 skips this and uses python/mpiexec from PATH), and torch's CPU build
 #    (torch==2.13.0) when the venv has no torch (the autograd tests and the MoE example need it; without torch
 #    they are skipped);
-# 2. runs the single-process tests, then the MPI tests at 2 and 4 ranks (tests/gpu excluded), then the README's
+# 2. runs the single-process tests (tests/unit, and those of tests/mpi that need no second rank), then the MPI
+#    tests (tests/mpi) at 2 and 4 ranks, then the README's
 #    quick start (examples/quickstart.py) at 2 ranks and the MoE example (examples/moe_layer.py) at 2 and 4 ranks,
 #    on the host backend; then the same under torchrun at 2 and 4 ranks (torch.distributed over gloo, through
 #    cupy_ep.bootstrap's torch adapter; mpi4py's MPI is never imported there): the adapter's tests, the host-backend
@@ -55,9 +56,10 @@ lint() {
     find cuda_src -name '*.cu' -o -name '*.cuh' | sort | xargs "$fmt" --style=file --dry-run -Werror
 }
 ep_plain_step lint lint
-ep_pytest_step unit 0 "${common[@]}" tests --ignore=tests/gpu
+# tests/unit holds no MPI-marked test (tests/unit/test_tiers.py checks): the MPI steps run tests/mpi alone.
+ep_pytest_step unit 0 "${common[@]}" tests/unit tests/mpi
 for n in 2 4; do
-    ep_pytest_step "mpi$n" "$n" --only-mpi "${common[@]}" --color=no tests --ignore=tests/gpu
+    ep_pytest_step "mpi$n" "$n" --only-mpi "${common[@]}" --color=no tests/mpi
 done
 # The README's quick start exactly as a user runs it, on the host backend (it exits non-zero on a mismatch).
 if ep_mpirun_argv 2 "$EP_PYTHON" examples/quickstart.py; then
@@ -73,9 +75,9 @@ done
 # torchrun: the MPI-marked tests with their comm fixture over torch.distributed (gloo), then the examples unchanged.
 # The tools (python -m cupy_ep.bench, .soak, .tune) under torchrun are tests/test_tools_torchrun.py, in the unit
 # step: each test starts its own torchrun (and the mpiexec run it compares with).
-torch_tests=(tests/test_torch_bootstrap.py tests/test_host_backend.py tests/test_host_low_latency.py
-             tests/test_host_faults.py tests/test_torch_layer.py tests/test_topology.py
-             tests/test_cuda_low_latency_shrink.py tests/test_bad_inputs.py)
+torch_tests=(tests/mpi/test_torch_bootstrap.py tests/mpi/test_host_backend.py tests/mpi/test_host_low_latency.py
+             tests/mpi/test_host_faults.py tests/mpi/test_torch_layer.py tests/mpi/test_topology.py
+             tests/mpi/test_cuda_low_latency_shrink.py tests/mpi/test_bad_inputs.py)
 torchrun_argv() { EP_ARGV=(env CUPY_EP_BACKEND=host "$EP_PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$@"); }
 for n in 2 4; do
     if ! has_torch; then
@@ -112,7 +114,7 @@ if [[ "$gpu_rc" == 0 ]]; then
     echo "Low-latency tests at 2 ranks over CUDA IPC (CUPY_EP_LL_TRANSPORT=ipc)"
     export CUPY_EP_LL_TRANSPORT=ipc
     ep_pytest_step gpu-ll-ipc 2 --with-mpi "${common[@]}" --color=no -rs \
-        tests/gpu/test_low_latency.py tests/gpu/test_zz_low_latency_timeout.py
+        tests/gpu/low_latency/test_low_latency.py tests/gpu/low_latency/test_low_latency_timeout.py
     unset CUPY_EP_LL_TRANSPORT
     if "$EP_PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1; then
         moe_step moe-gpu "$((ngpus >= 2 ? ngpus : 2))" CUPY_EP_BACKEND=cuda  # 2 ranks share a lone GPU
