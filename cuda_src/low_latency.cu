@@ -14,8 +14,9 @@
 //                              partials. One launch splits its blocks into an expert side and an owner side (its
 //                              own partials first, then the sums) that run at the same time
 //   clean_low_latency_buffer   zero both signal regions between two NVSHMEM barriers (NVSHMEM build only; the
-//                              library cleans on the host with timed barriers instead; tests/gpu/test_nvshmem.py
-//                              uses this one as its probe of the NVSHMEM device link and barriers)
+//                              library cleans on the host with timed barriers instead;
+//                              tests/gpu/low_latency/test_nvshmem.py uses this one as its probe of the NVSHMEM
+//                              device link and barriers)
 //   ll_carve_probe             writes LowLatencyLayout's sizes (a GPU test compares them with config.py)
 //
 // Shape of both kernels: one block per SM (512 threads each; grid <= the SM

@@ -1,6 +1,6 @@
 """``Config`` (SM count and ring sizes), the default tables, buffer-size hints and tuned-config loading.
 
-The size arithmetic here is ``cuda_src/common/layout.cuh``'s, sum for sum (tests/test_mirrors.py compiles
+The size arithmetic here is ``cuda_src/common/layout.cuh``'s, sum for sum (tests/unit/test_mirrors.py compiles
 static_asserts that compare them; :mod:`cupy_ep.layout` owns the limits both use): the NVLink buffer of every rank is
 
     [signals: 128 B][notify area: NOTIFY_BYTES][channel area: max(dispatch carve, combine carve)]

@@ -1,7 +1,7 @@
 """The limits the buffer carves are built on, owned here and emitted into the kernels' ``common/ids.cuh``
 (:func:`cupy_ep.ids.header`); cuda_src/common/layout.cuh carves with them and :mod:`cupy_ep.config` sizes with them.
 
-The CPU test (tests/test_mirrors.py) compiles :func:`layout_probe_source`: ``static_assert``s that compare
+The CPU test (tests/unit/test_mirrors.py) compiles :func:`layout_probe_source`: ``static_assert``s that compare
 config.py's byte sums with the CUDA layout structs for a set of shapes, so a sum changed on one side only fails
 at compile time, without a GPU.
 """

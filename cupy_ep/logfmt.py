@@ -34,7 +34,7 @@ def _f32(bits: int) -> np.float32:
     return np.array(bits, dtype=np.uint32).view(np.float32)[()]
 
 
-# (bits, value) of every constant; tests/test_logfmt.py checks each is the float32 nearest its value
+# (bits, value) of every constant; tests/unit/test_logfmt.py checks each is the float32 nearest its value
 CONSTANTS = {
     "sqrt2": (0x3FB504F3, 2 ** 0.5), "inv7": (0x3E124925, 1 / 7), "inv5": (0x3E4CCCCD, 1 / 5),
     "inv3": (0x3EAAAAAB, 1 / 3), "two_over_ln2": (0x4038AA3B, 2 / np.log(2)), "ln2": (0x3F317218, np.log(2)),

@@ -372,7 +372,7 @@ def check_buffer_view(nbytes: int, itemsize: int, size, offset, region: str) -> 
 # ---- what the buffer and the kernels can hold (the host backend refuses the same calls as the GPU) ---------------
 def intranode_warps(num_ranks: int) -> int:
     """Warps of an intranode dispatch/combine block (Groups<kNumRanks>::kWarps in cuda_src/intranode/groups.cuh;
-    tests/test_mirrors.py compares at compile time)."""
+    tests/unit/test_mirrors.py compares at compile time)."""
     return (ids.INTRANODE_WARPS // num_ranks) * num_ranks
 
 

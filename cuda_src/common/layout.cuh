@@ -261,7 +261,7 @@ struct DirectCombineLayout {
 // (bf16, or e4m3 followed by H/128 float scales). Its size is fixed at 16 + 2H (>= 16 + H + H/32), so
 // the layout does not depend on use_fp8. cupy_ep/config.py computes the same sums (low_latency_layout).
 // ---------------------------------------------------------------------------------------------------
-constexpr int kLLMaxTopk = 32;  // = reference.LOW_LATENCY_MAX_TOPK (tests/test_mirrors.py compares)
+constexpr int kLLMaxTopk = 32;  // = reference.LOW_LATENCY_MAX_TOPK (tests/unit/test_mirrors.py compares)
 
 struct LowLatencyLayout {
     long long msg_bytes = 0, row_bytes = 0, part_bytes = 0, meta_bytes = 0, signal_ints = 0, signal_bytes = 0,

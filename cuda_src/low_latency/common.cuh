@@ -18,7 +18,7 @@ constexpr int kLLWarps = kLLThreads / kWarpSize;
 // The top-k bounds the dispatch and combine are built for (their template parameter kMaxTopk sizes the per-entry
 // shared-memory arrays: DispatchShared, CombineShared); a call runs the smallest bound >= its K
 // (config.low_latency_topk_bound), the first one by default. The last is kLLMaxTopk.
-constexpr int kLLTopkBounds[] = {11, 16, 32};  // = config.LL_TOPK_BOUNDS (tests/test_mirrors.py compares)
+constexpr int kLLTopkBounds[] = {11, 16, 32};  // = config.LL_TOPK_BOUNDS (tests/unit/test_mirrors.py compares)
 constexpr int kLLDefaultTopkBound = kLLTopkBounds[0];
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
 // workspace (int32, zeroed once by the host): kWsLastSend = 1 + the buffer index of this rank's previous send
