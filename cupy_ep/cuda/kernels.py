@@ -1,7 +1,7 @@
 """One launcher per ``__global__`` of the intranode path (``cuda_src/layout.cu``, ``cuda_src/intranode.cu``).
 
 Each kernel has an argument record (a NamedTuple: its fields are the kernel's parameters, in the kernel's order,
-``tests/test_mirrors.py`` compares them with the sources) and one function that launches it with its grid, block
+``tests/unit/test_mirrors.py`` compares them with the sources) and one function that launches it with its grid, block
 size and dynamic shared memory rule on the runtime's communication stream (:meth:`.runtime.Runtime.launch`). A record
 is a tuple: it is handed to CuPy as the argument tuple itself (building one costs what the tuple did).
 """
