@@ -7,7 +7,7 @@
 #
 # Steps (in this order): nvidia_smi unit gpu2 gpu4 gpu8 llipc mps internode torchrun bench llbench soak sanitize
 #   nvidia_smi  GPUs, links and software versions
-#   unit        the single-process tests (tests/unit, and those of tests/mpi that need no second rank)
+#   unit        the single-process tests (tests/unit, and those of tests/multirank that need no second rank)
 #   gpuN        tests/gpu under the MPI launcher with N ranks (4 and 8: several ranks per GPU), without
 #               tests/gpu/internode
 #   llipc       tests/gpu/low_latency but test_nvshmem.py over the CUDA-IPC transport (CUPY_EP_LL_TRANSPORT=ipc)
@@ -102,7 +102,7 @@ print("MPI:", MPI.Get_library_version().splitlines()[0])' || return 1
 
 want nvidia_smi && ep_plain_step nvidia_smi machine_info
 want unit && ep_pytest_step unit 0 -q -p no:cacheprovider --timeout=900 --timeout-method=thread \
-    tests/unit tests/mpi
+    tests/unit tests/multirank
 for n in 2 4 8; do
     # The internode tests have their own step (2 ranks: 2 nodes x 1 GPU; 4 ranks: 2 x 2 over the IPC transport).
     want "gpu$n" && ep_pytest_step "gpu$n" "$n" --with-mpi -q -p no:cacheprovider --color=no \

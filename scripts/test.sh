@@ -7,8 +7,8 @@
 #    wheels (CUPY_EP_SKIP_INSTALL=1 skips this and uses python/mpiexec from PATH), and torch's CPU build
 #    (torch==2.13.0) when the venv has no torch (the autograd tests and the MoE example need it; without torch
 #    they are skipped);
-# 2. runs the single-process tests (tests/unit, and those of tests/mpi that need no second rank), then the MPI
-#    tests (tests/mpi) at 2 and 4 ranks, then the README's
+# 2. runs the single-process tests (tests/unit, and those of tests/multirank that need no second rank), then the MPI
+#    tests (tests/multirank) at 2 and 4 ranks, then the README's
 #    quick start (examples/quickstart.py) at 2 ranks and the MoE example (examples/moe_layer.py) at 2 and 4 ranks,
 #    on the host backend; then the same under torchrun at 2 and 4 ranks (torch.distributed over gloo, through
 #    cupy_ep.bootstrap's torch adapter; mpi4py's MPI is never imported there): the adapter's tests, the host-backend
@@ -56,10 +56,10 @@ lint() {
     find cuda_src -name '*.cu' -o -name '*.cuh' | sort | xargs "$fmt" --style=file --dry-run -Werror
 }
 ep_plain_step lint lint
-# tests/unit holds no MPI-marked test (tests/unit/test_tiers.py checks): the MPI steps run tests/mpi alone.
-ep_pytest_step unit 0 "${common[@]}" tests/unit tests/mpi
+# tests/unit holds no MPI-marked test (tests/unit/test_tiers.py checks): the MPI steps run tests/multirank alone.
+ep_pytest_step unit 0 "${common[@]}" tests/unit tests/multirank
 for n in 2 4; do
-    ep_pytest_step "mpi$n" "$n" --only-mpi "${common[@]}" --color=no tests/mpi
+    ep_pytest_step "mpi$n" "$n" --only-mpi "${common[@]}" --color=no tests/multirank
 done
 # The README's quick start exactly as a user runs it, on the host backend (it exits non-zero on a mismatch).
 if ep_mpirun_argv 2 "$EP_PYTHON" examples/quickstart.py; then
@@ -75,9 +75,10 @@ done
 # torchrun: the MPI-marked tests with their comm fixture over torch.distributed (gloo), then the examples unchanged.
 # The tools (python -m cupy_ep.bench, .soak, .tune) under torchrun are tests/test_tools_torchrun.py, in the unit
 # step: each test starts its own torchrun (and the mpiexec run it compares with).
-torch_tests=(tests/mpi/test_torch_bootstrap.py tests/mpi/test_host_backend.py tests/mpi/test_host_low_latency.py
-             tests/mpi/test_host_faults.py tests/mpi/test_torch_layer.py tests/mpi/test_topology.py
-             tests/mpi/test_cuda_low_latency_shrink.py tests/mpi/test_bad_inputs.py)
+torch_tests=(tests/multirank/test_torch_bootstrap.py tests/multirank/test_host_backend.py
+             tests/multirank/test_host_low_latency.py tests/multirank/test_host_faults.py
+             tests/multirank/test_torch_layer.py tests/multirank/test_topology.py
+             tests/multirank/test_cuda_low_latency_shrink.py tests/multirank/test_bad_inputs.py)
 torchrun_argv() { EP_ARGV=(env CUPY_EP_BACKEND=host "$EP_PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$@"); }
 for n in 2 4; do
     if ! has_torch; then

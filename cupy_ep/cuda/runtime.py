@@ -27,7 +27,7 @@ RECORD_DTYPE = np.dtype([("flag", "<i4"), ("rank", "<i4"), ("kernel", "<i4"), ("
                          ("channel", "<i4"), ("peer", "<i4"), ("head", "<i8"), ("tail", "<i8"),
                          ("expected", "<i8"), ("elapsed_ns", "<i8")])
 # DeviceCtx (u64 timeout_ns, TimeoutRecord*, int* abort_flag, int rank, int num_ranks, int* shrink_mask; compared
-# in tests/mpi/test_cuda_low_latency_shrink.py).
+# in tests/multirank/test_cuda_low_latency_shrink.py).
 CTX_DTYPE = np.dtype([("timeout_ns", "<u8"), ("record", "<u8"), ("abort_flag", "<u8"),
                       ("rank", "<i4"), ("num_ranks", "<i4"), ("shrink_mask", "<u8")])
 

@@ -1,7 +1,7 @@
 """The test tree's tiers and order: tests/unit holds single-process tests only, every file with an MPI-marked test
-lives in tests/mpi (scripts/test.sh runs the MPI steps on tests/mpi alone), tests/gpu is split by path, and the
-tests marked ``runs_last`` (they leave the CUDA context or their buffers unusable) run after all others, whatever
-their file names (tests/conftest.py's collection hook)."""
+lives in tests/multirank (scripts/test.sh runs the MPI steps on tests/multirank alone), tests/gpu is split by path,
+and the tests marked ``runs_last`` (they leave the CUDA context or their buffers unusable) run after all others,
+whatever their file names (tests/conftest.py's collection hook)."""
 from __future__ import annotations
 
 import os
@@ -75,17 +75,25 @@ def test_the_gpu_timeout_modules_run_after_every_other_gpu_test():
 
 
 def test_mpi_marked_tests_are_all_in_tests_mpi_and_every_file_there_has_one():
-    ids = _collect("-m", "mpi", "tests/unit", "tests/mpi")
+    ids = _collect("-m", "mpi", "tests/unit", "tests/multirank")
     files = {i.split("::")[0] for i in ids}
-    assert not {f for f in files if not f.startswith("tests/mpi/")}, "tests/unit must hold single-process tests only"
-    assert files == {f"tests/mpi/{p.name}" for p in (TESTS / "mpi").glob("test_*.py")}
+    assert not {f for f in files if not f.startswith("tests/multirank/")}, "tests/unit holds single-process tests only"
+    assert files == {f"tests/multirank/{p.name}" for p in (TESTS / "multirank").glob("test_*.py")}
 
 
 def test_every_test_file_is_in_a_tier():
-    assert not list(TESTS.glob("test_*.py")), "a test file belongs in tests/unit, tests/mpi or tests/gpu/<path>"
+    assert not list(TESTS.glob("test_*.py")), "a test file belongs in tests/unit, tests/multirank or tests/gpu/<path>"
     assert not list((TESTS / "gpu").glob("test_*.py")), f"a GPU test file belongs in tests/gpu/{{{','.join(GPU_PATHS)}}}"
-    folders = [TESTS / "unit", TESTS / "mpi", TESTS / "gpu"] + [TESTS / "gpu" / p for p in GPU_PATHS]
-    # packages, so that equal file names in two folders (tests/mpi and tests/gpu/common both have a
+    folders = [TESTS / "unit", TESTS / "multirank", TESTS / "gpu"] + [TESTS / "gpu" / p for p in GPU_PATHS]
+    # packages, so that equal file names in two folders (tests/multirank and tests/gpu/common both have a
     # test_model_shapes.py) are two modules
     assert [f for f in folders if not (f / "__init__.py").is_file()] == []
     assert {p.name for p in (TESTS / "gpu").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(GPU_PATHS)
+
+
+def test_no_test_folder_is_named_after_a_pytest_mpi_marker():
+    """pytest-mpi tells an MPI test by ``"mpi" in item.keywords``, and a test's keywords hold the name of every
+    folder above it: every test under a folder named ``mpi`` would count as MPI-marked (run at every rank by
+    --only-mpi, skipped by the single-process step), whatever its own markers say."""
+    markers = {"mpi", "mpi_skip", "mpi_xfail", "mpi_break"}
+    assert [p for p in TESTS.rglob("*") if p.is_dir() and p.name in markers] == []

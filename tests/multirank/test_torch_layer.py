@@ -63,7 +63,7 @@ def test_deep_ep_names_and_constructor():
 
 def test_deep_ep_buffer_over_a_single_rank_process_group():
     """A process group is accepted and becomes the buffer's group (dispatch over a group of 2 and 4 ranks:
-    tests/mpi/test_torch_bootstrap.py under torchrun)."""
+    tests/multirank/test_torch_bootstrap.py under torchrun)."""
     _torch()
     import torch.distributed as dist
 

@@ -186,7 +186,7 @@ def test_start_world_under_torchrun_gives_the_default_group(comm):
 @pytest.mark.parametrize("name", ["basic", "fp8", "hidden7168", "num-worst-tokens"])
 def test_buffer_over_a_gloo_group_matches_the_reference(comm, gloo_group, name):
     from cupy_ep import Buffer
-    from tests.mpi.test_host_backend import CASES, _run_case
+    from tests.multirank.test_host_backend import CASES, _run_case
     buf = Buffer(gloo_group, HOST_NVL_BYTES, backend="host")
     try:
         assert type(buf.comm).__name__ == "TorchComm"
@@ -200,7 +200,7 @@ def test_buffer_over_a_gloo_group_matches_the_reference(comm, gloo_group, name):
 @pytest.mark.parametrize("name", ["bf16", "fp8-ue8m0", "masked-duplicates"])
 def test_low_latency_over_a_gloo_group_matches_the_reference(comm, gloo_group, name):
     from cupy_ep import deep_ep
-    from tests.mpi.test_host_low_latency import CASES, _run_case
+    from tests.multirank.test_host_low_latency import CASES, _run_case
     buf = deep_ep.Buffer(gloo_group, HOST_NVL_BYTES, HOST_RDMA_BYTES, low_latency_mode=True, backend="host")
     try:
         assert buf.group is gloo_group and buf.group_size == comm.Get_size()
@@ -223,7 +223,7 @@ def _raised(call) -> tuple[Exception | None, float]:
 @pytest.mark.mpi(min_size=2)
 def test_a_rank_that_never_dispatches_times_out_the_others_over_a_gloo_group(comm, gloo_group):
     from cupy_ep import Buffer
-    from tests.mpi.test_host_faults import _layout_and_topk
+    from tests.multirank.test_host_faults import _layout_and_topk
     rank, last = comm.Get_rank(), comm.Get_size() - 1
     buf = Buffer(gloo_group, HOST_NVL_BYTES, backend="host", timeout_s=TIMEOUT_S)
     inp, kwargs = _layout_and_topk(buf, rank, comm.Get_size())

@@ -14,8 +14,8 @@ import pytest
 from cupy_ep import config, reference
 from cupy_ep import Buffer
 from cupy_ep.tools import models
-from tests.mpi import test_host_backend as normal
-from tests.mpi import test_host_low_latency as ll
+from tests.multirank import test_host_backend as normal
+from tests.multirank import test_host_low_latency as ll
 from tests.helpers import BF16, HOST_NVL_BYTES, HOST_RDMA_BYTES, all_ok, gather_all, random_bf16, same_bytes
 
 pytestmark = pytest.mark.mpi(min_size=2)
