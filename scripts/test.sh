@@ -7,8 +7,8 @@
 #    wheels (CUPY_EP_SKIP_INSTALL=1 skips this and uses python/mpiexec from PATH), and torch's CPU build
 #    (torch==2.13.0) when the venv has no torch (the autograd tests and the MoE example need it; without torch
 #    they are skipped);
-# 2. runs the single-process tests (tests/unit, and those of tests/multirank that need no second rank), then the MPI
-#    tests (tests/multirank) at 2 and 4 ranks, then the README's
+# 2. runs the single-process tests (tests/unit, and those of tests/multirank that need no second rank), then
+#    the MPI tests (tests/multirank) at 2 and 4 ranks, then the README's
 #    quick start (examples/quickstart.py) at 2 ranks and the MoE example (examples/moe_layer.py) at 2 and 4 ranks,
 #    on the host backend; then the same under torchrun at 2 and 4 ranks (torch.distributed over gloo, through
 #    cupy_ep.bootstrap's torch adapter; mpi4py's MPI is never imported there): the adapter's tests, the host-backend
@@ -73,7 +73,7 @@ for n in 2 4; do
 done
 
 # torchrun: the MPI-marked tests with their comm fixture over torch.distributed (gloo), then the examples unchanged.
-# The tools (python -m cupy_ep.bench, .soak, .tune) under torchrun are tests/test_tools_torchrun.py, in the unit
+# The tools (python -m cupy_ep.bench, .soak, .tune) under torchrun are tests/unit/test_tools_torchrun.py, in the unit
 # step: each test starts its own torchrun (and the mpiexec run it compares with).
 torch_tests=(tests/multirank/test_torch_bootstrap.py tests/multirank/test_host_backend.py
              tests/multirank/test_host_low_latency.py tests/multirank/test_host_faults.py

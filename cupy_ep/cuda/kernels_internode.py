@@ -1,7 +1,7 @@
 """One launcher per ``__global__`` of the internode path (``cuda_src/internode.cu``).
 
 As :mod:`.kernels` for the intranode path: each kernel has an argument record (a NamedTuple whose fields are the
-kernel's parameters in the kernel's order; ``tests/test_kernel_records.py`` compares them with the sources) and one
+kernel's parameters in the kernel's order; ``tests/unit/test_kernel_records.py`` compares them with the sources) and one
 function with its grid and block rule. The path's kernels are templates over the node count N, the GPUs per node G
 and the RDMA transport; a launcher names its instantiation and hands it to ``launch(name, grid, block, args)`` of
 the :class:`~.internode.InternodeState` (the comm stream; NVSHMEM module set-up at first use).
@@ -24,7 +24,7 @@ PUT_BANDWIDTH_THREADS = 32  # the put-ceiling kernel's warm-up launch: one warp
 
 def threads(kind: str, num_nodes: int, gpus_per_node: int) -> int:
     """Block size of the dispatch / combine kernel (DispatchShape / CombineShape in internode/roles.cuh;
-    tests/test_mirrors.py compares at compile time)."""
+    tests/unit/test_mirrors.py compares at compile time)."""
     if kind == "dispatch":
         return (SENDER_WARPS + 1 + gpus_per_node) * 32
     even = gpus_per_node + COMBINE_RECV_WARPS + 1
@@ -216,7 +216,7 @@ def carve_probe(args: InternodeCarveProbe) -> None:
     jit.get_kernel(INTERNODE, "ep::internode_carve_probe")((1,), (1,), args)
 
 
-#: every record by its kernel's name (tests/test_kernel_records.py reads the sources' signatures against these)
+#: every record by its kernel's name (tests/unit/test_kernel_records.py reads the sources' signatures against these)
 RECORDS = {"internode_notify_dispatch": (INTERNODE, InternodeNotifyDispatch),
            "internode_cached_notify": (INTERNODE, InternodeCachedNotify),
            "internode_dispatch": (INTERNODE, InternodeDispatch), "internode_combine": (INTERNODE, InternodeCombine),

@@ -1,7 +1,7 @@
 """One launcher per ``__global__`` the low-latency path launches (``cuda_src/low_latency.cu``: dispatch, combine).
 
 As :mod:`.kernels` for the intranode path: each kernel has an argument record (a NamedTuple whose fields are the
-kernel's parameters in the kernel's order; ``tests/test_kernel_records.py`` compares them with the sources) and one
+kernel's parameters in the kernel's order; ``tests/unit/test_kernel_records.py`` compares them with the sources) and one
 function with its grid, block and dynamic shared memory rule. Both kernels run one resident block per SM the rank
 may hold (``LowLatencyState.num_blocks``: the blocks wait for each other, so every one must be resident); the
 stream is the caller's or the comm stream, chosen by ``LowLatencyState.run``.
@@ -113,5 +113,5 @@ def combine(kernel, args: Combine, num_blocks: int, stream, shared_mem: int) -> 
     kernel((num_blocks,), _COMBINE_BLOCK, args, shared_mem=shared_mem, stream=stream)
 
 
-#: every record by its kernel's name (tests/test_kernel_records.py reads the sources' signatures against these)
+#: every record by its kernel's name (tests/unit/test_kernel_records.py reads the sources' signatures against these)
 RECORDS = {"dispatch": (LOW_LATENCY, Dispatch), "combine": (LOW_LATENCY, Combine)}

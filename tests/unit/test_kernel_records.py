@@ -11,7 +11,7 @@ import pytest
 
 from cupy_ep.cuda import kernels, kernels_internode, kernels_low_latency
 
-SRC = Path(__file__).resolve().parent.parent / "cuda_src"
+SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 MODULES = (kernels, kernels_internode, kernels_low_latency)
 #: kernels no path launches (the GPU tests call them directly to compare the device's layout sums, or to clean)
 UNLAUNCHED = {"intranode.cu": {"carve_probe"}, "low_latency.cu": {"clean_low_latency_buffer", "ll_carve_probe"}}
