@@ -143,8 +143,9 @@ class Buffer:
     @staticmethod
     def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int) -> int:
         """``num_nvl_bytes`` that the default dispatch and combine configs need for this hidden size."""
-        return max(Buffer.get_dispatch_config(num_ranks, hidden_bytes).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
-                   Buffer.get_combine_config(num_ranks, hidden_bytes).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+        return max(
+            Buffer.get_dispatch_config(num_ranks, hidden_bytes).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+            Buffer.get_combine_config(num_ranks, hidden_bytes).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
 
     @staticmethod
     def get_zero_copy_nvl_size_hint(num_max_tokens_per_rank: int, hidden_bytes: int, num_ranks: int,

@@ -410,7 +410,8 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
         part   = 3H                              # combine partial sum (fp32 rounded to 24 bits: bf16 plane +
                                                  # byte plane), one per (expert rank, token)
         meta   = align_up(8 * M * K, 16)         # combine meta of one owner: int32 experts, float weights [M][K]
-        signal = align_up(4 * (2E + R*M + R))    # dispatch counts int64 [L][R]; combine token flags [R][M] + meta flags [R]
+        signal = align_up(4 * (2E + R*M + R))    # dispatch counts int64 [L][R]; combine token flags [R][M] +
+                                                 # meta flags [R]
         send   = align_up(max(M * msg, E * M * row))
         index  = R * M * msg                     # dispatch recv: messages [R][M], then int64 index [E/R][R][M]
         comb0  = align_up(index + 8 * E * M, 16) # combine recv, after the dispatch's area: partial_in [R][M],
@@ -420,8 +421,8 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
 
     ``dispatch_index_offset`` is ``index``; ``combine_offset`` is ``comb0``; ``combine_meta_offset`` is ``meta0``.
     The two areas do not overlap: the dispatch's index entries and message flags carry the epoch of the dispatch
-    that wrote them, so a stale value there must come from an older dispatch, never from the combine's data. :func:`low_latency_rdma_size_hint`
-    (DeepEP's formula) is never less than ``total``.
+    that wrote them, so a stale value there must come from an older dispatch, never from the combine's data.
+    :func:`low_latency_rdma_size_hint` (DeepEP's formula) is never less than ``total``.
     """
     m, e, r = num_max_dispatch_tokens_per_rank, num_experts, num_ranks
     msg, row, part = 16 + 2 * hidden, 2 * hidden, 3 * hidden

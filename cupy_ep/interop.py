@@ -251,8 +251,9 @@ _DEFAULT_STREAMS = (0, 1, 2)
 
 def caller_kind() -> Kind:
     """The framework a call without arrays serves (``Buffer.capture()``, the mask-buffer calls, and
-    ``get_comm_stream()`` on a buffer no call has named a framework for yet): CuPy when the caller entered a CuPy stream (CuPy's current stream is not a default stream); else torch
-    when torch is imported and has initialized CUDA in this process; else CuPy. Never imports torch.
+    ``get_comm_stream()`` on a buffer no call has named a framework for yet): CuPy when the caller entered a CuPy
+    stream (CuPy's current stream is not a default stream); else torch when torch is imported and has initialized
+    CUDA in this process; else CuPy. Never imports torch.
 
     Why this order: torch users are told apart by torch having touched the GPU; a CuPy user who also uses torch
     either runs on the default streams, which both frameworks share, or has entered a CuPy stream, which names

@@ -309,7 +309,8 @@ def check_low_latency_handle(handle, num_ranks: int, check_values: bool, device=
     num_local, rows = num_experts // num_ranks, num_ranks * max_tokens
     check_array(src_info, "handle.src_info", ("int32",), ndim=2, device=device)
     check_array(layout_range, "handle.layout_range", ("int64",), ndim=2, device=device)
-    for a, name, shape in ((src_info, "src_info", (num_local, rows)), (layout_range, "layout_range", (num_local, num_ranks))):
+    for a, name, shape in ((src_info, "src_info", (num_local, rows)),
+                           (layout_range, "layout_range", (num_local, num_ranks))):
         if tuple(a.shape) != shape:
             raise ValueError(f"handle.{name}: must have shape {shape}, got {tuple(a.shape)}")
     raw_range = interop.unwrap(layout_range)

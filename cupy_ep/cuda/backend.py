@@ -255,8 +255,8 @@ class CudaBackend(BackendBase):
                 raise NotImplementedError("zero_copy: only inside one NVLink domain (intranode) for now")
 
             def config_getter(num_channels):
-                cfg = self._resolve_config(config, "combine", 2 * int(x.shape[1]) if getattr(x, "ndim", 0) == 2 else None,
-                                           num_channels)
+                cfg = self._resolve_config(config, "combine",
+                                           2 * int(x.shape[1]) if getattr(x, "ndim", 0) == 2 else None, num_channels)
                 self._check_sms(cfg)
                 return cfg
             return self._internode.combine(x, handle, topk_weights, bias, config_getter, previous_event,

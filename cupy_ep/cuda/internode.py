@@ -70,9 +70,10 @@ def resolve_force_put() -> bool:
 
 
 def rdma_peer_table(put_bases, direct_bases) -> np.ndarray:
-    """The kernels' RDMA peer table (``RdmaArgs::peer_bases`` in cuda_src/transport/rdma.cuh): uint64 ``[2, MAX_RDMA_RANKS]``
-    flattened; row 0: where puts and adds to PE (node) n go (IPC: n's buffer as mapped here; NVSHMEM: unused),
-    row 1: n's buffer as reachable by loads/stores from this GPU, 0 where only puts reach it. ``None`` leaves a row 0."""
+    """The kernels' RDMA peer table (``RdmaArgs::peer_bases`` in cuda_src/transport/rdma.cuh): uint64
+    ``[2, MAX_RDMA_RANKS]`` flattened; row 0: where puts and adds to PE (node) n go (IPC: n's buffer as mapped here;
+    NVSHMEM: unused), row 1: n's buffer as reachable by loads/stores from this GPU, 0 where only puts reach it.
+    ``None`` leaves a row 0."""
     table = np.zeros((2, _config.MAX_RDMA_RANKS), dtype=np.uint64)
     for row, bases in enumerate((put_bases, direct_bases)):
         if bases is not None:
@@ -112,11 +113,11 @@ def check_buffer_sizes(lay: dict, what: str, num_nvl_bytes: int, num_rdma_bytes:
     nvl = lay[f"nvl_{what}_end"] - _config.SIGNAL_BYTES
     rdma = lay[f"rdma_{what}_end"]
     if nvl > num_nvl_bytes:
-        raise ValueError(f"num_nvl_bytes: this internode {what} needs at least {nvl} bytes of NVLink buffer, the buffer "
-                         f"has {num_nvl_bytes} (use cupy_ep.config.internode_buffer_bytes)")
+        raise ValueError(f"num_nvl_bytes: this internode {what} needs at least {nvl} bytes of NVLink buffer, "
+                         f"the buffer has {num_nvl_bytes} (use cupy_ep.config.internode_buffer_bytes)")
     if rdma > num_rdma_bytes:
-        raise ValueError(f"num_rdma_bytes: this internode {what} needs at least {rdma} bytes of RDMA buffer, the buffer "
-                         f"has {num_rdma_bytes} (use cupy_ep.config.internode_buffer_bytes)")
+        raise ValueError(f"num_rdma_bytes: this internode {what} needs at least {rdma} bytes of RDMA buffer, "
+                         f"the buffer has {num_rdma_bytes} (use cupy_ep.config.internode_buffer_bytes)")
 
 
 def check_handle(handle, num_ranks: int, num_nodes: int, gpus_per_node: int, num_channels: int | None,
@@ -147,7 +148,8 @@ def check_handle(handle, num_ranks: int, num_nodes: int, gpus_per_node: int, num
                              f"got {tuple(fields[name].shape)}; was the handle made by another buffer, other inputs or "
                              "another num_sms?")
     if fields["recv_src_meta"].shape[1] != 8:
-        raise ValueError(f"handle.recv_src_meta: expected shape (num_recv, 8), got {tuple(fields['recv_src_meta'].shape)}")
+        raise ValueError("handle.recv_src_meta: expected shape (num_recv, 8), "
+                         f"got {tuple(fields['recv_src_meta'].shape)}")
     return fields
 
 

@@ -9,10 +9,10 @@ Decisions (DeepEP V1's low-latency path is the model):
   output is deterministic (no sorting needed to compare, reproducible across runs);
 * dispatch sends each token once per destination rank (to ``[source rank][token]`` of its recv region) plus one
   8-byte index entry per (token, k) at ``[local expert][source rank][slot]``; the receiver gathers the expert's
-  rows through the index (``LowLatencyLayout`` in cuda_src/common/layout.cuh, :func:`cupy_ep.config.low_latency_layout`).
-  The per-expert counts go out right after the histograms; each row is ready once its index entry, written after
-  the row under a system-scope release, carries the call's epoch (the buffer's dispatches so far + 1, counted on
-  the device), so no signal waits for the slowest sender block;
+  rows through the index (``LowLatencyLayout`` in cuda_src/common/layout.cuh,
+  :func:`cupy_ep.config.low_latency_layout`). The per-expert counts go out right after the histograms; each row is
+  ready once its index entry, written after the row under a system-scope release, carries the call's epoch (the
+  buffer's dispatches so far + 1, counted on the device), so no signal waits for the slowest sender block;
 * combine pre-reduces on the expert side: the owner first sends every rank its top-k experts and weights
   (a few KB), each expert rank returns ONE partial sum per (token, rank) (its experts' weighted rows, k
   ascending, in fp32, rounded to 24 bits on the wire: :func:`cupy_ep.reference.low_latency_partial_wire`) instead
@@ -384,7 +384,8 @@ class LowLatencyState:
     def common_args(self, index: int, max_tokens: int, hidden: int, num_experts: int):
         """The kernel arguments every low-latency kernel takes (buffer, peers, buffer index, M, H, E, rank,
         num_ranks, workspace, shrink_mask or None); the numpy scalars of the last (M, H, E) are kept. rank, num_ranks
-        and shrink_mask are arguments, not read from the DeviceCtx: that load sat on the kernels' prologue (~0.25 us)."""
+        and shrink_mask are arguments, not read from the DeviceCtx: that load sat on the kernels' prologue
+        (~0.25 us)."""
         key = (max_tokens, hidden, num_experts)
         last = self._last_shape_args
         if last is None or last[0] != key:
@@ -517,7 +518,8 @@ class LowLatencyState:
             return validate.check_low_latency_handle(handle, self.buf.num_ranks, check_values, self.buf.device_id)
         except ValueError:
             # The values were read back (a sync): if the dispatch that wrote them stopped at a device wait's
-            # timeout they are garbage, and the timeout is what to report (a ValueError about layout_range would hide it).
+            # timeout they are garbage, and the timeout is what to report (a ValueError about layout_range would
+            # hide it).
             if check_values:
                 self.buf.check_health()
             raise

@@ -61,7 +61,8 @@ class InternodeBench(harness.Tool):
         self.sms = args.default_sms
         self.dcfg = cfgmod.get_dispatch_config(self.R, self.sms, 2 * args.hidden)
         self.ccfg = cfgmod.get_combine_config(self.R, self.sms, 2 * args.hidden)
-        sizes = [cfgmod.internode_buffer_bytes(self.N, self.G, 2 * args.hidden, c, args.topk) for c in (self.dcfg, self.ccfg)]
+        sizes = [cfgmod.internode_buffer_bytes(self.N, self.G, 2 * args.hidden, c, args.topk)
+                 for c in (self.dcfg, self.ccfg)]
         nvl, rdma = max(s[0] for s in sizes), max(s[1] for s in sizes)
         self.ceiling_bytes = 64 << 20
         rdma = max(rdma, cfgmod.align_up(4 << 20) + (1 + self.N) * self.ceiling_bytes)

@@ -14,13 +14,13 @@ Per op: median and p99 over ``--iters`` (>= 200) iterations, timed three ways (f
 
 NCCL grouped send/recv of the same per-peer bytes is measured in the same run: as graph replays for the call and
 graph rows, steady for the steady rows. Further records: a steady token sweep (``--ll-token-sweep``: T tokens per
-rank at the same max M, ``--ll-max-tokens`` (default ``--tokens``); T = 0 is the fixed cost) and the host time per call (timing ``host``:
-200 plain calls back to back, with ``check_values`` False and True), and with ``--ll-stamps`` where a call's time goes (timing ``stamps``: the
-kernels' %globaltimer phase stamps, ``phases_us``). Results are verified against :mod:`cupy_ep.reference` before any timing (a
-mismatch aborts). Records are written to ``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``. One run covers each
-``--model`` shape the kernels take (a top-k above ``LOW_LATENCY_MAX_TOPK`` is reported as skipped). On the
-host backend (``--backend host``) the calls are verified and timed by the host clock only
-(``bench_ll_host_ep<R>``).
+rank at the same max M, ``--ll-max-tokens`` (default ``--tokens``); T = 0 is the fixed cost) and the host time per call
+(timing ``host``: 200 plain calls back to back, with ``check_values`` False and True), and with ``--ll-stamps`` where a
+call's time goes (timing ``stamps``: the kernels' %globaltimer phase stamps, ``phases_us``). Results are verified
+against :mod:`cupy_ep.reference` before any timing (a mismatch aborts). Records are written to
+``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``. One run covers each ``--model`` shape the kernels take (a top-k above
+``LOW_LATENCY_MAX_TOPK`` is reported as skipped). On the host backend (``--backend host``) the calls are verified and
+timed by the host clock only (``bench_ll_host_ep<R>``).
 
 Where ranks share a GPU (CUDA MPS clients) NCCL refuses to run: the benchmark then runs without the NCCL baseline
 and without the aligned timing (which lines the ranks up by an NCCL all-reduce), says so in its log and report
@@ -243,8 +243,8 @@ class LowLatencyBench(harness.Tool):
 
     def add(self, op, dtype, how, tokens, t, p99, nccl_t, nccl_p99, nccl_how) -> None:
         a = self.args
-        rec = {**_op_fields(op), "graph": how != "call", "timing": how, "time_us_median": t.median_us, "time_us_p99": p99,
-               "time_us_min": t.min_us, "nccl_time_us": nccl_t.median_us if nccl_t else None,
+        rec = {**_op_fields(op), "graph": how != "call", "timing": how, "time_us_median": t.median_us,
+               "time_us_p99": p99, "time_us_min": t.min_us, "nccl_time_us": nccl_t.median_us if nccl_t else None,
                "nccl_time_us_p99": nccl_p99, "nccl_timing": nccl_how if nccl_t else None,
                "ratio_to_nccl": t.median_us / nccl_t.median_us if nccl_t else None,
                "steady_n": self.steady_n if how == "steady" else None,
@@ -274,7 +274,8 @@ class LowLatencyBench(harness.Tool):
                                          "host_us_per_call": host, "host_wall_us_per_call": wall,
                                          "check_values": checked, "calls": HOST_CALLS, "time_us_median": None,
                                          "time_us_p99": None, "time_us_min": None, "nccl_time_us": None,
-                                         "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "model": getattr(a, "model_name", None), "hidden": a.hidden,
+                                         "dtype": dtype, "tokens": tokens, "max_tokens": self.M,
+                                         "model": getattr(a, "model_name", None), "hidden": a.hidden,
                                          "topk": a.topk, "experts": a.experts, "num_ranks": self.R})
                     self.log(f"  {op:17s} host   T={tokens:4d} {host:7.1f} us per call on the host "
                              f"({wall:7.1f} us per call until the device is done; {HOST_CALLS} calls back to back"
@@ -338,7 +339,8 @@ class LowLatencyBench(harness.Tool):
                                      "l2_flushed": flush is not None,
                                      "rounds": rounds, "calls_per_round": calls, "time_us_median": None,
                                      "time_us_p99": None, "time_us_min": None, "nccl_time_us": None,
-                                     "dtype": dtype, "tokens": tokens, "max_tokens": self.M, "model": getattr(a, "model_name", None), "hidden": a.hidden,
+                                     "dtype": dtype, "tokens": tokens, "max_tokens": self.M,
+                                     "model": getattr(a, "model_name", None), "hidden": a.hidden,
                                      "topk": a.topk, "experts": a.experts, "num_ranks": self.R})
                 flushed = ' (L2 flushed)' if flush is not None else ''
                 self.log(f"  {op:17s} phases{flushed} (us after the first block started): " +
@@ -541,7 +543,8 @@ def _tables(records: list, args) -> list:
                 "|---|---|---|---|---|---|---|"]
         for r in sorted(steady, key=lambda r: (op_label(r), r["tokens"])):
             out.append(f"| {op_label(r)} | {r['dtype']} | {r['tokens']} | {r['time_us_median']:.1f} | "
-                       f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | {_f(r.get('ratio_to_nccl'), '.2f')} |")
+                       f"{r['time_us_p99']:.1f} | {_f(r['nccl_time_us'], '.1f')} | "
+                       f"{_f(r.get('ratio_to_nccl'), '.2f')} |")
     stamped = [r for r in records if r.get("timing") == "stamps"]
     if stamped:
         from ..cuda.low_latency import STAMP_NAMES
@@ -549,7 +552,8 @@ def _tables(records: list, args) -> list:
         out += ["", f"Phases (`--ll-stamps`): the kernels' %globaltimer stamps in us, median over "
                 f"{stamped[0]['rounds']} calls (each the last of {stamped[0].get('calls_per_round', 4)} replayed back "
                 "to back as one CUDA graph). *stat* = over the blocks of one call: *median* block or *slowest* block, "
-                "on rank 0; *rank r* = rank r's median block (r > 0). Each rank's stamps are relative to its own earliest "
+                "on rank 0; *rank r* = rank r's median block (r > 0). "
+                "Each rank's stamps are relative to its own earliest "
                 "block's start (the GPUs' %globaltimer clocks differ by tens of us, so the ranks cannot be put on "
                 "one clock). Dispatch: routed = the last token's destinations known; prepared = histograms built; "
                 "encoded = its bytes stored and slots known; written = thread 0 past its index entry (released: "

@@ -174,8 +174,8 @@ def build_parser(rank: int | None = None) -> CliParser:
         "runs, not GPU numbers)."))
     p.add_argument("--mode", choices=["normal", "low-latency", "internode"], default="normal",
                    help="normal: intranode dispatch/combine bandwidth; low-latency: decode dispatch/combine latency "
-                        "(cupy_ep/tools/bench_ll.py; on a GPU or --backend host); internode: RDMA/NVLink-domain bandwidth across nodes "
-                        "(cupy_ep/tools/bench_internode.py; GPU only)")
+                        "(cupy_ep/tools/bench_ll.py; on a GPU or --backend host); internode: RDMA/NVLink-domain "
+                        "bandwidth across nodes (cupy_ep/tools/bench_internode.py; GPU only)")
     p.add_argument("--model", type=model_list, default=models.DEFAULT_MODEL,
                    help="comma-separated MoE shapes to run, or 'all': " + ", ".join(
                        f"{s.name} ({s.experts}/{s.topk}/{s.hidden})" for s in models.MODELS.values())
@@ -201,7 +201,8 @@ def build_parser(rank: int | None = None) -> CliParser:
     p.add_argument("--sms", type=int_list(sm_count, allow_empty=False), default=None,
                    help="comma-separated SM counts to sweep (even, >= 4) " + per_backend("sms"))
     p.add_argument("--default-sms", type=sm_count, default=None,
-                   help="SM count of the token sweep and of --mode internode (even, >= 4) " + per_backend("default_sms"))
+                   help="SM count of the token sweep and of --mode internode (even, >= 4) "
+                        + per_backend("default_sms"))
     p.add_argument("--token-sweep", type=int_list(), default=None,
                    help="comma-separated tokens per rank to run at --default-sms besides --tokens ('' for none) "
                         + per_backend("token_sweep"))

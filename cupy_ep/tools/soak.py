@@ -52,7 +52,8 @@ def build_parser(rank: int | None = None) -> CliParser:
         "cupy_ep.reference; start it under mpirun or torchrun, on any backend. The first mismatch stops every rank "
         "with exit status 1 and the command that replays it."))
     p.add_argument("--mode", choices=["normal", "low-latency"], default="normal",
-                   help="normal: intranode dispatch/combine; low-latency: the low-latency kernels (cupy_ep/tools/soak_ll.py)")
+                   help="normal: intranode dispatch/combine; low-latency: the low-latency kernels "
+                        "(cupy_ep/tools/soak_ll.py)")
     p.add_argument("--iters", type=positive_int, default=10000, help="iterations to run")
     p.add_argument("--start", type=non_negative_int, default=0,
                    help="first iteration (replay one: --start N --iters 1 with the same --seed)")
@@ -88,7 +89,8 @@ def main(argv=None) -> int:
     comm = start_world().comm  # MPI.COMM_WORLD, or torch.distributed's default group under torchrun
     if args.backend == "cuda":
         from ..buffer import gpu_available
-        fail_once(comm, build_parser(), None if gpu_available() else "argument --backend: cuda, but this rank sees no GPU")
+        fail_once(comm, build_parser(),
+                  None if gpu_available() else "argument --backend: cuda, but this rank sees no GPU")
     if args.mode == "low-latency":
         return soak_ll.main(args, comm)
     rank, R = comm.Get_rank(), comm.Get_size()

@@ -24,7 +24,8 @@ def build_parser(rank: int | None = None) -> CliParser:
         "mpirun or torchrun, one rank per GPU) and write the fastest configs where Buffer finds them by default. "
         "Each candidate is timed as CUDA-graph replays on the benchmark's default workload."))
     p.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")
-    p.add_argument("--hidden", type=positive_int, default=7168, help="hidden size, bf16 values per token (a multiple of 16)")
+    p.add_argument("--hidden", type=positive_int, default=7168,
+                   help="hidden size, bf16 values per token (a multiple of 16)")
     p.add_argument("--topk", type=positive_int, default=8, help="experts per token (at most --experts)")
     p.add_argument("--experts", type=positive_int, default=256, help="experts in all (a multiple of the rank count)")
     p.add_argument("--sms", type=int_list(sm_count, allow_empty=False), default="8,16,24,32,40,48",

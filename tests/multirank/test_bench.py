@@ -798,7 +798,8 @@ def test_low_latency_skips_shapes_beyond_its_limits(capsys):
     from cupy_ep.reference import LOW_LATENCY_MAX_TOPK
     from cupy_ep.tools import cli, models
     args = cli.parse_args(["--mode", "low-latency"], gpu=True)
-    args.shapes = [models.Shape("wide-topk", 64, LOW_LATENCY_MAX_TOPK + 1, 1024), models.Shape("odd-hidden", 64, 8, 1000)]
+    args.shapes = [models.Shape("wide-topk", 64, LOW_LATENCY_MAX_TOPK + 1, 1024),
+                   models.Shape("odd-hidden", 64, 8, 1000)]
     bench_ll.main(args, MPI.COMM_SELF)
     out = capsys.readouterr().out
     assert (f"SKIPPED wide-topk: top-{LOW_LATENCY_MAX_TOPK + 1} is above the low-latency kernels' limit of "

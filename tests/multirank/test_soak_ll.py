@@ -70,7 +70,8 @@ def test_device_failure_reports_a_timed_out_wait_after_the_device_is_idle(monkey
 
     from cupy_ep.errors import CommTimeoutError
     synced = []
-    fake_cupy = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(deviceSynchronize=lambda: synced.append(1))))
+    fake_cupy = SimpleNamespace(
+        cuda=SimpleNamespace(runtime=SimpleNamespace(deviceSynchronize=lambda: synced.append(1))))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
 
     def timed_out():
@@ -85,8 +86,8 @@ def test_device_failure_reports_a_timed_out_wait_after_the_device_is_idle(monkey
 
 @pytest.mark.mpi(min_size=2)
 def test_low_latency_soak_reports_a_device_failure_not_a_mismatch(comm, monkeypatch, capsys):
-    """A wait that timed out leaves garbage outputs (read as data they look like "MISMATCH ... recv_count"): the soak stops
-    on every rank at that iteration, naming the rank and the error, before comparing anything."""
+    """A wait that timed out leaves garbage outputs (read as data they look like "MISMATCH ... recv_count"): the soak
+    stops on every rank at that iteration, naming the rank and the error, before comparing anything."""
     calls = []
 
     def failing_on_rank_1_at_iteration_2(buf):

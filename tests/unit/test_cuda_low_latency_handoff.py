@@ -1,11 +1,11 @@
-"""A step model of the low-latency combine's expert-side handoff (cuda_src/low_latency/combine.cuh, combine_reduce_owner):
-compute threads store each token's partial row and hand the token to a flagger warp through two mbarriers
-(`full`, `empty`, both waited on by phase parity) and a two-entry `flag_token`; the compute threads also sync
-among themselves on a third mbarrier (compute_sync). Random interleavings of the agents check that the flagger
-flags exactly the tokens that have a row, in order, each only after every compute thread stored its part, and
-that nobody waits forever; without the `empty` wait some interleaving goes wrong. Owners come one after the other
-(each ends with token -1) and the phase counts carry over, as at more than 2 ranks (not run on a GPU here: low-
-latency mode needs one GPU per rank and the machine has 2).
+"""A step model of the low-latency combine's expert-side handoff (cuda_src/low_latency/combine.cuh,
+combine_reduce_owner): compute threads store each token's partial row and hand the token to a flagger warp through two
+mbarriers (`full`, `empty`, both waited on by phase parity) and a two-entry `flag_token`; the compute threads also sync
+among themselves on a third mbarrier (compute_sync). Random interleavings of the agents check that the flagger flags
+exactly the tokens that have a row, in order, each only after every compute thread stored its part, and that nobody
+waits forever; without the `empty` wait some interleaving goes wrong. Owners come one after the other (each ends with
+token -1) and the phase counts carry over, as at more than 2 ranks (not run on a GPU here: low-latency mode needs one
+GPU per rank and the machine has 2).
 """
 from __future__ import annotations
 

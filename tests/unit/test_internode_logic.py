@@ -138,7 +138,8 @@ def test_threads_mirror_the_kernel_shapes():
 
 
 def test_kernel_names():
-    assert ci.kernel_name("dispatch", 2, 1, "ipc", "long long") == "ep::internode_dispatch<2, 1, ep::IpcRdma, long long>"
+    assert (ci.kernel_name("dispatch", 2, 1, "ipc", "long long")
+            == "ep::internode_dispatch<2, 1, ep::IpcRdma, long long>")
     assert ci.kernel_name("combine", 4, 8, "nvshmem") == "ep::internode_combine<4, 8, ep::NvshmemRdma>"
 
 

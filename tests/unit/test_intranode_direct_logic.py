@@ -100,7 +100,8 @@ def test_direct_combine_carve_and_capacity(ranks, capacity, hidden_bytes, topk):
     assert got == a(4 * ranks * capacity) + a(ranks * capacity * hidden_bytes) + a(4 * ranks * capacity * topk)
     nvl = config.NOTIFY_BYTES + got
     cap = config.direct_combine_capacity(nvl, ranks, hidden_bytes, topk)
-    assert cap >= capacity and config.NOTIFY_BYTES + config.direct_combine_bytes(ranks, cap + 1, hidden_bytes, topk) > nvl
+    assert (cap >= capacity
+            and config.NOTIFY_BYTES + config.direct_combine_bytes(ranks, cap + 1, hidden_bytes, topk) > nvl)
     assert config.direct_combine_capacity(config.NOTIFY_BYTES, ranks, hidden_bytes, topk) == 0
 
 

@@ -83,7 +83,8 @@ def test_mpi_marked_tests_are_all_in_tests_mpi_and_every_file_there_has_one():
 
 def test_every_test_file_is_in_a_tier():
     assert not list(TESTS.glob("test_*.py")), "a test file belongs in tests/unit, tests/multirank or tests/gpu/<path>"
-    assert not list((TESTS / "gpu").glob("test_*.py")), f"a GPU test file belongs in tests/gpu/{{{','.join(GPU_PATHS)}}}"
+    assert not list((TESTS / "gpu").glob("test_*.py")), \
+        f"a GPU test file belongs in tests/gpu/{{{','.join(GPU_PATHS)}}}"
     folders = [TESTS / "unit", TESTS / "multirank", TESTS / "gpu"] + [TESTS / "gpu" / p for p in GPU_PATHS]
     # packages, so that equal file names in two folders (tests/multirank and tests/gpu/common both have a
     # test_model_shapes.py) are two modules

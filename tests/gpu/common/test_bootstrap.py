@@ -31,16 +31,20 @@ def test_peer_write_and_read_back(comm, gpu_buffer):
     mod = cupy.RawModule(code=_KERNEL)
     n = 256
     with cupy.cuda.Device(gpu_buffer.device_id):
-        mod.get_function("poke")((1,), (128,), (gpu_buffer.impl._nvl.ptr_table, np.int32(rank), np.int32(size), np.int32(n)))
+        mod.get_function("poke")((1,), (128,),
+                                 (gpu_buffer.impl._nvl.ptr_table, np.int32(rank), np.int32(size), np.int32(n)))
         cupy.cuda.runtime.deviceSynchronize()
         comm.Barrier()
         out = cupy.zeros(2 * n, dtype=cupy.int32)
-        mod.get_function("peek")((1,), (128,), (gpu_buffer.impl._nvl.ptr_table, np.int32(rank), np.int32(size), np.int32(n), out))
+        mod.get_function("peek")((1,), (128,),
+                                 (gpu_buffer.impl._nvl.ptr_table, np.int32(rank), np.int32(size), np.int32(n), out))
         got = out.get()
     src = (rank + size - 1) % size
-    ok = np.array_equal(got[:n], 1000 * (src + 1) + np.arange(n)) and np.array_equal(got[n:], 1000 * (rank + 1) + np.arange(n))
+    ok = (np.array_equal(got[:n], 1000 * (src + 1) + np.arange(n))
+          and np.array_equal(got[n:], 1000 * (rank + 1) + np.arange(n)))
     if rank == 0:
-        print(f"bootstrap: {size} ranks, peer pointers {[hex(p) for p in gpu_buffer.impl._nvl.ptrs]}, read back ok={ok}")
+        print(f"bootstrap: {size} ranks, peer pointers {[hex(p) for p in gpu_buffer.impl._nvl.ptrs]}, "
+              f"read back ok={ok}")
     comm.Barrier()
     gpu_buffer.barrier()  # the signal area we skipped is intact: the device barrier still works
     assert all_ok(comm, ok), f"rank {rank}: got {got[:4]}.. / {got[n:n + 4]}.."

@@ -187,8 +187,8 @@ def test_internode_carve_matches_python_size_model(comm, internode_buffer):
             "nvl_combine_end", "dispatch_token_bytes", "combine_token_bytes")
     errors = []
     with internode_buffer.impl._device:
-        for C, qr, qn, hidden_int4, scales, topk in [(12, 128, 256, 896, 56, 8), (1, 6, 7, 1, 0, 0), (3, 10, 9, 5, 3, 3),
-                                                    (24, 64, 512, 2048, 128, 32)]:
+        for C, qr, qn, hidden_int4, scales, topk in [(12, 128, 256, 896, 56, 8), (1, 6, 7, 1, 0, 0),
+                                                    (3, 10, 9, 5, 3, 3), (24, 64, 512, 2048, 128, 32)]:
             got = st.carve_probe(C, qr, qn, hidden_int4, scales, topk)
             want = cfgmod.internode_layout(st.num_nodes, st.gpus_per_node, C, qr, qn, 16 * hidden_int4, scales, topk)
             if got != [want[k] for k in keys]:
