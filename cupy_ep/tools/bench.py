@@ -253,7 +253,7 @@ class Bench(harness.Tool):
         to back; none with --steady-n 0): ``{"call": Timing, "graph": Timing | None, "steady": Timing | None}``."""
         device, n = graph and self.gpu, self.args.steady_n
         return {"call": timer(fn), "graph": timer.graph(fn) if device else None,
-                "steady": timer.steady(fn, n) if device and n else None}
+                "steady": harness.resolved(timer.steady(fn, n)) if device and n else None}
 
     def nccl_baselines(self, timer, sent_rows, recv_rows, row_bf16: int, row_fp8: int) -> dict:
         """NCCL grouped send/recv of exactly the per-peer bytes of dispatch (bf16, fp8) and combine (bf16), and
@@ -267,13 +267,15 @@ class Bench(harness.Tool):
         runs[("round_trip", "bf16")] = nc.make_round_trip(sent_rows * row_bf16, recv_rows * row_bf16)
         hows = {"graph": timer.graph}
         if n:
-            hows["steady"] = lambda fn: timer.steady(fn, n)
+            hows["steady"] = lambda fn: harness.resolved(timer.steady(fn, n))
         out = {"call": {}, "graph": {}, "steady": {}}
         for key, run in runs.items():
             out["call"][key] = timer(run).median_us
             for how, time_it in hows.items():
                 try:
-                    out[how][key] = time_it(run).median_us
+                    t = time_it(run)
+                    if t is not None:
+                        out[how][key] = t.median_us
                 except Exception as e:
                     self.log(f"  (NCCL {how} capture failed: {e})")
         return out

@@ -150,6 +150,13 @@ class Timing:
 STEADY_FLOOR_US = 1e-3  # a steady per-op time is clamped here (1 ns): noise can push (ops - flush) / n <= 0
 
 
+def resolved(t: Timing | None) -> Timing | None:
+    """``t``, or None where it is a steady timing at the floor: the ops' graph took no longer than the flush-only
+    graph (the op hides inside the flush's noise, as on a GPU shared by MPS clients), so no per-op time, and no
+    GB/s from one, can be told; the reports print "-" there rather than a GB/s figure from 1 ns."""
+    return None if t is None or t.median_us <= STEADY_FLOOR_US else t
+
+
 class GpuTimer:
     """CUDA-event timing of ``fn`` on the current stream, L2 flushed before each iteration, ranks
     aligned by an MPI barrier; per iteration the slowest rank counts.
@@ -347,8 +354,8 @@ def measure_ceiling(buf, timer, bytes_per_peer: int, sms_list, steady_n: int = 0
                                     np.int64(n_int4), np.int32(buf.rank), np.int32(R)))
         t = timer.graph(run)  # device time: the kernel alone, like the graph-timed ops
         graph[sms] = n_int4 * 16 * (R - 1) / (t.median_us * 1e-6) / 1e9
-        if steady_n:
-            t = timer.steady(run, steady_n)
+        t = resolved(timer.steady(run, steady_n)) if steady_n else None
+        if t is not None:
             steady[sms] = n_int4 * 16 * (R - 1) / (t.median_us * 1e-6) / 1e9
     return graph, steady
 

@@ -86,6 +86,23 @@ def test_steady_clamps_at_a_positive_floor(monkeypatch):
     assert np.all(timer.last >= harness.STEADY_FLOOR_US)
 
 
+def test_a_steady_time_at_the_floor_is_not_reported(monkeypatch):
+    """A steady timing at the floor becomes None (reported "-"), so the record's device time is the graph's and
+    no steady GB/s comes from 1 ns; a resolved steady timing stays as it is."""
+    timer, _, _ = _fake_timer(monkeypatch, [49.0, 50.0, 51.0], [50.0, 52.0, 51.0])
+    at_floor = timer.steady(None, n=10)
+    assert harness.resolved(at_floor) is None and harness.resolved(None) is None
+    fine = harness.Timing(12.5, 11.0)
+    assert harness.resolved(fine) is fine
+    graph = harness.Timing(100.0, 90.0)
+    t = {"call": harness.Timing(200.0, 180.0), "graph": graph, "steady": harness.resolved(at_floor)}
+    rec = bench.make_record({"op": "dispatch"}, t, row_bytes=1000, logical_rows=2000, nvl_rows=1000,
+                            ceiling={"graph": 100.0, "steady": None}, nccl={})
+    assert rec["kernel_time_us"] == 100.0 and rec["kernel_timing"] == "graph"
+    assert rec["time_us_steady"] is None and rec["nvlink_gbps_steady"] is None
+    assert rec["nvlink_gbps_graph"] == pytest.approx(1000 * 1000 / 100e-6 / 1e9)
+
+
 def test_steady_median_is_taken_before_the_clamp(monkeypatch):
     timer, _, _ = _fake_timer(monkeypatch, [0.0, 60.0, 70.0, 80.0], [50.0])
     t = timer.steady(None, n=1)
