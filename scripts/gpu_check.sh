@@ -24,7 +24,8 @@
 #   torchrun    under torchrun (torch.distributed, gloo; no MPI) at TORCHRUN_RANKS (default 2) ranks:
 #               tests/gpu/intranode/test_intranode.py, low_latency/test_low_latency.py (CUPY_EP_LL_TRANSPORT=ipc:
 #               2 ranks may share a GPU) and common/test_streams.py, then examples/moe_layer.py; skipped where
-#               torch is not installed. Ranks sharing a GPU as MPS clients: start the step inside an MPS daemon's
+#               torch is not installed (TORCHRUN_TESTS: other test paths, e.g. "tests/gpu/common tests/gpu/intranode
+#               tests/gpu/low_latency"). Ranks sharing a GPU as MPS clients: start the step inside an MPS daemon's
 #               environment (CUDA_MPS_PIPE_DIRECTORY set)
 #   bench       python -m cupy_ep.bench --out $OUT_DIR at 2 ranks
 #   llbench     python -m cupy_ep.bench --mode low-latency --out $OUT_DIR at 2 ranks
@@ -130,9 +131,10 @@ torchrun_step() {
         ep_record "${prefix}torchrun" - 0 0 1 ok "torch is not installed: skipped"
         return 0
     fi
+    local files default="tests/gpu/intranode/test_intranode.py tests/gpu/low_latency/test_low_latency.py"
+    read -r -a files <<< "${TORCHRUN_TESTS:-$default tests/gpu/common/test_streams.py}"
     CUPY_EP_LL_TRANSPORT=ipc ep_pytest_step "${prefix}torchrun$n" "torchrun:$n" --with-torchrun -q -p no:cacheprovider \
-        --color=no --timeout=300 --timeout-method=thread -rs tests/gpu/intranode/test_intranode.py \
-        tests/gpu/low_latency/test_low_latency.py tests/gpu/common/test_streams.py
+        --color=no --timeout=300 --timeout-method=thread -rs "${files[@]}"
     if "$EP_PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1; then
         ep_plain_step "${prefix}moe_torchrun$n" timeout -k 10 300 env CUPY_EP_BACKEND=cuda "$EP_PYTHON" \
             -m torch.distributed.run --standalone --nproc-per-node "$n" examples/moe_layer.py
