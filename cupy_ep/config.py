@@ -269,14 +269,14 @@ def tuned_config_path() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cupy_ep" / "tuned_configs.json"
 
 
-_tuned_paths: dict = {}    # (CUPY_EP_TUNED_CONFIG, XDG_CACHE_HOME) -> tuned_config_path() as a string
+_tuned_paths: dict = {}    # (CUPY_EP_TUNED_CONFIG, XDG_CACHE_HOME, HOME) -> tuned_config_path() as a string
 _tuned_tables: dict = {}   # path -> ((its mtime in ns, size, inode), its entries)
 
 
 def _tuned_entries() -> dict:
     """The tuned-config file's entries ({} without one), read again only when the file changes: every call with
     the default config looks here, and building the path and reading the file took ~12 us a call."""
-    env = (os.environ.get("CUPY_EP_TUNED_CONFIG"), os.environ.get("XDG_CACHE_HOME"))
+    env = (os.environ.get("CUPY_EP_TUNED_CONFIG"), os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
     path = _tuned_paths.get(env)
     if path is None:
         path = _tuned_paths[env] = str(tuned_config_path())
@@ -284,7 +284,7 @@ def _tuned_entries() -> dict:
         st = os.stat(path)
     except OSError:
         return {}
-    stamp = (st.st_mtime_ns, st.st_size, st.st_ino)   # the tuner replaces the file (a new inode)
+    stamp = (st.st_mtime_ns, st.st_size, st.st_ino)   # a rewrite moves the mtime or size, a replaced file the inode
     cached = _tuned_tables.get(path)
     if cached is not None and cached[0] == stamp:
         return cached[1]
