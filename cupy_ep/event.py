@@ -155,12 +155,12 @@ def capture() -> EventOverlap:
 
 
 def _as_cupy_stream(stream):
-    """A CuPy stream as it is, a ``torch.cuda.Stream`` as a CuPy ``ExternalStream`` over the same handle."""
+    """A CuPy stream as it is, a ``torch.cuda.Stream`` as a CuPy stream over the same handle."""
     if hasattr(stream, "wait_event") and hasattr(stream, "ptr"):
         return stream
     if hasattr(stream, "cuda_stream"):
-        import cupy
-        return cupy.cuda.ExternalStream(int(stream.cuda_stream), int(stream.device.index))
+        from . import interop
+        return interop.cupy_stream(int(stream.cuda_stream), int(stream.device.index))
     raise TypeError(f"stream: must be a CuPy stream or a torch.cuda.Stream, got {type(stream).__name__}")
 
 

@@ -221,13 +221,38 @@ def current_stream(kind: Kind, device_id: int | None = None):
     """The stream the caller's framework considers current (on ``device_id``; default that framework's current
     device), as a CuPy stream object: torch's current stream for torch CUDA tensors, else CuPy's."""
     if kind.lib == "torch" and kind.on_gpu:
-        import cupy
         import torch
         if device_id is None:
             device_id = torch.cuda.current_device()
         stream = torch.cuda.current_stream(device_id)
-        return cupy.cuda.ExternalStream(stream.cuda_stream, device_id)
+        return cupy_stream(stream.cuda_stream, device_id)
     return _cupy_current_stream()
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` offered through the CUDA stream protocol (``__cuda_stream__`` returns
+    ``(version, handle)``), the form ``cupy.cuda.Stream.from_external`` takes."""
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def cupy_stream(handle: int, device_id: int):
+    """A CuPy stream object over another framework's stream ``handle`` (a ``cudaStream_t`` as an int; 0 is the
+    legacy default stream) on device ``device_id``. The stream is not owned: its framework keeps it alive.
+
+    CuPy 14 deprecates ``cupy.cuda.ExternalStream`` (a ``DeprecationWarning`` at every call) in favour of
+    ``Stream.from_external``, which does not record the device; the callers work under the buffer's device, so
+    none is needed. ``ExternalStream`` stays the way in where ``from_external`` is missing."""
+    import cupy
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(int(handle), int(device_id))
+    return from_external(_StreamHandle(int(handle)))
 
 
 def current_device(kind: Kind) -> int:

@@ -676,7 +676,7 @@ def plot(doc: dict, path: Path):
         ax.axhline(_nccl_gbps(nccl[0]), color="gray", ls=":", label="NCCL all-to-all (same bytes)")
     ax.set(xlabel="SMs", ylabel="NVLink-crossing GB/s per GPU",
            title=f"{shape}EP{doc['num_ranks']}, {args['tokens']} tokens/rank")
-    ax.legend(fontsize=8)
+    _legend(ax)
     ax = axes[1]
     for op, zc in (("dispatch", False), ("cached_dispatch", False), ("combine", False), ("cached_dispatch", True),
                    ("combine", True), ("round_trip", False)):
@@ -691,10 +691,18 @@ def plot(doc: dict, path: Path):
         ax.axhline(ceiling, color="k", ls="--", label=ceiling_label)
     ax.set(xlabel="tokens per rank", ylabel="NVLink-crossing GB/s per GPU", xscale="log",
            title=f"{shape}{args['default_sms']} SMs, hidden {r0['hidden']}, top-{r0['topk']} of {r0['experts']}")
-    ax.legend(fontsize=8)
+    _legend(ax)
     by_model_plot(axes[2], doc)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _legend(ax) -> None:
+    """The panel's legend, or a note that the run measured nothing for it (an SM or token sweep cut short)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=ax.transAxes)
 
 
 def by_model_plot(ax, doc: dict) -> None:
@@ -719,7 +727,7 @@ def by_model_plot(ax, doc: dict) -> None:
     ax.set_xticks([i + width * (len(ops) - 1) / 2 for i in range(len(names))], labels, fontsize=7)
     ax.set(ylabel="NVLink-crossing GB/s per GPU", title=f"per model shape (experts/top-k/hidden), "
            f"{args['tokens']} tokens/rank")
-    ax.legend(fontsize=8)
+    _legend(ax)
 
 
 # the warm start's consecutive parts (Bench.first_dispatch); what they leave of the process's age is unaccounted_s

@@ -222,3 +222,14 @@ def test_a_torch_graph_capture_counts_as_capturing(monkeypatch, torch_capturing)
     assert runtime.capturing() is torch_capturing
     monkeypatch.delitem(sys.modules, "torch")
     assert runtime.capturing() is False
+
+
+@pytest.mark.parametrize("handle", [0, 0x7F00_1234])
+def test_a_foreign_stream_handle_becomes_a_cupy_stream_without_a_deprecation_warning(handle):
+    cupy = pytest.importorskip("cupy")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # CuPy 14's ExternalStream warns at every construction
+        stream = interop.cupy_stream(handle, 0)
+    assert isinstance(stream, cupy.cuda.Stream)
+    assert stream.ptr == handle

@@ -21,10 +21,10 @@ def _spin(stream_ptr: int, device_id: int) -> None:
     """Queue a kernel that keeps the stream ``stream_ptr`` busy for SPIN_NS."""
     import cupy
 
-    from cupy_ep import jit
+    from cupy_ep import interop, jit
     with cupy.cuda.Device(device_id):
         jit.get_kernel("probes/timing.cu", "ep::spin_ns")((1,), (1,), (np.int64(SPIN_NS),),
-                                                    stream=cupy.cuda.ExternalStream(stream_ptr, device_id))
+                                                    stream=interop.cupy_stream(stream_ptr, device_id))
 
 
 class Framework:
