@@ -43,7 +43,7 @@ from cupy_ep import config as cfgmod
 
 from . import harness, models
 from .cli import check_world, parse_args, resolve_defaults
-from .harness import (GpuTimer, HostTimer, git_commit, gpu_name, make_inputs, measure_ceiling,
+from .harness import (GpuTimer, HostTimer, git_commit, gpu_name, jit_text, make_inputs, measure_ceiling,
                       nccl_baseline, op_label, raw_words, results_stem, shared_gpu_markdown, shared_gpu_warning,
                       shared_gpus, shared_text, to_device, to_host)
 
@@ -414,23 +414,30 @@ def runnable_shapes(shapes, mode: str, num_ranks: int) -> tuple[list, list]:
 def run_each_shape(args, comm, mode: str, bench_class) -> None:
     """``--mode`` low-latency / internode: one ``bench_class(args of the shape, comm)`` run per ``--model`` shape the
     mode can run (the others logged as skipped, with the reason, and listed in the report), then one report of
-    them all (``bench.write(records, skipped)``, rank 0)."""
+    them all (``bench.write(records, skipped, runs)``, rank 0; ``runs``: each shape's wall time and kernel
+    counters)."""
     prog = f"cupy_ep.bench --mode {mode}"
     shapes, skipped = runnable_shapes(args.shapes, mode, comm.Get_size())
     rank0 = comm.Get_rank() == 0
     for s in skipped:
         if rank0:
             print(f"{prog}: SKIPPED {s['model']}: {s['reason']}", flush=True)
-    records, bench = [], None
+    records, runs, bench = [], [], None
     for shape in shapes:
+        started, jit_before = time.perf_counter(), jit_counters()
         bench = bench_class(shape_args(args, shape), comm)
         bench.run()
         records += bench.records
+        # where a multi-shape run's wall time goes: its Buffer, the kernels a new shape needs, the timings
+        runs.append({"model": shape.name, "wall_s": time.perf_counter() - started, "jit": jit_delta(jit_before)})
+        if rank0:
+            print(f"{prog}: {shape.name} took {runs[-1]['wall_s']:.1f} s (kernels (rank 0): "
+                  f"{jit_text(runs[-1]['jit'])})", flush=True)
     if bench is None:
         if rank0:
             print(f"{prog}: no model shape to run (all skipped, above)", flush=True)
     elif rank0:
-        bench.write(records, skipped)
+        bench.write(records, skipped, runs)
 
 
 def shape_args(args, shape: models.Shape) -> argparse.Namespace:
@@ -607,12 +614,6 @@ def extra_markdown(doc: dict) -> list[str]:
         out += [f"Kernels (rank 0): {jit_text(jit['startup'])} up to the first dispatch; {jit_text(jit['run'])} in "
                 "the whole run (compiled: not in the disk cache, cold; from the disk cache: warm).", ""]
     return out
-
-
-def jit_text(c: dict) -> str:
-    """Kernel counters in words: compiled and the seconds it took, from the disk cache, already loaded."""
-    return (f"{c['compiled']} compiled in {c['compile_s']:.2f} s, {c['disk_cache_hits']} from the disk cache, "
-            f"{c['memory_cache_hits']} already loaded")
 
 
 def _device_gbps(r: dict) -> tuple[float, str]:

@@ -150,9 +150,9 @@ class InternodeBench(harness.Tool):
             raise SystemExit(f"cupy_ep.bench --mode internode: verification failed on rank {self.rank}: {problems}")
         self.log("  verified against the reference (dispatch bit-exact, combine bit-exact)")
 
-    def write(self, records: list | None = None, skipped: list | None = None) -> None:
-        """The report of ``records`` (default: this bench's; :func:`main` passes every model shape's) and of the
-        shapes ``skipped``."""
+    def write(self, records: list | None = None, skipped: list | None = None, shape_runs: list | None = None) -> None:
+        """The report of ``records`` (default: this bench's; :func:`main` passes every model shape's), of the
+        shapes ``skipped`` and of each shape's run (``shape_runs``: wall time and kernel counters)."""
         records = self.records if records is None else records
 
         def lines(common):
@@ -173,11 +173,12 @@ class InternodeBench(harness.Tool):
             for sk in skipped or []:
                 out += ["", f"**Skipped** {sk['model']} ({sk['experts']} experts, top-{sk['topk']}, hidden "
                         f"{sk['hidden']}) in {sk['mode']} mode: {sk['reason']}."]
-            return out
+            return out + harness.shape_runs_markdown(shape_runs)
         write_report(self.args.out, results_stem(f"bench_internode_{self.transport}_ep{self.R}", self.shared),
                      records, dict(num_ranks=self.R, num_nodes=self.N, gpus_per_node=self.G,
                                    transport=self.transport, shared_gpu_ranks=self.shared or None,
-                                   skipped=skipped or [], args=harness.args_doc(self.args)), lines, "internode")
+                                   skipped=skipped or [], shape_runs=shape_runs or [],
+                                   args=harness.args_doc(self.args)), lines, "internode")
 
 
 def main(args, comm) -> None:

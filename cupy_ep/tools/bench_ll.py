@@ -444,9 +444,9 @@ class LowLatencyBench(harness.Tool):
         return (("call", "graph") + (("aligned",) if self.nccl is not None else ())
                 + (("steady",) if self.steady_n else ()))
 
-    def write(self, records: list | None = None, skipped: list | None = None) -> None:
-        """The report of ``records`` (default: this bench's; :func:`main` passes every model shape's) and of the
-        shapes ``skipped``."""
+    def write(self, records: list | None = None, skipped: list | None = None, shape_runs: list | None = None) -> None:
+        """The report of ``records`` (default: this bench's; :func:`main` passes every model shape's), of the
+        shapes ``skipped`` and of each shape's run (``shape_runs``: wall time and kernel counters)."""
         records = self.records if records is None else records
         if not self.gpu:
             stem = f"bench_ll_host_ep{self.R}"
@@ -457,9 +457,11 @@ class LowLatencyBench(harness.Tool):
                      shared_gpu_ranks=self.shared or None,
                      aligned="measured" if self.nccl is not None else f"skipped: {ALIGNED_WHY}")
         write_report(self.args.out, stem, records,
-                     dict(num_ranks=self.R, **about, skipped=skipped or [], args=harness.args_doc(self.args)),
+                     dict(num_ranks=self.R, **about, skipped=skipped or [], shape_runs=shape_runs or [],
+                          args=harness.args_doc(self.args)),
                      lambda common: markdown_lines(records, self.args, self.R,
-                                                   dict(common, **about, skipped=skipped or [])),
+                                                   dict(common, **about, skipped=skipped or []))
+                     + harness.shape_runs_markdown(shape_runs),
                      "low-latency", gpu=self.gpu)
 
 

@@ -533,6 +533,23 @@ def write_files(out_dir, stem: str, doc: dict, md: str, prog: str, plot=None) ->
     print(f"{prog}: wrote {out}/{stem}.{kinds}")
 
 
+def jit_text(c: dict) -> str:
+    """Kernel counters in words: compiled and the seconds it took, from the disk cache, already loaded."""
+    return (f"{c['compiled']} compiled in {c['compile_s']:.2f} s, {c['disk_cache_hits']} from the disk cache, "
+            f"{c['memory_cache_hits']} already loaded")
+
+
+def shape_runs_markdown(runs: list | None) -> list:
+    """The report's lines on each model shape's run (``{"model", "wall_s", "jit"}`` per shape, rank 0): its wall
+    time (its Buffer, the kernels the shape needs, the timings) and the kernels it compiled or loaded."""
+    if not runs:
+        return []
+    out = ["", "Per model shape (rank 0): the wall time of its run (its Buffer, the kernels it needs, the timings) "
+           "and its kernels (compiled: not in the disk cache, cold; from the disk cache: warm).", "",
+           "| model | wall s | kernels |", "|---|---|---|"]
+    return out + [f"| {r['model']} | {r['wall_s']:.1f} | {jit_text(r['jit'])} |" for r in runs]
+
+
 def write_report(out_dir, stem: str, records: list, doc: dict, make_lines, mode: str, gpu: bool = True) -> None:
     """Stamp ``records`` with the commit and GPU (None for a host-backend run: ``gpu`` False), write
     ``<out_dir>/<stem>.json`` (those two fields, ``doc``, then ``results``) and ``<stem>.md``

@@ -938,3 +938,8 @@ def test_host_run_of_low_latency_presets(comm, tmp_path):
     assert "## deepseek-v4-flash: 256 experts, top-6, hidden 4096" in md
     assert "## kimi-k3: 896 experts, top-16, hidden 3584" in md and "**Skipped**" not in md
     assert "| ll_round_trip | bf16 | call |" in md
+    # each shape's run: its wall time and its kernel counters (the host backend compiles none)
+    assert [r["model"] for r in doc["shape_runs"]] == ["deepseek-v4-flash", "kimi-k3"]
+    for run in doc["shape_runs"]:
+        assert run["wall_s"] > 0 and run["jit"]["compiled"] == 0
+        assert f"| {run['model']} | {run['wall_s']:.1f} | 0 compiled in 0.00 s" in md
