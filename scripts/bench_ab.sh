@@ -9,10 +9,12 @@
 # `run` starts 2 ranks on one GPU as CUDA MPS clients of a private MPS daemon (AB_MPS_PERCENTAGE per rank,
 # default 50), or one rank per GPU where there are 2 GPUs or more (AB_MPS=0). Per round and tree: normal mode at
 # --sms AB_SMS (default 24) without the token sweep, --iters AB_ITERS (default 100); then low-latency mode,
-# --iters AB_LL_ITERS (default 400). AB_ROUNDS rounds (default 2: base, head, base, head), each run killed after
-# AB_RUN_TIMEOUT_S (default 150; the first run of a tree compiles its kernels). The results name each tree's commit
-# (CUPY_EP_COMMIT: the base's from .carry/ab_base/COMMIT, the head's from AB_HEAD_COMMIT or git). Timings on
-# ranks sharing a GPU are HBM copies, not NVLink figures: compare a tree with a tree, never with a ceiling.
+# --iters AB_LL_ITERS (default 400); AB_MODES="normal" or "ll" runs one of the two (default both, which at 2
+# rounds needs more than one 10-minute device call on one GPU). AB_ROUNDS rounds (default 2: base, head, base,
+# head), each run killed after AB_RUN_TIMEOUT_S (default 150; the first run of a tree compiles its kernels). The
+# results name each tree's commit (CUPY_EP_COMMIT: the base's from .carry/ab_base/COMMIT, the head's from
+# AB_HEAD_COMMIT or git). Timings on ranks sharing a GPU are HBM copies, not NVLink figures: compare a tree with a
+# tree, never with a ceiling.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -65,11 +67,18 @@ one() {
     grep -E '^\| (dispatch|cached_dispatch|combine|round_trip) ' "$OUT_DIR/$name.log" || true
     grep -E '^  ll_[a-z_]+ +(call|graph|steady) ' "$OUT_DIR/$name.log" || true
 }
+modes="${AB_MODES:-normal ll}"
 for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     for tree in base head; do
         dir="$BASE_DIR" commit="$base_commit"
         [[ "$tree" == head ]] && dir="$PWD" commit="$head_commit"
-        one "normal_${tree}_$round" "$dir" "$commit" --sms "${AB_SMS:-24}" --token-sweep '' --iters "${AB_ITERS:-100}"
-        one "ll_${tree}_$round" "$dir" "$commit" --mode low-latency --iters "${AB_LL_ITERS:-400}" --ll-token-sweep ''
+        if [[ " $modes " == *" normal "* ]]; then
+            one "normal_${tree}_$round" "$dir" "$commit" --sms "${AB_SMS:-24}" --token-sweep '' \
+                --iters "${AB_ITERS:-100}"
+        fi
+        if [[ " $modes " == *" ll "* ]]; then
+            one "ll_${tree}_$round" "$dir" "$commit" --mode low-latency --iters "${AB_LL_ITERS:-400}" \
+                --ll-token-sweep ''
+        fi
     done
 done
