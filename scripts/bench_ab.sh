@@ -42,11 +42,17 @@ export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-/tmp/cupy_ep_gpu_check/cupy_kernel_cach
 export CUPY_EP_CACHE_DIR="${CUPY_EP_CACHE_DIR:-/tmp/cupy_ep_gpu_check/cupy_ep_cache}"
 mkdir -p "$CUPY_CACHE_DIR" "$CUPY_EP_CACHE_DIR"
 
-if [[ "${AB_MPS:-1}" == 1 && "$(ep_num_gpus)" == 1 ]]; then
+use_mps=0
+mps_start() {  # a private MPS control daemon (a fresh folder each time)
+    local mps_dir
     mps_dir="$(mktemp -d /tmp/cupy_ep_ab_mps.XXXXXX)"
     mkdir -p "$mps_dir/pipe" "$mps_dir/log"
     export CUDA_MPS_PIPE_DIRECTORY="$mps_dir/pipe" CUDA_MPS_LOG_DIRECTORY="$mps_dir/log"
     nvidia-cuda-mps-control -d || { echo "the MPS control daemon did not start" >&2; exit 1; }
+}
+if [[ "${AB_MPS:-1}" == 1 && "$(ep_num_gpus)" == 1 ]]; then
+    use_mps=1
+    mps_start
     trap 'echo quit | nvidia-cuda-mps-control' EXIT
     export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="${AB_MPS_PERCENTAGE:-50}"
     echo "bench_ab: 2 ranks as MPS clients of one GPU, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
@@ -64,6 +70,15 @@ one() {
         "${EP_ARGV[@]}") > "$OUT_DIR/$name.log" 2>&1
     rc=$?
     echo "[$name] $commit rc=$rc $((SECONDS - start)) s"
+    if [[ $use_mps == 1 && ( $rc == 124 || $rc == 137 ) ]]; then
+        # After its clients were killed mid-run the MPS server refused new ones (cudaErrorDevicesUnavailable, seen
+        # on the H200): the next run gets a new daemon.
+        pkill -9 -f -- "-m cupy_ep\.bench" 2>/dev/null
+        echo quit | nvidia-cuda-mps-control
+        sleep 2
+        mps_start
+        echo "[$name] killed at the time limit: MPS daemon restarted"
+    fi
     grep -E '^\| (dispatch|cached_dispatch|combine|round_trip) ' "$OUT_DIR/$name.log" || true
     grep -E '^  ll_[a-z_]+ +(call|graph|steady) ' "$OUT_DIR/$name.log" || true
 }
