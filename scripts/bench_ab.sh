@@ -9,8 +9,9 @@
 # `run` starts 2 ranks on one GPU as CUDA MPS clients of a private MPS daemon (AB_MPS_PERCENTAGE per rank,
 # default 50), or one rank per GPU where there are 2 GPUs or more (AB_MPS=0). Per round and tree: normal mode at
 # --sms AB_SMS (default 24) without the token sweep, --iters AB_ITERS (default 100); then low-latency mode,
-# --iters AB_LL_ITERS (default 400); AB_MODES="normal" or "ll" runs one of the two (default both, which at 2
-# rounds needs more than one 10-minute device call on one GPU). AB_ROUNDS rounds (default 2: base, head, base,
+# --iters AB_LL_ITERS (default 400); AB_MODES picks among "normal ll host" (default "normal ll", which at 2
+# rounds needs more than one 10-minute device call on one GPU; "host": benchmarks/host_overhead.py, the host time
+# per normal-mode call, run over each tree). AB_ROUNDS rounds (default 2: base, head, base,
 # head), each run killed after AB_RUN_TIMEOUT_S (default 150; the first run of a tree compiles its kernels). The
 # results name each tree's commit (CUPY_EP_COMMIT: the base's from .carry/ab_base/COMMIT, the head's from
 # AB_HEAD_COMMIT or git). Timings on ranks sharing a GPU are HBM copies, not NVLink figures: compare a tree with a
@@ -90,6 +91,13 @@ for round in $(seq 1 "${AB_ROUNDS:-2}"); do
         if [[ " $modes " == *" normal "* ]]; then
             one "normal_${tree}_$round" "$dir" "$commit" --sms "${AB_SMS:-24}" --token-sweep '' \
                 --iters "${AB_ITERS:-100}"
+        fi
+        if [[ " $modes " == *" host "* ]]; then  # host time per call: the checkout's script over each tree
+            ep_mpirun_argv 2 "$EP_PYTHON" "$PWD/benchmarks/host_overhead.py" || exit 1
+            (cd "$dir" && PYTHONPATH="$dir" timeout -k 5 "${AB_RUN_TIMEOUT_S:-150}" "${EP_ARGV[@]}") \
+                > "$OUT_DIR/host_${tree}_$round.log" 2>&1
+            echo "[host_${tree}_$round] $commit rc=$?"
+            grep -E '^host time per call' "$OUT_DIR/host_${tree}_$round.log" || true
         fi
         if [[ " $modes " == *" ll "* ]]; then
             one "ll_${tree}_$round" "$dir" "$commit" --mode low-latency --iters "${AB_LL_ITERS:-400}" \
