@@ -121,6 +121,8 @@ class Buffer:
 
     @check_values.setter
     def check_values(self, value: bool) -> None:
+        """Turn the host-side ``topk_idx`` checks on or off for the calls that follow (False in decode loops and
+        CUDA graphs: the checks copy ``topk_idx`` to the host)."""
         self.impl.check_values = value
 
     # ---- class-level knobs (DeepEP API) -------------------------------------------------------------
@@ -133,19 +135,26 @@ class Buffer:
         _config.set_default_num_sms(new_num_sms)
 
     @staticmethod
-    def get_dispatch_config(num_ranks: int, hidden_bytes: int | None = None) -> _config.Config:
+    def get_dispatch_config(num_ranks: int, *, hidden_bytes: int | None = None) -> _config.Config:
+        """The default dispatch ``Config`` for ``num_ranks`` ranks at ``Buffer.num_sms`` SMs (DeepEP's
+        ``get_dispatch_config``): a tuned entry for this machine and shape where one exists
+        (``cupy_ep.tune``), else the built-in table. ``hidden_bytes`` (keyword-only, cupy_ep's extension): the
+        bytes of one ``x`` row (2 H for BF16), which the tuned entries are keyed by; None: any."""
         return _config.get_dispatch_config(num_ranks, Buffer.num_sms, hidden_bytes)
 
     @staticmethod
-    def get_combine_config(num_ranks: int, hidden_bytes: int | None = None) -> _config.Config:
+    def get_combine_config(num_ranks: int, *, hidden_bytes: int | None = None) -> _config.Config:
+        """The default combine ``Config``; as :meth:`get_dispatch_config`."""
         return _config.get_combine_config(num_ranks, Buffer.num_sms, hidden_bytes)
 
     @staticmethod
     def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int) -> int:
         """``num_nvl_bytes`` that the default dispatch and combine configs need for this hidden size."""
         return max(
-            Buffer.get_dispatch_config(num_ranks, hidden_bytes).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
-            Buffer.get_combine_config(num_ranks, hidden_bytes).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+            Buffer.get_dispatch_config(num_ranks, hidden_bytes=hidden_bytes).get_nvl_buffer_size_hint(
+                hidden_bytes, num_ranks),
+            Buffer.get_combine_config(num_ranks, hidden_bytes=hidden_bytes).get_nvl_buffer_size_hint(
+                hidden_bytes, num_ranks))
 
     @staticmethod
     def get_zero_copy_nvl_size_hint(num_max_tokens_per_rank: int, hidden_bytes: int, num_ranks: int,
@@ -211,6 +220,11 @@ class Buffer:
         Args:
             topk_idx: ``[T, K]`` int64 or int32, -1 = no expert.
             num_experts: E, a multiple of the rank count.
+            previous_event: an ``EventOverlap`` the communication stream waits for first; None: the caller's
+                current stream.
+            async_finish: return at once with an event to wait on; the caller's stream does not wait.
+            allocate_on_comm_stream: allocate the outputs on the communication stream (with
+                ``previous_event``, as DeepEP's).
 
         Returns:
             ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [N] int32 (internode; None inside one
@@ -226,20 +240,25 @@ class Buffer:
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
-                 async_finish: bool = False, allocate_on_comm_stream: bool = False, zero_copy: bool = False):
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False, *, zero_copy: bool = False):
         """Send every token to the ranks that own its experts.
 
         Args:
             x: BF16 ``[T, H]``, or the FP8 pair ``(x_e4m3 [T, H] float8_e4m3fn/uint8, scales [T, ceil(H/128)]
                 float32, any strides)``.
             handle: a previous dispatch's handle for a cached dispatch (no CPU sync; topk must be None).
-            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from ``get_dispatch_layout``.
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from ``get_dispatch_layout``
+                (``[R]`` int32, ``[T, R]`` bool, ``[E]`` int32).
+            num_tokens_per_rdma_rank: ``[N]`` int32 from ``get_dispatch_layout`` across nodes; None inside one.
             topk_idx, topk_weights: ``[T, K]`` int64/int32 and float32, both or neither.
             expert_alignment: per-expert receive counts are rounded up to this.
-            num_worst_tokens: > 0 = no CPU sync: outputs have this many rows (CUDA-graph capturable).
+            num_worst_tokens: > 0 = no CPU sync: outputs have this many rows (CUDA-graph capturable). Across nodes
+                it also bounds the rows this rank receives over RDMA, those only forwarded to its node peers
+                included; a smaller bound stops the buffer with a capacity error (T * R always suffices).
             config: ``Config``; default ``get_dispatch_config(R)``.
-            zero_copy: the senders store every row straight into its final row in the receiver's NVLink
-                buffer, and ``recv_x`` is a view of that buffer (no ring, no receiver copy: the fast path). The
+            previous_event, async_finish, allocate_on_comm_stream: as in :meth:`get_dispatch_layout`.
+            zero_copy: (keyword-only) the senders store every row straight into its final row in the receiver's
+                NVLink buffer, and ``recv_x`` is a view of that buffer (no ring, no receiver copy: the fast path). The
                 view is valid until the next dispatch or combine on this buffer; copy it to keep it. It holds
                 ``config.direct_dispatch_capacity(num_nvl_bytes, ...)`` rows; more stops the buffer on every rank
                 (a CommError, at once where the count is known on the host: a dispatch that syncs; otherwise at
@@ -262,7 +281,7 @@ class Buffer:
             return result
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
-                async_finish: bool = False, allocate_on_comm_stream: bool = False, zero_copy: bool = False):
+                async_finish: bool = False, allocate_on_comm_stream: bool = False, *, zero_copy: bool = False):
         """Send expert outputs back to the tokens' owners and sum them there.
 
         Args:
@@ -270,10 +289,12 @@ class Buffer:
             handle: the dispatch handle (not modified).
             topk_weights: ``[N, K]`` float32 or None; summed per token like x.
             bias: None, a ``[T, H]`` bf16 array, or a pair; added first.
-            zero_copy: the expert ranks store the rows straight into the owners' NVLink buffers and the owners
-                reduce them as they land (no ring: the fast path). The buffer must hold the owner's tokens from
-                every rank: ``config.direct_combine_capacity(num_nvl_bytes, R, 2 * H, K)`` rows per rank, at least
-                T (``config.direct_combine_bytes`` sizes it). ``config.num_sms`` blocks:
+            config: ``Config``; default ``get_combine_config(R)``.
+            previous_event, async_finish, allocate_on_comm_stream: as in :meth:`get_dispatch_layout`.
+            zero_copy: (keyword-only) the expert ranks store the rows straight into the owners' NVLink buffers
+                and the owners reduce them as they land (no ring: the fast path). The buffer must hold the owner's
+                tokens from every rank: ``config.direct_combine_capacity(num_nvl_bytes, R, 2 * H, K)`` rows per
+                rank, at least T (``config.direct_combine_bytes`` sizes it). ``config.num_sms`` blocks:
                 ``config.zero_copy_combine_senders(R)`` store, the rest reduce. Same result, bit for bit.
 
         Returns:
@@ -291,7 +312,12 @@ class Buffer:
         """Collective: zero both low-latency signal areas between two NVSHMEM barriers (needed after the
         shapes change; synchronous). With ``enable_shrink``: collective over the ranks unmasked here only (a rank
         that does not come within the timeout is masked), and it restarts the buffers' alternation and epochs, so
-        that a rank unmasked again takes part in the next call."""
+        that a rank unmasked again takes part in the next call.
+
+        Args:
+            num_max_dispatch_tokens_per_rank: M of the calls that follow (as in :meth:`low_latency_dispatch`).
+            hidden: H of the calls that follow.
+            num_experts: E of the calls that follow."""
         impl = self.impl
         with impl.scope:
             return impl.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -306,7 +332,8 @@ class Buffer:
         Args:
             x: bf16 ``[T, H]`` contiguous, ``H % 128 == 0`` (``H % 512 == 0`` with ``use_fp8``, as DeepEP),
                 ``T <= num_max_dispatch_tokens_per_rank``.
-            topk_idx: ``[T, K]`` int32/int64, ``K <= 11`` (DeepEP's ``kNumMaxTopK``), -1 = no expert.
+            topk_idx: ``[T, K]`` int32/int64, ``K <= 32`` (``reference.LOW_LATENCY_MAX_TOPK``; DeepEP's
+                kernels take fewer), -1 = no expert.
             num_max_dispatch_tokens_per_rank: M, the same on every rank; ``R * M % 4 == 0`` (DeepEP: TMA).
             num_experts: E, a multiple of R; rank r owns experts ``[r*L, (r+1)*L)``, L = E/R.
             cumulative_local_expert_recv_stats: ``[L] int32`` or None; ``+= recv_count`` in place.
@@ -342,7 +369,7 @@ class Buffer:
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-                            out=None, combine_wait_recv_cost_stats=None, bf16_partials: bool = False):
+                            out=None, combine_wait_recv_cost_stats=None, *, bf16_partials: bool = False):
         """Send the expert outputs back to the token owners and reduce them *with* the weights (collective).
 
         Args:
@@ -363,8 +390,9 @@ class Buffer:
                 cycles the receive phase waited for that rank's partial sums of this rank's tokens, on the GPU
                 (this rank's own partials need no wait in a one-launch combine: its entry grows only in hook
                 mode). The host backend: checked, left unchanged.
-            bf16_partials: round each expert rank's partial sum of this rank's tokens to bf16 instead of 24 bits
-                (on the GPU a third fewer bytes cross NVLink, at the price of a second bf16 rounding). Each rank
+            bf16_partials: (keyword-only) round each expert rank's partial sum of this rank's tokens to bf16
+                instead of 24 bits (on the GPU a third fewer bytes cross NVLink, at the price of a second bf16
+                rounding). Each rank
                 chooses for its own tokens; the ranks need not agree.
 
         Returns:

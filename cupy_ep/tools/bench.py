@@ -83,7 +83,7 @@ class Bench(harness.Tool):
         """The NVLink buffer ``shape`` needs: its configs' rings at every swept SM count, zero-copy calls of the
         largest batch (their rows stay in the buffer) and the ceiling copy of the largest batch."""
         a, hidden_bytes = self.args, 2 * shape.hidden
-        hints = [dataclasses.replace(get(self.R, hidden_bytes), num_sms=sms).get_nvl_buffer_size_hint(
+        hints = [dataclasses.replace(get(self.R, hidden_bytes=hidden_bytes), num_sms=sms).get_nvl_buffer_size_hint(
                      hidden_bytes, self.R)
                  for sms in a.sms + [a.default_sms]
                  for get in (Buffer.get_dispatch_config, Buffer.get_combine_config)]
@@ -160,7 +160,8 @@ class Bench(harness.Tool):
                                 num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w, config=cfg,
                                 zero_copy=zero_copy)
 
-        dcfg0 = dataclasses.replace(Buffer.get_dispatch_config(R, self.hidden_bytes), num_sms=a.default_sms)
+        dcfg0 = dataclasses.replace(Buffer.get_dispatch_config(R, hidden_bytes=self.hidden_bytes),
+                                    num_sms=a.default_sms)
         out = dispatch(x, dcfg0)
         if verify:
             self.verify(x_np, x8_np, idx_np, w_np, layout, dispatch, dcfg0)
@@ -193,8 +194,8 @@ class Bench(harness.Tool):
         if with_baselines:
             add("layout", "-", 0, lambda: buf.get_dispatch_layout(idx, experts), 0, 0, 0, graph=True)
         for sms in sms_list:
-            dcfg = dataclasses.replace(Buffer.get_dispatch_config(R, self.hidden_bytes), num_sms=sms)
-            ccfg = dataclasses.replace(Buffer.get_combine_config(R, self.hidden_bytes), num_sms=sms)
+            dcfg = dataclasses.replace(Buffer.get_dispatch_config(R, hidden_bytes=self.hidden_bytes), num_sms=sms)
+            ccfg = dataclasses.replace(Buffer.get_combine_config(R, hidden_bytes=self.hidden_bytes), num_sms=sms)
             for name, xx, rb in (("bf16", x, row_bf16), ("fp8", x8, row_fp8)):
                 res = dispatch(xx, dcfg)
                 handle = res[4]

@@ -173,11 +173,11 @@ def test_tuned_config_is_picked_up(tmp_path, monkeypatch):
     }))
     monkeypatch.setenv("CUPY_EP_TUNED_CONFIG", str(path))
     assert cfg.tuned_config_path() == path
-    assert Buffer.get_dispatch_config(4, 14336) == Config(24, 8, 512)
-    assert Buffer.get_combine_config(4, 14336) == Config(32, 3, 128)
+    assert Buffer.get_dispatch_config(4, hidden_bytes=14336) == Config(24, 8, 512)
+    assert Buffer.get_combine_config(4, hidden_bytes=14336) == Config(32, 3, 128)
     # other shapes, and calls without a hidden size, keep the defaults
-    assert Buffer.get_dispatch_config(4, 7168) == Config(Buffer.num_sms, 6, 256, 6, 128)
-    assert Buffer.get_dispatch_config(2, 14336) == Config(Buffer.num_sms, 24, 256, 6, 128)
+    assert Buffer.get_dispatch_config(4, hidden_bytes=7168) == Config(Buffer.num_sms, 6, 256, 6, 128)
+    assert Buffer.get_dispatch_config(2, hidden_bytes=14336) == Config(Buffer.num_sms, 24, 256, 6, 128)
     assert Buffer.get_dispatch_config(4) == Config(Buffer.num_sms, 6, 256, 6, 128)
     # the size hint follows the tuned configs (the larger of the two)
     want = max(Config(24, 8, 512).get_nvl_buffer_size_hint(14336, 4),
@@ -189,7 +189,7 @@ def test_unreadable_tuned_file_falls_back_to_defaults(tmp_path, monkeypatch):
     path = tmp_path / "tuned.json"
     path.write_text("{not json")
     monkeypatch.setenv("CUPY_EP_TUNED_CONFIG", str(path))
-    assert Buffer.get_dispatch_config(4, 14336) == Config(Buffer.num_sms, 6, 256, 6, 128)
+    assert Buffer.get_dispatch_config(4, hidden_bytes=14336) == Config(Buffer.num_sms, 6, 256, 6, 128)
 
 
 def test_tuned_config_path_default_location(monkeypatch, tmp_path):
@@ -231,8 +231,8 @@ def test_a_rewritten_or_removed_tuned_file_is_read_again(tmp_path, monkeypatch):
     monkeypatch.setenv("CUPY_EP_TUNED_CONFIG", str(path))
     entry = {"num_max_nvl_chunked_send_tokens": 8, "num_max_nvl_chunked_recv_tokens": 512}
     path.write_text(json.dumps({"dispatch/4/14336": {"num_sms": 24, **entry}}))
-    assert Buffer.get_dispatch_config(4, 14336) == Config(24, 8, 512)
+    assert Buffer.get_dispatch_config(4, hidden_bytes=14336) == Config(24, 8, 512)
     path.write_text(json.dumps({"dispatch/4/14336": {"num_sms": 128, **entry}}))   # the size changes too
-    assert Buffer.get_dispatch_config(4, 14336) == Config(128, 8, 512)
+    assert Buffer.get_dispatch_config(4, hidden_bytes=14336) == Config(128, 8, 512)
     path.unlink()
-    assert Buffer.get_dispatch_config(4, 14336) == Config(Buffer.num_sms, 6, 256, 6, 128)
+    assert Buffer.get_dispatch_config(4, hidden_bytes=14336) == Config(Buffer.num_sms, 6, 256, 6, 128)
