@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(512, 1)  // blocks have at most 16 warps: caps
 }
 
 // ---------------------------------------------------------------------------------------------------
-// internode_put_bandwidth: the transport's ceiling for the benchmark (cupy_ep/bench_internode.py). Region at
+// internode_put_bandwidth: the transport's ceiling for the benchmark (cupy_ep/tools/bench_internode.py). Region at
 // region_offset of every PE's RDMA buffer: [source: bytes_per_peer][landing slot per PE: num_pes x bytes_per_peer];
 // every warp puts chunks of the source into its slot on the other PEs, then quiets. Bytes leaving this GPU:
 // (num_pes - 1) * bytes_per_peer. Offsets and sizes multiples of 16. Not a communication primitive: scratch use

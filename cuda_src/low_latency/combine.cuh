@@ -136,7 +136,7 @@ __device__ __forceinline__ int tokens_of_block(int T, int index, int count) {
 // most kCombineStageEntries entries (combine_stage_bytes on the host: kLLCombineThreads x kCombineChunks x
 // min(K, kCombineStageEntries) x 16, 176 KB at 11; the first two from cupy_ep/ids.py); a kernel whose top-k bound is
 // above that stages a token's rows kCombineStageEntries at a time (partial_sums).
-// = cuda_low_latency.COMBINE_STAGE_ENTRIES (tests/unit/test_mirrors.py compares)
+// = cupy_ep/cuda/kernels_low_latency.py COMBINE_STAGE_ENTRIES (tests/unit/test_mirrors.py compares)
 constexpr int kCombineStageEntries = 11;
 __device__ __forceinline__ int4* stage_slot(int4* stage, int i, int q) {
     return stage + (i * kCombineChunks + q) * kLLCombineThreads + threadIdx.x;

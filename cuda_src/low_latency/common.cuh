@@ -28,16 +28,17 @@ constexpr int kPhaseSend = 1, kPhaseRecv = 2;
 // blocks that have read its combine meta flag (the last one zeroes the flag and the count)
 constexpr int kWsLastSend = 2, kWsEpoch = 4, kWsRecvDone = 6, kWsMetaReaders = 32;
 
-// Optional phase stamps (profiling; built only with -DCUPY_EP_LL_STAMPS=1, cuda_low_latency.STAMPS_OPTION, and
-// then written where stamps != nullptr): per block kLLStamps int64 %globaltimer values, written by thread 0 (most
-// right after a block-wide barrier, so they mark when the whole block got there). Without the option the stamping
-// code compiles away: its branches and barriers take registers from the kernels' common paths.
+// Optional phase stamps (profiling; built only with -DCUPY_EP_LL_STAMPS=1, STAMPS_OPTION in
+// cupy_ep/cuda/low_latency.py, and then written where stamps != nullptr): per block kLLStamps int64 %globaltimer
+// values, written by thread 0 (most right after a block-wide barrier, so they mark when the whole block got there).
+// Without the option the stamping code compiles away: its branches and barriers take registers from the kernels'
+// common paths.
 #ifdef CUPY_EP_LL_STAMPS
 constexpr bool kStampsBuilt = true;
 #else
 constexpr bool kStampsBuilt = false;
 #endif
-// What each marks, per kernel (cupy_ep/bench_ll.py's report says the same):
+// What each marks, per kernel (cupy_ep/tools/bench_ll.py's report says the same):
 //   dispatch: routed = the last token's destinations known; prepared = histograms built; encoded = its bytes
 //             stored; written = thread 0 past its index entry (released); recv_prepared = the counts read and
 //             prefixed; recv_first_data = the block's first row in.

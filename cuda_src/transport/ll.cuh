@@ -1,6 +1,6 @@
 // transport/ll.cuh: how the low-latency kernels reach a peer they cannot store to. low_latency.cu stores straight
 // into every peer whose buffer is mapped in this process (peer_bases[pe] != 0) and calls these for the others.
-// Two builds of low_latency.cu, chosen by the host (cupy_ep/cuda_low_latency.py, Buffer(low_latency_transport=)):
+// Two builds of low_latency.cu, chosen by the host (cupy_ep/cuda/low_latency.py, Buffer(low_latency_transport=)):
 //
 //   NVSHMEM  (-DCUPY_EP_NVSHMEM; relocatable, linked with the wheel's libnvshmem_device.a by jit.py): the buffer is
 //            NVSHMEM symmetric memory; NVLink peers are mapped (nvshmem_ptr), the others get these puts.

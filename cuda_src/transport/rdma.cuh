@@ -36,7 +36,7 @@
 namespace ep {
 
 // What a kernel gets from the host: its own base address (NVSHMEM: the symmetric address), the peer table and its
-// PE index. peer_bases is uint64 [2][kMaxRdmaRanks] (cupy_ep/cuda_internode.py, rdma_peer_table):
+// PE index. peer_bases is uint64 [2][kMaxRdmaRanks] (cupy_ep/cuda/internode.py, rdma_peer_table):
 //   [0][pe]  where puts and adds to PE pe write: pe's buffer as mapped in this process (IPC; NVSHMEM: unused, 0)
 //   [1][pe]  pe's buffer as reachable by loads / stores from this GPU, or 0 when only puts reach it (IPC: as row 0;
 //            NVSHMEM: nvshmem_ptr); all 0 in force_put mode
@@ -51,9 +51,9 @@ __device__ __forceinline__ char* rdma_direct(const RdmaArgs& a, long long offset
     return peer != 0 ? reinterpret_cast<char*>(peer) + offset : nullptr;
 }
 
-// REVIEW: in the 2 nodes x 2 ranks test two processes share each GPU, so every spin-wait in the internode kernels
-// depends on the other process's kernel running concurrently (time slicing or MPS). The intranode -n 4 suite
-// relies on the same and passed; if these tests hang only at 4 ranks, look here first.
+// Ranks sharing a GPU (the 2 nodes x 2 ranks tests on one or two GPUs): every spin-wait in the internode kernels
+// then depends on the other process's kernel running concurrently (time slicing or CUDA MPS), as the intranode
+// kernels' waits do at 4 ranks on 2 GPUs.
 struct IpcRdma {
     RdmaArgs a;
     __device__ explicit IpcRdma(RdmaArgs args) : a(args) {}

@@ -341,10 +341,10 @@ class InternodeState:
                 num_rdma_recv = int(self.counters[1])
                 per_expert_list = [int(v) for v in self.counters[2: 2 + num_experts // R]]
             else:
-                # REVIEW: send_nvl_head gets num_worst_tokens rows, but it needs num_rdma_recv rows (tokens that reach
-                # this GPU over RDMA, incl. those only forwarded to node peers), which can exceed what this rank itself
-                # receives; a num_worst_tokens sized for recv_x alone (DeepEP's meaning) can then stop the buffer with
-                # a `capacity` error. Fine for T * R (the tests); document or allocate max(worst, T * N) rows?
+                # num_worst_tokens bounds send_nvl_head's rows too: the tokens that reach this GPU over RDMA, those
+                # only forwarded to node peers included, which can exceed what this rank itself receives. A bound
+                # sized for recv_x alone then stops the buffer with a `capacity` error (Buffer.dispatch's docstring
+                # says so); T * R always suffices.
                 num_recv = num_rdma_recv = num_worst_tokens
             with alloc_stream:
                 src_meta = cupy.empty((num_recv, 2), dtype=cupy.int32)

@@ -1,6 +1,6 @@
 """``python -m cupy_ep.bench --mode low-latency``: low-latency (decode) dispatch and combine latency.
 
-Defaults follow the issue: 128 tokens per rank, hidden 7168, top-8 of 256 experts, FP8 dispatch, BF16 combine.
+Defaults: 128 tokens per rank, hidden 7168, top-8 of 256 experts, FP8 dispatch, BF16 combine.
 Per op: median and p99 over ``--iters`` (>= 200) iterations, timed three ways (field ``timing``):
 
 * ``call``: CUDA events around the Python call (host overhead included);

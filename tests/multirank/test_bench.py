@@ -2,7 +2,7 @@
 
 GpuTimer.steady's arithmetic (with ``_capture_steady`` and ``_time`` replaced), the normal-mode records and
 markdown/plot, the low-latency records, markdown and host-overhead loop, and a host-backend run of
-``python -m cupy_ep.bench`` checked against the JSON fields the issue requires.
+``python -m cupy_ep.bench`` checked against the JSON fields its reports promise.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from cupy_ep.tools import bench, bench_ll, cli, harness
 from cupy_ep.tools.harness import GpuTimer, Timing
 
-# The fields every normal-mode result and the document carry (the issue's schema; later fields only add).
+# The fields every normal-mode result and the document carry (the report's schema; later fields only add).
 ISSUE_TOP = ("commit", "gpu", "driver", "num_ranks", "ceiling_gbps", "results")
 ISSUE_RESULT = ("op", "dtype", "num_sms", "tokens", "hidden", "topk", "experts", "time_us_median", "time_us_min",
                 "logical_gbps", "nvlink_gbps", "fraction_of_ceiling", "nccl_time_us", "ratio_to_nccl")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKED = ("README.md", "docs", "cupy_ep", "cuda_src", "tests", "scripts", "examples")
+CHECKED = ("README.md", "docs", "cupy_ep", "cuda_src", "tests", "scripts", "examples", "benchmarks")
 
 # Built from pieces so that this file, which is checked too, does not match its own patterns.
 _S, _R, _I = "[Ss]" + "ession", "[Rr]" + "eview", "[Ii]" + "ssue"
@@ -20,6 +20,8 @@ HISTORY = {
     "a run label": re.compile(r"\bS[12][0-9]" + r"[A-Z]\b"),
     "review narration": re.compile(rf"{_R} (fix|mend)"),
     "an issue number": re.compile(rf"\b{_I} #?[0-9]+"),
+    "a reference to a tracker issue": re.compile(rf"\b(the|this|that) {_I}\b(?! tracker)"),
+    "a reviewer's note": re.compile(r"(#|//)\s*" + "RE" + r"VIEW\b"),
     "a reference to the experiments folder": re.compile("benchmarks/" + "experiments"),
     "a reference to old results": re.compile("results/" + "history"),
     "a reference to a research folder": re.compile(r"(?<![\w.-])" + "re" + "search/"),
@@ -62,6 +64,7 @@ def test_no_experiment_material_is_tracked():
 
 def test_the_patterns_catch_what_they_are_for():
     bad = [f"{'Se' + 'ssion'} 12 measured", "the S2" + "4B run", f"{'re' + 'view'} fix: x", f"see {'is' + 'sue'} 6",
+           f"as the {'is' + 'sue'} requires", "# " + "RE" + "VIEW: is this right?", "// " + "RE" + "VIEW: x",
            "benchmarks/" + "experiments/s1/x.log", "results/" + "history/a.md", "in ../re" + "search/deepep.md"]
     good = ["one session of MPI", "SMs 24", "reviewed", "the issue tracker", "benchmarks/results/bench_gpu_ep2.md",
             "cupy_ep.research_tools"]
