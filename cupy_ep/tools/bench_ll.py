@@ -18,7 +18,8 @@ rank at the same max M, ``--ll-max-tokens`` (default ``--tokens``); T = 0 is the
 (timing ``host``: 200 plain calls back to back, with ``check_values`` False and True), and with ``--ll-stamps`` where a
 call's time goes (timing ``stamps``: the kernels' %globaltimer phase stamps, ``phases_us``). Results are verified
 against :mod:`cupy_ep.reference` before any timing (a mismatch aborts). Records are written to
-``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``. One run covers each ``--model`` shape the kernels take (a top-k above
+``<out>/bench_ll_gpu_ep<R>.json`` and ``.md``, and a plot of each model shape's ops to ``.png`` (where matplotlib
+is installed: :func:`plot`). One run covers each ``--model`` shape the kernels take (a top-k above
 ``LOW_LATENCY_MAX_TOPK`` is reported as skipped). On the host backend (``--backend host``) the calls are verified and
 timed by the host clock only (``bench_ll_host_ep<R>``).
 
@@ -36,8 +37,8 @@ from cupy_ep import Buffer, bootstrap, reference
 from cupy_ep import config as cfgmod
 from . import harness
 from .harness import (GpuTimer, HostTimer, capture_graph, make_routing, nccl_baseline, op_label, raw_words,
-                      results_stem, shared_gpu_markdown, shared_gpu_warning, shared_gpus, to_device, to_host,
-                      warm_stream, write_report)
+                      results_stem, shared_gpu_markdown, shared_gpu_warning, shared_gpus, shared_text, to_device,
+                      to_host, warm_stream, write_report)
 
 HOST_CALLS = 200  # plain calls per host-overhead measurement
 # why a run without NCCL has no aligned timing (its log and report say so)
@@ -462,7 +463,7 @@ class LowLatencyBench(harness.Tool):
                      lambda common: markdown_lines(records, self.args, self.R,
                                                    dict(common, **about, skipped=skipped or []))
                      + harness.shape_runs_markdown(shape_runs),
-                     "low-latency", gpu=self.gpu)
+                     "low-latency", gpu=self.gpu, plot=plot)
 
 
 def _op_fields(label: str) -> dict:
@@ -596,6 +597,96 @@ def _tables(records: list, args) -> list:
             out.append(f"| {op_label(r)} | {r['dtype']} | {r['tokens']} | {r['host_us_per_call']:.1f} | "
                        f"{r['host_wall_us_per_call']:.1f} | {r.get('check_values', False)} |")
     return out
+
+
+# the plot's ops, in its order: (op, partials) of a record, and the bar's label
+PLOT_OPS = ((("ll_dispatch", None), "ll_dispatch (FP8)"), (("ll_combine", "24-bit"), "ll_combine (24-bit)"),
+            (("ll_combine", "bf16"), "ll_combine (bf16 partials)"),
+            (("ll_combine", "logfmt"), "ll_combine (LogFMT-10)"), (("ll_round_trip", None), "ll_round_trip"))
+
+
+def plot_rows(doc: dict) -> dict:
+    """``{model: {(op, partials): record}}`` of the plot: per model shape and op the record at --tokens timed
+    ``graph`` where the run measured it, else ``call`` (the host backend times calls only)."""
+    tokens = doc["args"]["tokens"]
+    out: dict = {}
+    for how in ("call", "graph"):  # graph last: it replaces the call record where both exist
+        for r in doc["results"]:
+            if r.get("timing") == how and r["tokens"] == tokens:
+                out.setdefault(r.get("model"), {})[(r["op"], r.get("partials"))] = r
+    return out
+
+
+def plot_notes(doc: dict) -> list[str]:
+    """What the plot's title says of the run beside its shapes (as the normal benchmark's plot): a host-backend run
+    is no GPU figure; ranks sharing a GPU copy through its HBM, not over NVLink, and may have no NCCL baseline."""
+    notes = []
+    if doc.get("backend") == "host":
+        notes.append("host backend (numpy + MPI on the CPU): not GPU numbers")
+    if doc.get("shared_gpu_ranks"):
+        notes.append(f"{shared_text(doc['shared_gpu_ranks'])}: HBM copies through the shared GPU, not NVLink figures"
+                     + ("; no NCCL baseline" if str(doc.get("nccl", "")).startswith("skipped") else ""))
+    return notes
+
+
+def plot(doc: dict, path) -> None:
+    """One panel: per model shape a group of bars, the median us of each op of ``PLOT_OPS`` at --tokens (graph
+    timing where measured, else the call; :func:`plot_rows`), each with NCCL's median on the same bytes beside it
+    (hatched) where the run measured NCCL. A host-backend run, or ranks sharing a GPU, say so in the title; the
+    shapes the kernels cannot run are named under the axis as skipped. Needs matplotlib (the bench extra):
+    without it this raises ImportError and :func:`cupy_ep.tools.harness.write_files` writes no plot."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    args, rows = doc["args"], plot_rows(doc)
+    skipped = doc.get("skipped") or []
+    names = list(rows) + [sk["model"] for sk in skipped]
+    with_nccl = any(r.get("nccl_time_us") for by_op in rows.values() for r in by_op.values())
+    slots = len(PLOT_OPS) * (2 if with_nccl else 1)
+    width = 0.8 / slots
+    fig, ax = plt.subplots(figsize=(max(8.0, 2.0 * len(names) + 3.0), 5.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    hows = set()
+    for k, (key, label) in enumerate(PLOT_OPS):
+        color = colors[k % len(colors)]
+        ours, nccl = [], []
+        for i, name in enumerate(rows):
+            r = rows[name].get(key)
+            if r is None or r.get("time_us_median") is None:
+                continue
+            hows.add(r["timing"])
+            slot = k * (2 if with_nccl else 1)
+            ours.append((i + slot * width, r["time_us_median"]))
+            if r.get("nccl_time_us"):
+                nccl.append((i + (slot + 1) * width, r["nccl_time_us"]))
+        if ours:
+            ax.bar(*zip(*ours), width, color=color, label=label)
+        if nccl:
+            ax.bar(*zip(*nccl), width, color=color, alpha=0.45, hatch="//", edgecolor="k", linewidth=0.5)
+    if with_nccl:  # one legend entry for every op's NCCL bar
+        ax.bar([0], [0], 0, color="w", hatch="//", edgecolor="k", linewidth=0.5,
+               label="NCCL send/recv, same bytes (hatched, beside each op)")
+    labels = []
+    for name, by_op in rows.items():
+        r = next(iter(by_op.values()))
+        labels.append(f"{name or 'custom'}\n{r['experts']}/{r['topk']}/{r['hidden']}")
+    labels += [f"{sk['model']}\n{sk['experts']}/{sk['topk']}/{sk['hidden']}\nskipped" for sk in skipped]
+    ax.set_xticks([i + width * (slots - 1) / 2 for i in range(len(names))], labels, fontsize=8)
+    ax.set_xlim(-0.5, len(names) - 0.1)  # room for the skipped shapes' labels, which have no bars
+    timing = "/".join(sorted(hows)) or "-"
+    ax.set(ylabel=f"median us per op ({timing} timing)",
+           title=f"low-latency, EP{doc['num_ranks']}, {args['tokens']} tokens/rank (M = "
+                 f"{args.get('ll_max_tokens') or args['tokens']}), per model shape (experts/top-k/hidden)")
+    notes = plot_notes(doc)
+    if notes:
+        fig.suptitle("; ".join(notes), fontsize=10)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def max_tokens(args) -> int:

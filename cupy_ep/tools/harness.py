@@ -550,16 +550,18 @@ def shape_runs_markdown(runs: list | None) -> list:
     return out + [f"| {r['model']} | {r['wall_s']:.1f} | {jit_text(r['jit'])} |" for r in runs]
 
 
-def write_report(out_dir, stem: str, records: list, doc: dict, make_lines, mode: str, gpu: bool = True) -> None:
+def write_report(out_dir, stem: str, records: list, doc: dict, make_lines, mode: str, gpu: bool = True,
+                 plot=None) -> None:
     """Stamp ``records`` with the commit and GPU (None for a host-backend run: ``gpu`` False), write
     ``<out_dir>/<stem>.json`` (those two fields, ``doc``, then ``results``) and ``<stem>.md``
-    (``make_lines(common)``: the markdown lines, given the stamp); print the table. The writer of the low-latency
+    (``make_lines(common)``: the markdown lines, given the stamp) and, given ``plot`` (``plot(doc, path)`` of the
+    written document), ``<stem>.png`` (:func:`write_files`); print the table. The writer of the low-latency
     and internode benchmarks."""
     common = {"commit": git_commit(), "gpu": gpu_name() if gpu else None}
     for r in records:
         r.update(common)
     write_files(out_dir, stem, dict(common, **doc, results=records), "\n".join(make_lines(common)) + "\n",
-                f"cupy_ep.bench --mode {mode}")
+                f"cupy_ep.bench --mode {mode}", plot=plot)
 
 
 def git_commit(repo: Path | None = None) -> str:

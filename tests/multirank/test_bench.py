@@ -614,6 +614,47 @@ def test_internode_shared_gpu_report(tmp_path, monkeypatch):
     assert "**Ranks share a GPU**" in md and "not network figures" in md
 
 
+def _ll_plot_doc(b, backend="cuda", **about):
+    """The document LowLatencyBench.write hands the plot (harness.write_report: the stamp, ``about``, results)."""
+    return dict(commit="abc1234", gpu=None if backend == "host" else "NVIDIA H200", num_ranks=b.R, backend=backend,
+                skipped=[], args=dict(vars(b.args)), results=b.records, **about)
+
+
+def test_ll_plot_takes_graph_timing_where_measured_and_nccl_beside(tmp_path):
+    """Per model shape and op the record at --tokens, graph-timed where measured (else the call, as on the host
+    backend), NCCL's figure from the same record; the sweep's rows stay out. The plot is written, a host run's
+    and a shared-GPU run's title say so."""
+    b, timer = _ll_bench(), _FakeLLTimer()
+    b.nccl = argparse.Namespace(align=object())
+    for model, experts in (("deepseek-v3", 256), ("kimi-k3", 896)):
+        b.args.model_name, b.args.experts = model, experts
+        b.time_ops(timer, _ll_runs(), 128, ("call", "graph", "aligned", "steady"))
+        b.time_ops(timer, _ll_runs(), 0, ("steady",), with_nccl=False)
+    doc = _ll_plot_doc(b)
+    rows = bench_ll.plot_rows(doc)
+    assert list(rows) == ["deepseek-v3", "kimi-k3"]
+    keys = {key for key, _ in bench_ll.PLOT_OPS}
+    for model, by_op in rows.items():
+        assert set(by_op) == keys - {("ll_round_trip", None)}  # (_ll_runs has no round trip)
+        for r in by_op.values():
+            assert (r["model"], r["timing"], r["tokens"], r["time_us_median"], r["nccl_time_us"]) == \
+                (model, "graph", 128, 40.0, 48.0)
+    assert bench_ll.plot_notes(doc) == []
+    shared = dict(shared_gpu_ranks=[[0, 1]], nccl=SKIPPED)
+    assert bench_ll.plot_notes(_ll_plot_doc(b, **shared)) == [
+        "ranks 0, 1 share a GPU: HBM copies through the shared GPU, not NVLink figures; no NCCL baseline"]
+    host, timer = _ll_bench(), _FakeLLTimer()
+    host.time_ops(timer, {op: (fn, None, dtype) for op, (fn, _, dtype) in _ll_runs().items()}, 128, ("call",))
+    host_doc = _ll_plot_doc(host, backend="host")
+    assert [r["timing"] for r in bench_ll.plot_rows(host_doc)[None].values()] == ["call"] * 4
+    assert bench_ll.plot_notes(host_doc) == ["host backend (numpy + MPI on the CPU): not GPU numbers"]
+    pytest.importorskip("matplotlib")
+    skipped = [{"model": "big", "experts": 64, "topk": 40, "hidden": 1024, "mode": "low-latency", "reason": "top-k"}]
+    for name, d in (("gpu", dict(doc, skipped=skipped)), ("shared", _ll_plot_doc(b, **shared)), ("host", host_doc)):
+        bench_ll.plot(d, tmp_path / f"{name}.png")
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
 def test_ll_nccl_capture_failure_is_not_fatal():
     b, timer = _ll_bench(), _FakeLLTimer()
 
@@ -943,3 +984,9 @@ def test_host_run_of_low_latency_presets(comm, tmp_path):
     for run in doc["shape_runs"]:
         assert run["wall_s"] > 0 and run["jit"]["compiled"] == 0
         assert f"| {run['model']} | {run['wall_s']:.1f} | 0 compiled in 0.00 s" in md
+    # the plot of each shape's ops, as a normal-mode run's (where matplotlib is installed)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / f"bench_ll_host_ep{R}.png").stat().st_size > 0
