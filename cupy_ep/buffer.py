@@ -378,7 +378,9 @@ class Buffer:
             topk_idx, topk_weights: ``[T, K]`` int32/int64 and float32: the routing this rank gave to the
                 dispatch that made ``handle`` (``T <= M``), and the weights.
             handle: the dispatch's :class:`~cupy_ep.handles.LowLatencyHandle` (``(src_info, layout_range, M,
-                H, E)`` and ``.topk_slots``; not modified). ``topk_idx`` must have its ``topk_slots``' shape.
+                H, E)`` and ``.topk_slots``; not modified). ``topk_idx`` must have its ``topk_slots``' shape. A
+                plain 5-tuple of its items works too: the slots are then computed again from ``topk_idx`` (a sort
+                on its device; refused with ``enable_shrink``).
             use_logfmt: this rank's tokens' partial sums cross as LogFMT-10 (:mod:`cupy_ep.logfmt`: 10 bits per
                 value and 8 bytes per 128, under half the 24-bit bytes; a relative error of at most
                 ``2^(step/2) - 1`` per partial value, 2.2 % at worst). Each rank chooses for its own tokens; not

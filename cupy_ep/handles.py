@@ -11,8 +11,9 @@ attributes let a later call check it was given the right handle:
 * ``routing`` (low-latency only): a digest of the ``topk_idx`` the dispatch was given (None when the values were
   not read: ``check_values=False``); the combine refuses a ``topk_idx`` with another digest (:func:`check_routing`).
 
-A plain tuple made from a handle's items has none of them and is accepted as before (its origin is not checked);
-the low-latency combine needs the ``topk_slots`` of a :class:`LowLatencyHandle` anyway.
+A plain tuple made from a handle's items has none of them and is accepted as DeepEP accepts it (its origin is not
+checked); a low-latency combine given one computes the ``topk_slots`` again from its ``topk_idx``
+(:func:`cupy_ep.validate.low_latency_slots_of`; refused with ``enable_shrink``, where they depend on the mask).
 """
 from __future__ import annotations
 
@@ -57,9 +58,10 @@ class LowLatencyHandle(_Handle):
 
     ``topk_slots``: ``[T, K] int32``, the slot the dispatch gave each of this rank's top-k entries (its place
     among the rows its expert received from this rank; -1: no expert, or past the M slots). The combine finds the
-    expert rows of each token by these slots instead of counting them again from ``topk_idx``, so pass the handle
-    back as it is (a plain tuple made from its items has no slots: low_latency_combine raises ValueError) and give
-    the combine the dispatch's ``topk_idx``.
+    expert rows of each token by these slots instead of counting them again from ``topk_idx``; give it the
+    dispatch's ``topk_idx``. A plain tuple made from the items has no slots: the combine then computes them again
+    from ``topk_idx`` (a sort on its device per call; not in shrink mode), so passing the handle back as it is
+    stays the fast path.
 
     ``buffer_id``, ``epoch``, ``routing``: see :mod:`cupy_ep.handles`.
     """

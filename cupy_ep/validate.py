@@ -322,15 +322,24 @@ def check_low_latency_handle(handle, num_ranks: int, check_values: bool, device=
     return interop.unwrap(src_info), raw_range, max_tokens, hidden, num_experts
 
 
-def check_low_latency_slots(handle, topk_idx, max_tokens: int, check_values: bool, device=None):
+def check_low_latency_slots(handle, topk_idx, max_tokens: int, num_experts: int, check_values: bool, device=None,
+                            shrink: bool = False):
     """The raw ``topk_slots`` ``[T, K] int32`` a low-latency combine finds its rows by (the dispatch's slot of each
-    top-k entry of this rank: :class:`cupy_ep.handles.LowLatencyHandle`), after checking that ``handle``
-    carries them, that ``topk_idx`` (already checked) has the dispatch's shape, and, with ``check_values``, that
-    every slot is -1 or below ``max_tokens`` (that reads them on the host)."""
+    top-k entry of this rank: :class:`cupy_ep.handles.LowLatencyHandle`), after checking that ``topk_idx``
+    (already checked) has the dispatch's shape, and, with ``check_values``, that every slot is -1 or below
+    ``max_tokens`` (that reads them on the host).
+
+    A handle rebuilt as a plain 5-tuple (DeepEP's callers may do that) carries no slots: they are computed again
+    from ``topk_idx`` (:func:`low_latency_slots_of`, on its device), which is what the dispatch gave them when the
+    combine gets the dispatch's routing. Not in shrink mode (``shrink``): there the slots also depend on the mask
+    the dispatch saw."""
     slots = getattr(handle, "topk_slots", None)
     if slots is None:
-        raise ValueError("handle: must be the LowLatencyHandle low_latency_dispatch returned (it carries the "
-                         f"dispatch's topk_slots), got a plain {type(handle).__name__}")
+        if shrink:
+            raise ValueError(f"handle: a plain {type(handle).__name__} carries no topk_slots, and with "
+                             "enable_shrink=True they depend on the mask the dispatch saw: pass the LowLatencyHandle "
+                             "low_latency_dispatch returned")
+        return low_latency_slots_of(interop.unwrap(topk_idx), max_tokens, num_experts)
     check_array(slots, "handle.topk_slots", ("int32",), ndim=2, device=device)
     if tuple(topk_idx.shape) != tuple(slots.shape):
         raise ValueError(f"topk_idx: must have the dispatch's shape {tuple(slots.shape)} (pass the routing of the "
@@ -342,6 +351,27 @@ def check_low_latency_slots(handle, topk_idx, max_tokens: int, check_values: boo
             raise ValueError(f"handle.topk_slots: slots must lie in [-1, {max_tokens}), got "
                              f"[{int(host.min())}, {int(host.max())}]")
     return raw
+
+
+def low_latency_slots_of(raw_topk_idx, max_tokens: int, num_experts: int):
+    """The slots low-latency dispatch gives the top-k entries ``raw_topk_idx`` ``[T, K]`` (a numpy or CuPy array;
+    the result ``[T, K] int32`` on the same device): entry (t, k)'s place among the entries before it, row-major,
+    that select the same expert; -1 for no expert in ``[0, E)`` or a place of M or more. The same rule as
+    :func:`cupy_ep.reference.low_latency_slots`, in array operations (a sort), so that it runs where the routing
+    is, without a host copy."""
+    xp = np if isinstance(raw_topk_idx, np.ndarray) else __import__("cupy")
+    flat = raw_topk_idx.reshape(-1).astype(xp.int64)
+    n = flat.size
+    valid = (flat >= 0) & (flat < num_experts)
+    # one key per entry: its expert (E for none) first, its position second, so the order is the same with any
+    # sort (no reliance on a stable sort)
+    key = xp.where(valid, flat, num_experts) * max(n, 1) + xp.arange(n, dtype=xp.int64)
+    order = xp.argsort(key)
+    expert = key[order] // max(n, 1)
+    place = xp.arange(n, dtype=xp.int64) - xp.searchsorted(expert, expert, side="left")
+    slots = xp.empty(n, dtype=xp.int32)
+    slots[order] = xp.where((expert < num_experts) & (place < max_tokens), place, -1).astype(xp.int32)
+    return slots.reshape(raw_topk_idx.shape)
 
 
 def check_buffer_view(nbytes: int, itemsize: int, size, offset, region: str) -> tuple:
@@ -533,8 +563,9 @@ def check_low_latency_dispatch_args(x, topk_idx, max_tokens, num_experts, stats,
 
 def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                    return_recv_hook, out, wait_stats, bf16_partials, num_ranks: int,
-                                   check_values: bool, device=None, buffer_id=None):
-    """Every argument of a low-latency combine but the zero-copy buffer (the backends keep it differently).
+                                   check_values: bool, device=None, buffer_id=None, shrink: bool = False):
+    """Every argument of a low-latency combine but the zero-copy buffer (the backends keep it differently);
+    ``shrink``: the Buffer's ``enable_shrink`` (see :func:`check_low_latency_slots`).
     Returns ``(src_info, layout_range, topk_slots (raw), M, H, E, T, K, (use_logfmt, zero_copy, async_finish,
     return_recv_hook, bf16_partials))``."""
     from . import handles
@@ -559,7 +590,8 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
     if num_tokens > max_tokens:
         raise ValueError(f"topk_idx: has {num_tokens} rows, more than num_max_dispatch_tokens_per_rank="
                          f"{max_tokens} (from the handle)")
-    slots = check_low_latency_slots(handle, topk_idx, max_tokens, check_values, device=device)
+    slots = check_low_latency_slots(handle, topk_idx, max_tokens, num_experts, check_values, device=device,
+                                    shrink=shrink)
     if check_values:
         handles.check_routing(handle, topk_idx)
     check_topk_weights(topk_weights, num_tokens, num_topk, device=device)

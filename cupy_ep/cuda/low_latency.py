@@ -502,7 +502,7 @@ class LowLatencyState:
             checked = validate.check_low_latency_combine_args(
                 x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
                 wait_stats, bf16_partials, self.buf.num_ranks, check_values, self.buf.device_id,
-                getattr(self.buf, "buffer_id", None))
+                getattr(self.buf, "buffer_id", None), shrink=self.shrink_mask is not None)
         except ValueError as e:
             # The values were read back (a sync): if the dispatch that wrote them stopped at a device wait's
             # timeout they are garbage, and the timeout is what to report (a ValueError about them would hide it).

@@ -660,7 +660,8 @@ class HostBackend(BackendBase):
         (_, layout_range, _, max_tokens, hidden, num_experts, num_tokens, num_topk,
          flags) = validate.check_low_latency_combine_args(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
-            combine_wait_recv_cost_stats, bf16_partials, num_ranks, self.check_values, None, self.buffer_id)
+            combine_wait_recv_cost_stats, bf16_partials, num_ranks, self.check_values, None, self.buffer_id,
+            shrink=self._shrink_mask is not None)
         use_logfmt, zero_copy, async_finish, return_recv_hook, bf16_partials = flags
         num_local = num_experts // num_ranks
         shape = (num_local, num_ranks * max_tokens, hidden)

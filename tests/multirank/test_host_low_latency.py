@@ -366,7 +366,6 @@ BAD = {
     "combine/handle.layout_range-past-the-rows": (
         lambda c: _combine(c, handle=_handle(c, 1, c.handle[1] + (100 << 32))), "handle.layout_range:"),
     "combine/handle-other-M": (lambda c: _combine(c, handle=_handle(c, 2, M + 4)), "handle.src_info:"),
-    "combine/handle-plain-tuple": (lambda c: _combine(c, handle=tuple(c.handle)), "handle:"),
     "combine/handle.topk_slots-int64": (lambda c: _combine(c, handle=_slots(c, c.handle.topk_slots.astype(np.int64))),
                                         "handle.topk_slots:"),
     "combine/handle.topk_slots-past-M": (lambda c: _combine(c, handle=_slots(c, c.handle.topk_slots + M)),
@@ -395,16 +394,23 @@ BAD = {
 }
 
 
-def _valid_round_trip(comm, buf) -> bool:
-    """A fresh FP8 low-latency dispatch + combine on ``buf``, compared with the reference."""
+def _valid_round_trip(comm, buf, plain_tuple: bool = False) -> bool:
+    """A fresh FP8 low-latency dispatch + combine on ``buf``, compared with the reference; ``plain_tuple``: the
+    combine gets the handle as a plain tuple of its items."""
     x, topk_idx, w, num_experts = _inputs(comm, 9, 11, H, K, LOCAL, mask_prob=0.2)
     got = buf.low_latency_dispatch(x, topk_idx, M, num_experts)
     want = _want_dispatch(comm, x, topk_idx, M, num_experts)
     bad = []
     _check_dispatch(bad, "", got, want, M, H, num_experts, True, False)
     y = random_bf16(np.random.default_rng([10, comm.Get_rank()]), (LOCAL, comm.Get_size() * M, H))
-    combined, _, _ = buf.low_latency_combine(y, topk_idx, w, got[2])
+    combined, _, _ = buf.low_latency_combine(y, topk_idx, w, tuple(got[2]) if plain_tuple else got[2])
     return not bad and same_bytes(combined, _want_combine(comm, y, topk_idx, w, M, num_experts))
+
+
+def test_a_handle_rebuilt_as_a_plain_tuple_combines_as_the_handle(comm, ll_buffer):
+    """DeepEP's callers may rebuild a low-latency handle as a plain 5-tuple: the combine computes its slots again
+    from topk_idx and gives the reference's answer."""
+    assert all_ok(comm, _valid_round_trip(comm, ll_buffer, plain_tuple=True))
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -670,7 +670,8 @@ def test_prepare_batch_gives_every_token_the_dispatch_rows(batch):
 
 def test_low_latency_handle_unpacks_as_deepeps_5_tuple_and_carries_the_slots():
     """LowLatencyHandle: indexing, len and unpacking as DeepEP's (src_info, layout_range, M, H, E); the slots ride
-    along as an attribute, which a plain tuple of its items loses (the combine then raises)."""
+    along as an attribute. A plain tuple of its items has none: the combine computes them again from topk_idx
+    (refused in shrink mode, where they depend on the dispatch's mask)."""
     from cupy_ep import validate
     from cupy_ep.ll_handle import LowLatencyHandle
     src_info, layout_range = np.zeros((2, 8), np.int32), np.zeros((2, 2), np.int64)
@@ -679,10 +680,31 @@ def test_low_latency_handle_unpacks_as_deepeps_5_tuple_and_carries_the_slots():
     a, b, m, hidden, e = h
     assert len(h) == 5 and a is src_info and b is layout_range and (m, hidden, e) == (4, 128, 4)
     assert h[1] is layout_range and h.topk_slots is slots and "topk_slots" in repr(h)
-    assert validate.check_low_latency_slots(h, np.zeros((2, 2), np.int64), 4, True) is slots
-    with pytest.raises(ValueError, match="^handle:"):
-        validate.check_low_latency_slots(tuple(h), np.zeros((2, 2), np.int64), 4, True)
+    assert validate.check_low_latency_slots(h, np.zeros((2, 2), np.int64), 4, 4, True) is slots
+    idx = np.array([[2, -1], [2, 0]], np.int64)
+    for plain in (tuple(h), list(h)):
+        got = validate.check_low_latency_slots(plain, idx, 4, 4, True)
+        assert got.dtype == np.int32 and np.array_equal(got, reference.low_latency_slots(idx, 4, 4))
+    with pytest.raises(ValueError, match="^handle: a plain tuple .*enable_shrink"):
+        validate.check_low_latency_slots(tuple(h), idx, 4, 4, True, shrink=True)
     with pytest.raises(ValueError, match="^topk_idx:"):
-        validate.check_low_latency_slots(h, np.zeros((3, 2), np.int64), 4, True)
+        validate.check_low_latency_slots(h, np.zeros((3, 2), np.int64), 4, 4, True)
     with pytest.raises(ValueError, match="^handle.topk_slots:"):
-        validate.check_low_latency_slots(LowLatencyHandle(tuple(h), slots + 4), np.zeros((2, 2), np.int64), 4, True)
+        validate.check_low_latency_slots(LowLatencyHandle(tuple(h), slots + 4), np.zeros((2, 2), np.int64), 4, 4,
+                                         True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_slots_computed_again_from_the_routing_are_the_dispatchs(seed):
+    """validate.low_latency_slots_of (the slots of a plain-tuple handle, in array operations on the routing's
+    device) against reference.low_latency_slots: -1 entries, experts out of range, duplicates and more entries per
+    expert than M slots, int32 and int64 routing."""
+    from cupy_ep import validate
+    rng = np.random.default_rng(seed)
+    T, K, E, M = int(rng.integers(1, 40)), int(rng.integers(1, 9)), int(rng.integers(1, 12)), int(rng.integers(1, 6))
+    idx = rng.integers(-2, E + 2, size=(T, K)).astype(np.int32 if seed % 2 else np.int64)
+    got = validate.low_latency_slots_of(idx, M, E)
+    assert got.shape == (T, K) and got.dtype == np.int32
+    assert np.array_equal(got, reference.low_latency_slots(idx, M, E))
+    empty = validate.low_latency_slots_of(np.zeros((0, K), np.int64), M, E)
+    assert empty.shape == (0, K)

@@ -260,13 +260,15 @@ def _order_sensitive_rows(rng, shape):
 
 
 def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_out=False, order_sensitive=False,
-           bf16_partials=False, wait_stats=(None, None), delay_ns: int = 0, use_logfmt=False):
+           bf16_partials=False, wait_stats=(None, None), delay_ns: int = 0, use_logfmt=False, plain_tuple=False):
     """One dispatch + combine of ``case``; returns this rank's list of mismatches. The expert outputs sum
     exactly in fp32 (small integers, power-of-two weights), or with ``order_sensitive`` do not. ``bf16_partials``:
     this rank's choice (the combine's argument); then the inputs must also tell the two wire formats apart.
     ``wait_stats``: the dispatch's and the combine's ``*_wait_recv_cost_stats`` arrays (or None); ``delay_ns``:
     this rank's dispatch is queued behind a kernel spinning that long (a late rank); ``use_logfmt``: this rank's
-    choice of LogFMT-10 partials (cupy_ep/logfmt.py; the kernel reproduces its decoded values bit for bit)."""
+    choice of LogFMT-10 partials (cupy_ep/logfmt.py; the kernel reproduces its decoded values bit for bit);
+    ``plain_tuple``: the combine gets the handle as a plain tuple of its items (DeepEP's callers may rebuild it),
+    whose slots the combine computes again from ``topk_idx``."""
     import cupy
     rank, R = comm.Get_rank(), comm.Get_size()
 
@@ -335,7 +337,8 @@ def _round(buf, comm, case: Case, seed: int, hook=False, zero_copy=False, use_ou
             target = buf.get_next_low_latency_combine_buffer(handle)
             target[...] = y_arg
             y_arg = None
-        combined, _, h = buf.low_latency_combine(y_arg, _dev(idx, case.lib), _dev(weights, case.lib), handle,
+        combined, _, h = buf.low_latency_combine(y_arg, _dev(idx, case.lib), _dev(weights, case.lib),
+                                                 tuple(handle) if plain_tuple else handle,
                                                  zero_copy=zero_copy, return_recv_hook=hook, out=out,
                                                  bf16_partials=bf16_partials, use_logfmt=use_logfmt,
                                                  combine_wait_recv_cost_stats=wait_stats[1])
@@ -628,25 +631,23 @@ def test_a_hook_runs_once_and_before_the_next_call(comm, ll_buf):
 
 
 def test_combine_checks_the_handles_topk_slots(comm, ll_buf):
-    """A combine whose handle lost its topk_slots (a plain tuple of its items), or whose topk_idx has another shape
-    than the dispatch's or (check_values) other values, raises ValueError before launching anything; a valid round
-    still matches the reference."""
+    """A combine whose topk_idx has another shape than the dispatch's or (check_values) other values raises
+    ValueError before launching anything; a valid round still matches the reference, and so does a round whose
+    combine gets the handle as a plain tuple (the slots computed again from topk_idx)."""
     case = CASES[1]
     x, idx, w, E = _inputs(case, comm, 80)
     R = comm.Get_size()
     y = _dev(np.zeros((E // R, R * MAX_TOKENS, case.hidden), dtype=np.uint16)).view(cupy_ep.interop.BF16)
     _, _, handle, _, _ = ll_buf.low_latency_dispatch(_dev(x), _dev(idx), MAX_TOKENS, E)
     idx_d, w_d = _dev(idx), _dev(np.asarray(w, np.float32))
-    problems = [bad_input_problem(lambda: ll_buf.low_latency_combine(y, idx_d, w_d, tuple(handle)), "handle:",
-                                  (ValueError,)),
-                bad_input_problem(lambda: ll_buf.low_latency_combine(y, idx_d[1:], w_d[1:], handle), "topk_idx:",
+    problems = [bad_input_problem(lambda: ll_buf.low_latency_combine(y, idx_d[1:], w_d[1:], handle), "topk_idx:",
                                   (ValueError,))]
     if ll_buf.check_values and len(idx) > 1 and not (idx == idx[0]).all():  # another routing of the same shape
         problems.append(bad_input_problem(lambda: ll_buf.low_latency_combine(y, idx_d[::-1].copy(), w_d, handle),
                                           "topk_idx: differs from the topk_idx of the dispatch", (ValueError,)))
     problems = [p for p in problems if p is not None]
     ll_buf.low_latency_combine(y, idx_d, w_d, handle)  # the dispatch's combine, so the buffers keep alternating
-    errors = _round(ll_buf, comm, case, seed=81)
+    errors = _round(ll_buf, comm, case, seed=81) + _round(ll_buf, comm, case, seed=82, plain_tuple=True)
     assert all_ok(comm, not problems and not errors), f"rank {comm.Get_rank()}: {problems} {errors}"
 
 
