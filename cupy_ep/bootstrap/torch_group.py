@@ -7,7 +7,7 @@ comes raises :class:`~cupy_ep.errors.CommTimeoutError`, it does not hang). Hence
 
 Keys live under a name that every member computes alike: the group's global ranks and how many adapters this
 process made for them (adapters, like communicators, are made collectively), then ``/d<n>`` or ``/s<n>.<color>``
-for ``Dup`` and ``Split`` (``n``: the collective's number on the parent).
+for ``Dup`` / ``Idup`` and ``Split`` (``n``: the collective's number on the parent).
 
 * Collective number ``n``: rank ``r`` sets ``<name>/c<n>/<r>`` and reads the others' (``Ibarrier``: tests that
   they exist). It deletes its own key of collective ``n - 2`` then: every peer has read it, since every peer
@@ -281,11 +281,19 @@ class TorchComm:
         hosts = self.allgather(socket.gethostname())
         return self.Split(sorted(set(hosts)).index(hosts[self._rank]), key)
 
-    def Dup(self) -> "TorchComm":
+    def Idup(self) -> tuple["TorchComm", _BarrierRequest]:
+        """The non-blocking ``Dup`` (as mpi4py's): the duplicate, and a request that completes once every rank
+        called it (a barrier); use the duplicate only after that. The caller polls the request, so it can wait for
+        less than this communicator's timeout (the host backend's constructor waits for its Buffer's)."""
         n = self._coll
-        self.Barrier()
+        request = self.Ibarrier()
         return TorchComm(timeout_s=self.timeout_s, _child=(self._store, f"{self.name}/d{n}", self._rank,
-                                                            self._size))
+                                                            self._size)), request
+
+    def Dup(self) -> "TorchComm":
+        dup, request = self.Idup()
+        request.Wait()
+        return dup
 
     def Free(self) -> None:
         """Forget this communicator (local; its messages left unreceived stay in the store: :meth:`drain` first)."""

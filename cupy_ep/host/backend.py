@@ -11,8 +11,10 @@ the ranks disagree on what must match (hidden size, dtypes, top-k, channels, cac
 came from), every rank raises (a failing rank its own error, the others the same message tagged with that rank),
 so a bad argument on one rank never leaves the others waiting in a collective. A rank making another call (a call
 ahead) makes the others raise ``CallMismatchError``; a rank that does not come within ``timeout_s`` makes them
-raise ``CommTimeoutError`` (the Buffer is then unusable). In non-cached dispatch the same exchange carries the
-counts DeepEP's ``notify_dispatch`` exchanges (tokens per rank, per expert, per channel).
+raise ``CommTimeoutError`` (the Buffer is then unusable). ``barrier`` is such a call, and the constructor's exchanges
+are timed alike (a rank that never constructs its Buffer makes the others' constructors raise
+``CommTimeoutError``). In non-cached dispatch the same exchange carries the counts DeepEP's ``notify_dispatch``
+exchanges (tokens per rank, per expert, per channel).
 
 The host refuses what the CUDA backend refuses (the checks of :mod:`cupy_ep.validate`, shared): a call whose
 rings or zero-copy rows do not fit ``num_nvl_bytes`` (so ``num_nvl_bytes=0`` allows no normal-mode call), a
@@ -65,6 +67,7 @@ expert row back to its token owner, which reduces with the weights. Decisions:
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import warnings
 
@@ -199,8 +202,11 @@ class HostBackend(BackendBase):
         self.enable_shrink = validate.check_flag(enable_shrink, "enable_shrink")
         # shrink mode: this rank's view of the failed ranks, [R] int32, 1 = masked (low-latency calls only)
         self._shrink_mask = np.zeros(self.num_ranks, dtype=np.int32) if low_latency_mode and enable_shrink else None
-        self.buffer_id = handles.new_buffer_id(self.comm)   # collective
-        self._exchange = HostExchange(self.comm, self.timeout_s)  # collective
+        # Collective and timed (a rank that does not construct its Buffer within the timeout makes the others raise
+        # CommTimeoutError): the private duplicate, then one exchange that carries rank 0's random id, as
+        # handles.new_buffer_id would with a blocking bcast.
+        self._exchange = HostExchange(self.comm, self.timeout_s)
+        self.buffer_id = int(self._exchange.open(int.from_bytes(os.urandom(8), "little") >> 1)[0])
         self._ll_combine_buffer: np.ndarray | None = None   # raw bf16 [L, R*M, H] (zero-copy combine)
         self._ll_hooks = RecvHooks()  # the GPU backend's rule: a hook runs once, before the next low-latency call
         if backend is None:
@@ -840,9 +846,12 @@ class HostBackend(BackendBase):
         self.check_usable()
 
     def barrier(self) -> None:
-        """Barrier of all ranks (MPI)."""
+        """Collective: every rank meets. A numbered call like the others (one header to every peer over the private
+        communicator, none awaited longer than the timeout): a rank that does not come within the timeout makes the
+        others raise ``CommTimeoutError`` naming it and ``barrier`` (the Buffer is then unusable), a rank in another
+        call makes them raise ``CallMismatchError``. In shrink mode too every rank takes part, masked ones included."""
         self.check_usable()
-        self.comm.Barrier()
+        self._agree("barrier", lambda: (None, {}, None))
 
     def _buffer_bytes(self, offset: int, nbytes: int, rdma: bool):
         """Host memory standing in for the device buffer, zeroed at first use, kept as long as this Buffer."""

@@ -10,6 +10,11 @@ with its payload (its argument checks' outcome and counts). The headers are comp
 * a rank making another call (a call ahead, a call missed) makes every rank that sees it raise
   :class:`~cupy_ep.errors.CallMismatchError` naming both calls, instead of pairing one call's rows with another's.
 
+Construction is timed as well: the private duplicate is made with the non-blocking ``Idup`` (polled), and
+:meth:`HostExchange.open` exchanges one header ``(0, "construct")`` with every rank, so a rank that never constructs
+its Buffer makes the others' constructors raise CommTimeoutError, and a rank that constructs it after the others gave
+up raises too instead of waiting alone.
+
 Then :meth:`HostExchange.alltoallv` moves the rows: one message per peer (empty ones too, so that every message
 pairs), received into place and polled against the timeout. Headers and data use two tags; MPI keeps the order of
 messages between two ranks on one tag, so a header always meets the header of the peer's call of the same number
@@ -17,17 +22,32 @@ unless the peer is out of step.
 """
 from __future__ import annotations
 
+import atexit
 import time
 
 import numpy as np
 
-from ..bootstrap import drain
+from ..bootstrap import drain, is_mpi4py, mpi_started
 from ..errors import CallMismatchError, CommTimeoutError
 
 _HEADER_TAG = 1
 _DATA_TAG = 2
 _POLL_S = 20e-6     # sleep between polls once a wait has spun for _SPIN_S
 _SPIN_S = 200e-6    # a peer that comes within this is met by polling alone (a sleep lasts ~60 us or more)
+
+
+# MPI collective requests given up on at a timeout (MPI cannot cancel one): a late rank completes them, and MPI
+# releases a request's communicator only once a Test sees it complete, so they are tested at every later
+# construction and at exit (before mpi4py's own exit handler, registered earlier, finalizes MPI).
+_given_up: list = []
+
+
+def _test_given_up() -> None:
+    if _given_up and mpi_started():
+        _given_up[:] = [request for request in _given_up if not request.Test()]
+
+
+atexit.register(_test_given_up)
 
 
 class _Pace:
@@ -52,16 +72,65 @@ class PeersTimedOut(Exception):
 
 
 class HostExchange:
-    """Messages of one HostBackend (see the module docstring). Collective to create (duplicates ``comm``)."""
+    """Messages of one HostBackend (see the module docstring). Collective to create: duplicates ``comm``, and
+    :meth:`open` must follow on every rank; both raise CommTimeoutError when a rank does not come in time."""
 
     def __init__(self, comm, timeout_s: float):
-        self.comm = comm.Dup()
         self.rank = comm.Get_rank()
         self.num_ranks = comm.Get_size()
         self.timeout_s = timeout_s
         self.seq = 0
-        self.op = None
+        self.op = "construct"    # until open() returns
         self._sends: list = []   # sends not known complete (a peer that never came has not received them)
+        self.comm = self._dup(comm)
+
+    # ---- construction ------------------------------------------------------------------------------------
+    def _dup(self, comm):
+        """``comm`` duplicated, within the timeout. ``Dup`` blocks until every rank calls it (MPI_Comm_dup: a rank
+        that never constructs its Buffer would hang the others there; the torch adapter: for its own timeout, not
+        the Buffer's), so the non-blocking ``Idup`` is used (mpi4py and the torch adapter have it), its request
+        polled. Another communicator without ``Idup`` is duplicated with its ``Dup`` (timed only if it times it)."""
+        if not hasattr(comm, "Idup"):
+            return comm.Dup()
+        _test_given_up()
+        dup, request = comm.Idup()
+        if not self._wait(request):
+            # the request (and the duplicate) are left to the late rank, whose Idup completes them; that rank then
+            # times out in open(), since nobody here calls it
+            if is_mpi4py(comm):
+                _given_up.append(request)
+            raise self._construct_timeout(None)
+        return dup
+
+    def open(self, payload) -> dict:
+        """Collective, once, right after construction: exchange ``payload`` with every rank (as :meth:`agree`, under
+        the header ``(0, "construct")``, before any call's). Returns ``{rank: payload}``. A rank that is not here
+        within the timeout makes this raise CommTimeoutError; a rank that arrives after the others gave up passes
+        the duplication (its Idup completes theirs) and raises here, as nobody answers it."""
+        try:
+            got = self.agree(payload, range(self.num_ranks))
+        except PeersTimedOut as e:
+            raise self._construct_timeout(e.peers) from None
+        self.op = None
+        return got
+
+    def _construct_timeout(self, peers) -> CommTimeoutError:
+        record = {"rank": self.rank, "kernel": "construct", "role": "host"}
+        who = "a rank" if peers is None else f"rank(s) {peers}"
+        if peers:
+            record["peer"] = peers[0]
+        return CommTimeoutError(f"rank {self.rank}: {who} did not construct the Buffer within {self.timeout_s} s "
+                                "(every rank of the communicator must construct it)", record)
+
+    def _wait(self, request) -> bool:
+        """Poll ``request`` until it completes (True) or the timeout passes (False; the request is left pending)."""
+        deadline = time.monotonic() + self.timeout_s
+        pace = _Pace()
+        while not request.Test():
+            if time.monotonic() > deadline:
+                return False
+            pace()
+        return True
 
     # ---- one call ----------------------------------------------------------------------------------------
     def begin(self, op: str) -> int:

@@ -1,5 +1,6 @@
 """The host backend's promises when ranks misbehave, under mpiexec -n 2 / -n 4: a rank that never enters a call
-makes the others raise CommTimeoutError within the timeout (``timeout_s`` or ``CUPY_EP_TIMEOUT_S``); handles carry
+(``barrier`` too) or never constructs its Buffer makes the others raise CommTimeoutError within the timeout
+(``timeout_s`` or ``CUPY_EP_TIMEOUT_S``); handles carry
 the Buffer's id (agreed across ranks) and their dispatch's epoch; in shrink mode a rank that stops calling is
 masked and the others finish every later low-latency call within the timeout, bit-exact against the reference with
 that rank's experts masked (:func:`cupy_ep.reference.mask_ranks`)."""
@@ -75,6 +76,66 @@ def test_a_rank_that_never_calls_low_latency_makes_the_others_time_out(comm):
     comm.Barrier()
     buf.destroy()
     assert all_ok(comm, ok)
+
+
+def test_a_rank_that_calls_barrier_late_makes_the_others_time_out(comm):
+    rank, num_ranks = comm.Get_rank(), comm.Get_size()
+    late = num_ranks - 1
+    buf = Buffer(comm, HOST_NVL_BYTES, backend="host", timeout_s=TIMEOUT_S)
+    problems = []
+    if rank != late:
+        start = time.monotonic()
+        try:
+            buf.barrier()
+            problems.append("barrier returned")
+        except CommTimeoutError as e:
+            elapsed = time.monotonic() - start
+            if not TIMEOUT_S <= elapsed < TIMEOUT_S + SLACK_S:
+                problems.append(f"raised after {elapsed:.2f} s")
+            if "did not enter barrier" not in str(e) or e.record["peer"] != late or e.record["kernel"] != "barrier":
+                problems.append(f"error: {e}")
+        if not refused_after_failure(rank, buf.barrier):
+            problems.append("usable after the timeout")
+        comm.Barrier()  # the late rank comes after this
+    else:
+        comm.Barrier()  # (a collective of comm only: the Buffer's barrier runs on its private duplicate)
+        start = time.monotonic()
+        buf.barrier()  # the others' headers are here: it passes at once, and leaves none of its own unmatched
+        if time.monotonic() - start > SLACK_S:
+            problems.append(f"the late barrier took {time.monotonic() - start:.2f} s")
+    buf.destroy()  # every rank, within the timeout: the headers nobody took are dropped
+    assert all_ok(comm, not problems), f"rank {rank}: {problems}"
+
+
+def test_a_rank_that_constructs_its_buffer_late_makes_the_others_constructors_time_out(comm):
+    """The constructor's exchanges are timed: the ranks present raise CommTimeoutError within the timeout, and the
+    late rank, which then finds nobody, raises too (within the timeout) instead of waiting alone."""
+    rank, num_ranks = comm.Get_rank(), comm.Get_size()
+    late, tag = num_ranks - 1, 71
+    problems = []
+    if rank == late:
+        for r in range(num_ranks - 1):  # point-to-point: the others' constructors gave up (no collective of comm
+            comm.recv(source=r, tag=tag)  # may come between theirs and this rank's)
+    start = time.monotonic()
+    try:
+        Buffer(comm, HOST_NVL_BYTES, backend="host", timeout_s=TIMEOUT_S)
+        problems.append("the constructor returned")
+    except CommTimeoutError as e:
+        elapsed = time.monotonic() - start
+        if rank != late and not TIMEOUT_S <= elapsed < TIMEOUT_S + SLACK_S:
+            problems.append(f"raised after {elapsed:.2f} s")
+        if rank == late and not elapsed < TIMEOUT_S + SLACK_S:
+            problems.append(f"the late rank raised after {elapsed:.2f} s")
+        if "did not construct the Buffer" not in str(e) or e.record["kernel"] != "construct":
+            problems.append(f"error: {e}")
+        if rank == late and e.record.get("peer") != 0:  # the late rank knows who did not answer it
+            problems.append(f"record: {e.record}")
+    if rank != late:
+        comm.send(None, dest=late, tag=tag)
+    assert all_ok(comm, not problems), f"rank {rank}: {problems}"
+    # the communicator is still fine for Buffers every rank constructs
+    with Buffer(comm, HOST_NVL_BYTES, backend="host", timeout_s=30) as buf:
+        buf.barrier()
 
 
 def test_a_rank_a_call_ahead_raises_call_mismatch_and_the_buffer_stays_usable(comm, host_buffer):
