@@ -267,6 +267,13 @@ def test_shrink_a_rank_masked_by_hand_is_left_out(comm):
     want = reference.low_latency_dispatch([i[0] for i in inputs], [i[1] for i in inputs], M, num_experts, rank,
                                           use_fp8=False)
     ok = ok and same_bytes(recv_x, want.recv_x) and isinstance(handle, LowLatencyHandle)
+    # a plain tuple's slots would be computed without the dispatch's mask: refused in shrink mode, before any data
+    # moves, and the handle itself still combines
+    try:
+        buf.low_latency_combine(y, idx, w, tuple(handle))
+        ok = False
+    except ValueError as e:
+        ok = ok and str(e).startswith("handle: a plain tuple") and "enable_shrink" in str(e)
     buf.low_latency_combine(y, idx, w, handle)
     buf.destroy()
     assert all_ok(comm, ok)
