@@ -522,13 +522,13 @@ def internode_buffer_bytes(num_nodes: int, gpus_per_node: int, hidden_bytes: int
 
 def internode_table(hidden: int = 7168, gpus_per_node: int = 8, nodes=(2, 3, 4, 6, 8, 12, 16, 20, 24, 32)) -> str:
     """Markdown table of :func:`internode_buffer_bytes` with the default internode configs (DeepEP's table,
-    ``Buffer.num_sms`` SMs: :func:`default_num_sms`) for ``gpus_per_node`` x ``nodes``: BF16 rows of ``hidden``,
-    top-k 32."""
+    ``Buffer.num_sms`` SMs) for ``gpus_per_node`` x ``nodes``: BF16 rows of ``hidden``, top-k 32."""
+    from .buffer import Buffer
     lines = [("| nodes x GPUs | ranks | dispatch config (nvl_send, nvl_recv, rdma_send, rdma_recv) | "
               "num_nvl_bytes | num_rdma_bytes |"), "|---|---|---|---|---|"]
     for n in nodes:
         r = n * gpus_per_node
-        cfgs = [get_dispatch_config(r, default_num_sms()), get_combine_config(r, default_num_sms())]
+        cfgs = [get_dispatch_config(r, Buffer.num_sms), get_combine_config(r, Buffer.num_sms)]
         sizes = [internode_buffer_bytes(n, gpus_per_node, 2 * hidden, cfg) for cfg in cfgs]
         nvl, rdma = max(s[0] for s in sizes), max(s[1] for s in sizes)
         d = cfgs[0]
