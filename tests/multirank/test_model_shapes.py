@@ -193,7 +193,7 @@ def test_every_shape_is_within_every_modes_limits():
 
 def test_edge_shapes_sit_at_the_limits():
     """The edge shapes are the largest top-k of low-latency mode and the most experts per rank, so that they test
-    the limits the issue names (top-k 32, 1024 local experts) and follow the limits if those move."""
+    the documented limits (top-k 32, 1024 local experts) and follow them if those move."""
     assert EDGE_SHAPES["top32"][1] == reference.LOW_LATENCY_MAX_TOPK == config.MAX_TOPK == 32
     assert EDGE_SHAPES["local-experts-1024"][0] == config.MAX_LOCAL_EXPERTS == 1024
     assert config.low_latency_topk_bound(EDGE_SHAPES["top32"][1]) == 32
