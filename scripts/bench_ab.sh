@@ -11,7 +11,7 @@
 # --sms AB_SMS (default 24) without the token sweep, --iters AB_ITERS (default 100); then low-latency mode,
 # --iters AB_LL_ITERS (default 400); AB_MODES picks among "normal ll host" (default "normal ll", which at 2
 # rounds needs more than one 10-minute device call on one GPU; "host": benchmarks/host_overhead.py, the host time
-# per normal-mode call, run over each tree). AB_ROUNDS rounds (default 2: base, head, base,
+# per call of the normal-mode calls and the low-latency pair, run over each tree). AB_ROUNDS rounds (default 2: base, head, base,
 # head), each run killed after AB_RUN_TIMEOUT_S (default 150; the first run of a tree compiles its kernels). The
 # results name each tree's commit (CUPY_EP_COMMIT: the base's from .carry/ab_base/COMMIT, the head's from
 # AB_HEAD_COMMIT or git). Timings on ranks sharing a GPU are HBM copies, not NVLink figures: compare a tree with a
