@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 
 import numpy as np
 
@@ -13,8 +12,7 @@ from . import config as _config
 from .errors import BufferUnusableError
 
 
-def default_timeout_s() -> float:
-    return float(os.environ.get("CUPY_EP_TIMEOUT_S", "100"))
+default_timeout_s = _config.default_timeout_s
 
 
 class BackendBase:

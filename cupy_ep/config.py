@@ -119,6 +119,11 @@ def direct_combine_capacity(num_nvl_bytes: int, num_ranks: int, hidden_bytes: in
                             lambda m: direct_combine_bytes(num_ranks, m, hidden_bytes, num_topk))
 
 
+def default_timeout_s() -> float:
+    """Seconds any wait (device or host) may take before it becomes a Python error: ``CUPY_EP_TIMEOUT_S``, else 100."""
+    return float(os.environ.get("CUPY_EP_TIMEOUT_S", "100"))
+
+
 @dataclasses.dataclass
 class Config:
     """Launch and ring-buffer settings of the normal (high-throughput) kernels.

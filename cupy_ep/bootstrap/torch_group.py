@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from ..config import default_timeout_s
 from ..errors import CommTimeoutError
 
 _POLL_S = 50e-6
@@ -42,11 +43,6 @@ _WHOLE, _SPLIT = b"w", b"s"    # a stored value's first byte: the value itself, 
 _made: collections.Counter = collections.Counter()  # adapters made in this process, per tuple of global ranks
 ANY_SOURCE = -1
 ANY_TAG = -1
-
-
-def _default_timeout_s() -> float:
-    from ..buffer import default_timeout_s
-    return default_timeout_s()
 
 
 def _as_bytes(buf) -> memoryview:
@@ -139,7 +135,7 @@ class TorchComm:
     """
 
     def __init__(self, group=None, *, timeout_s: float | None = None, _child=None):
-        self.timeout_s = float(timeout_s) if timeout_s is not None else _default_timeout_s()
+        self.timeout_s = float(timeout_s) if timeout_s is not None else default_timeout_s()
         if _child is not None:
             self._store, self.name, self._rank, self._size = _child
             self.group = None
