@@ -811,8 +811,9 @@ def test_repeated_calls_without_value_checks(comm, ll_buf, lib):
                                                                                        **kw)[2])
 
         def bad_combines():  # the rounds' combine arguments, one thing changed
-            with pytest.raises(ValueError, match="^handle:"):
-                ll_buf.low_latency_combine(y_d, idx_d, w_d, tuple(handle))
+            # a plain 5-tuple is a valid handle (its slots are computed again from topk_idx); one item short is not
+            with pytest.raises(ValueError, match="^handle: must be the 5-tuple"):
+                ll_buf.low_latency_combine(y_d, idx_d, w_d, tuple(handle)[:4])
             with pytest.raises(TypeError, match="^topk_weights: dtype"):
                 ll_buf.low_latency_combine(y_d, idx_d, _dev(np.asarray(w, np.float64), lib), handle)
             with pytest.raises(TypeError, match="^bf16_partials: must be a bool"):
