@@ -30,10 +30,15 @@ def _rows(mode: str, data: dict):
                 if isinstance(r.get(field), (int, float)) and r[field] > 0.01:
                     yield name, timing, float(r[field])
         else:
-            name = f"{r['op']} {r['dtype']} T={r['tokens']}"
-            timing = f"{r['timing']}{' graph' if r.get('graph') else ''}"
-            if isinstance(r.get("time_us_median"), (int, float)):
-                yield name, timing, float(r["time_us_median"])
+            # the combine's forms differ only in their partials (24-bit, bf16, logfmt): each is a figure of its own
+            partials = f" ({r['partials']} partials)" if r.get("partials") else ""
+            name = f"{r['op']} {r['dtype']} T={r['tokens']}{partials}"
+            if r.get("timing") == "host":  # the benchmark's back-to-back host time per call
+                if isinstance(r.get("host_us_per_call"), (int, float)):
+                    checks = "check_values" if r.get("check_values") else "no checks"
+                    yield name, f"host ({checks})", float(r["host_us_per_call"])
+            elif isinstance(r.get("time_us_median"), (int, float)) and r["time_us_median"] > 0.01:
+                yield name, r["timing"], float(r["time_us_median"])  # call, graph or steady
 
 
 def collect(ab_dir: Path) -> dict:

@@ -17,8 +17,16 @@ def _normal(us_call, us_steady):
 
 
 def _ll(us):
-    return {"results": [{"op": "ll_dispatch", "dtype": "fp8", "tokens": 128, "timing": "call", "graph": True,
-                         "time_us_median": us}]}
+    return {"results": [
+        {"op": "ll_dispatch", "dtype": "fp8", "tokens": 128, "timing": "graph", "graph": True, "time_us_median": us},
+        {"op": "ll_dispatch", "dtype": "fp8", "tokens": 128, "timing": "steady", "graph": True,
+         "time_us_median": 0.001},
+        {"op": "ll_combine", "partials": "24-bit", "dtype": "bf16", "tokens": 128, "timing": "graph", "graph": True,
+         "time_us_median": 2 * us},
+        {"op": "ll_combine", "partials": "logfmt", "dtype": "bf16", "tokens": 128, "timing": "graph", "graph": True,
+         "time_us_median": 4 * us},
+        {"op": "ll_combine", "partials": "24-bit", "dtype": "bf16", "tokens": 128, "timing": "host", "graph": False,
+         "check_values": False, "host_us_per_call": us / 2, "time_us_median": None}]}
 
 
 def _write(root: Path, name: str, data: dict) -> None:
@@ -45,8 +53,14 @@ def test_the_table_has_every_run_the_medians_ratio_and_the_base_spread(tmp_path)
     assert call[-2].strip() == "10.0 %"  # base 110 / 100 - 1
     steady = rows[("normal", "combine bf16", "steady")].split("|")
     assert steady[-3].strip() == f"{52.0 / 51.0:.3f}"
-    ll = rows[("ll", "ll_dispatch fp8 T=128", "call graph")].split("|")
+    ll = rows[("ll", "ll_dispatch fp8 T=128", "graph")].split("|")
     assert ll[-3].strip() == "1.100" and ll[-2].strip() == "-"  # one base round: no spread
+    assert ("ll", "ll_dispatch fp8 T=128", "steady") not in rows  # not resolved (written as 0.001): no row
+    # the combine's partials name separate figures, not one row the last of them overwrites
+    assert table[("ll", "ll_combine bf16 T=128 (24-bit partials)", "graph")] == {"base": {1: 40.0}, "head": {1: 44.0}}
+    assert table[("ll", "ll_combine bf16 T=128 (logfmt partials)", "graph")] == {"base": {1: 80.0}, "head": {1: 88.0}}
+    assert table[("ll", "ll_combine bf16 T=128 (24-bit partials)", "host (no checks)")] == {"base": {1: 10.0},
+                                                                                "head": {1: 11.0}}
     host = rows[("host", "combine", "host")].split("|")
     assert host[-3].strip() == "0.750"
 
