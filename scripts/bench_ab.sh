@@ -11,11 +11,12 @@
 # --sms AB_SMS (default 24) without the token sweep, --iters AB_ITERS (default 100); then low-latency mode,
 # --iters AB_LL_ITERS (default 400); AB_MODES picks among "normal ll host" (default "normal ll", which at 2
 # rounds needs more than one 10-minute device call on one GPU; "host": benchmarks/host_overhead.py, the host time
-# per call of the normal-mode calls and the low-latency pair, run over each tree). AB_ROUNDS rounds (default 2: base, head, base,
-# head), each run killed after AB_RUN_TIMEOUT_S (default 150; the first run of a tree compiles its kernels). The
-# results name each tree's commit (CUPY_EP_COMMIT: the base's from .carry/ab_base/COMMIT, the head's from
-# AB_HEAD_COMMIT or git). Timings on ranks sharing a GPU are HBM copies, not NVLink figures: compare a tree with a
-# tree, never with a ceiling.
+# per call of the normal-mode calls and the low-latency pair, run over each tree). AB_ROUNDS rounds (default 2:
+# base, head, base, head), numbered from AB_FIRST_ROUND (default 1; a later device call that continues a comparison
+# starts where the last one ended, so that all its runs fit one ab_table.py table), each run killed after
+# AB_RUN_TIMEOUT_S (default 150; the first run of a tree compiles its kernels). The results name each tree's commit
+# (CUPY_EP_COMMIT: the base's from .carry/ab_base/COMMIT, the head's from AB_HEAD_COMMIT or git). Timings on ranks
+# sharing a GPU are HBM copies, not NVLink figures: compare a tree with a tree, never with a ceiling.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -84,7 +85,8 @@ one() {
     grep -E '^  ll_[a-z_]+ +(call|graph|steady) ' "$OUT_DIR/$name.log" || true
 }
 modes="${AB_MODES:-normal ll}"
-for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+first_round="${AB_FIRST_ROUND:-1}"
+for round in $(seq "$first_round" $((first_round + ${AB_ROUNDS:-2} - 1))); do
     for tree in base head; do
         dir="$BASE_DIR" commit="$base_commit"
         [[ "$tree" == head ]] && dir="$PWD" commit="$head_commit"
