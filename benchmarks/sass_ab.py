@@ -30,8 +30,9 @@ from pathlib import Path
 #: internode build at 2 nodes x 1 GPU, low latency with FP8 and int64 top-k)
 KERNELS = {
     "layout.cu": ["ep::get_dispatch_layout<long long>"],
-    "intranode.cu": ["ep::notify_dispatch<2>", "ep::cached_notify_combine<2>", "ep::dispatch<2, long long>",
-                     "ep::combine<2>", "ep::dispatch_direct<2, long long>", "ep::combine_direct<2>"],
+    "intranode.cu": ["ep::notify_dispatch<2>", "ep::cached_notify_dispatch<2>", "ep::cached_notify_combine<2>",
+                     "ep::dispatch<2, long long>", "ep::combine<2>", "ep::dispatch_direct<2, long long>",
+                     "ep::combine_direct<2>"],
     "internode.cu": ["ep::internode_dispatch<2, 1, ep::IpcRdma, long long>",
                      "ep::internode_combine<2, 1, ep::IpcRdma>"],
     "low_latency.cu": ["ep::dispatch<true, long long>", "ep::combine<long long>"],

@@ -90,16 +90,17 @@ def check_origin(handle, buffer_id, name: str = "handle") -> None:
                          f"{buffer_id:#x}); pass the handle this Buffer's dispatch returned")
 
 
-def routing_digest(topk_idx) -> str:
-    """A digest of ``topk_idx``'s values (any integer dtype, any kind: a GPU array is copied to the host)."""
-    host = np.ascontiguousarray(interop.to_host(topk_idx)).astype(np.int64, copy=False)
+def routing_digest(topk_idx, host=None) -> str:
+    """A digest of ``topk_idx``'s values (any integer dtype, any kind: a GPU array is copied to the host, unless
+    the caller passes that copy as ``host``)."""
+    host = np.ascontiguousarray(interop.to_host(topk_idx) if host is None else host).astype(np.int64, copy=False)
     return hashlib.blake2b(host.tobytes() + repr(host.shape).encode(), digest_size=12).hexdigest()
 
 
-def check_routing(handle, topk_idx) -> None:
+def check_routing(handle, topk_idx, host=None) -> None:
     """ValueError when ``handle`` (a low-latency handle with a ``routing`` digest) was made from another
     ``topk_idx`` than the one given (this reads ``topk_idx`` on the host)."""
     want = getattr(handle, "routing", None)
-    if want is not None and routing_digest(topk_idx) != want:
+    if want is not None and routing_digest(topk_idx, host) != want:
         raise ValueError("topk_idx: differs from the topk_idx of the dispatch that made the handle (a combine must "
                          "get its dispatch's routing, or its rows go to the wrong tokens)")

@@ -75,11 +75,16 @@ def check_topk_idx(topk_idx, num_experts: int | None, device=None, check_values:
     if check_values and num_experts is not None and num_tokens > 0:
         # one copy to the host (one sync) rather than a min and a max reduction on the device, each read back:
         # two kernels and two syncs per call (the top-k of a call is small: 8 KB at 128 tokens x top-8)
-        host = interop.to_host(topk_idx)
+        check_topk_values(interop.to_host(topk_idx), num_experts, name)
+    return num_tokens, num_topk
+
+
+def check_topk_values(host, num_experts: int, name: str = "topk_idx") -> None:
+    """The values of ``host`` (a top-k index array on the host) lie in ``[-1, num_experts)``."""
+    if host.size:
         lo, hi = int(host.min()), int(host.max())
         if lo < -1 or hi >= num_experts:
             _fail(name, f"values must lie in [-1, {num_experts}), found min {lo} and max {hi}")
-    return num_tokens, num_topk
 
 
 def _is_array(a) -> bool:
@@ -275,13 +280,20 @@ def check_vector(a, name: str, dtype: str, length: int, device=None) -> None:
         raise ValueError(f"{name}: must have shape ({length},), got {tuple(a.shape)}")
 
 
-def check_low_latency_topk(topk_idx, num_experts: int, check_values: bool, device=None) -> None:
-    """``topk_idx [T, K]`` int32/int64 with ``K <= LOW_LATENCY_MAX_TOPK`` (32; DeepEP's kernels take 11)."""
+def check_low_latency_topk(topk_idx, num_experts: int, check_values: bool, device=None):
+    """``topk_idx [T, K]`` int32/int64 with ``K <= LOW_LATENCY_MAX_TOPK`` (32; DeepEP's kernels take 11). Returns
+    the host copy of ``topk_idx`` that the value checks read (``check_values``; else None): the call's routing
+    digest (:func:`cupy_ep.handles.routing_digest`) reads the same copy, as each copy from a GPU is a sync."""
     from .reference import LOW_LATENCY_MAX_TOPK
-    check_topk_idx(topk_idx, num_experts, device=device, check_values=check_values)
+    check_topk_idx(topk_idx, num_experts, device=device, check_values=False)
     if topk_idx.shape[1] > LOW_LATENCY_MAX_TOPK:
         raise ValueError(f"topk_idx: the low-latency kernels take at most {LOW_LATENCY_MAX_TOPK} "
                          f"top-k slots, got {topk_idx.shape[1]}")
+    if not check_values:
+        return None
+    host = interop.to_host(topk_idx)
+    check_topk_values(host, num_experts)
+    return host
 
 
 def last_two_transposed(a, kind: interop.Kind):
@@ -533,7 +545,9 @@ def check_low_latency_dispatch_args(x, topk_idx, max_tokens, num_experts, stats,
                                     use_ue8m0, async_finish, return_recv_hook, num_ranks: int, check_values: bool,
                                     device=None):
     """Every argument of a low-latency dispatch, in the order both backends report them. Returns
-    ``(M, T, H, (use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook))``."""
+    ``(M, T, H, (use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook), routing)``, ``routing`` the
+    digest of ``topk_idx`` for the handle (:func:`cupy_ep.handles.routing_digest`; None without ``check_values``)."""
+    from . import handles
     flags = tuple(check_flag(v, n) for v, n in (
         (use_fp8, "use_fp8"), (round_scale, "round_scale"), (use_ue8m0, "use_ue8m0"),
         (async_finish, "async_finish"), (return_recv_hook, "return_recv_hook")))
@@ -551,14 +565,15 @@ def check_low_latency_dispatch_args(x, topk_idx, max_tokens, num_experts, stats,
         raise ValueError("use_ue8m0: UE8M0 scales need round_scale=True")
     if getattr(topk_idx, "ndim", None) == 2 and topk_idx.shape[0] != num_tokens:
         raise ValueError(f"topk_idx: must have {num_tokens} rows (as x), got {topk_idx.shape[0]}")
-    check_low_latency_topk(topk_idx, num_experts, check_values, device=device)
+    host_idx = check_low_latency_topk(topk_idx, num_experts, check_values, device=device)
     if stats is not None:
         check_vector(stats, "cumulative_local_expert_recv_stats", "int32", num_experts // num_ranks, device)
     if wait_stats is not None:
         check_vector(wait_stats, "dispatch_wait_recv_cost_stats", "int64", num_ranks, device)
     if flags[3] and flags[4]:
         raise ValueError("return_recv_hook: cannot be used together with async_finish=True (as in DeepEP)")
-    return max_tokens, num_tokens, hidden, flags
+    routing = handles.routing_digest(topk_idx, host=host_idx) if check_values else None
+    return max_tokens, num_tokens, hidden, flags, routing
 
 
 def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
@@ -585,7 +600,7 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
         check_array(x, "x", ("bfloat16",), ndim=3, device=device, aligned=True)
         if tuple(x.shape) != shape:
             raise ValueError(f"x: must have shape {shape} ([L, R*M, H] from the handle), got {tuple(x.shape)}")
-    check_low_latency_topk(topk_idx, num_experts, check_values, device=device)
+    host_idx = check_low_latency_topk(topk_idx, num_experts, check_values, device=device)
     num_tokens, num_topk = topk_idx.shape
     if num_tokens > max_tokens:
         raise ValueError(f"topk_idx: has {num_tokens} rows, more than num_max_dispatch_tokens_per_rank="
@@ -593,7 +608,7 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
     slots = check_low_latency_slots(handle, topk_idx, max_tokens, num_experts, check_values, device=device,
                                     shrink=shrink)
     if check_values:
-        handles.check_routing(handle, topk_idx)
+        handles.check_routing(handle, topk_idx, host=host_idx)
     check_topk_weights(topk_weights, num_tokens, num_topk, device=device)
     if out is not None:
         check_array(out, "out", ("bfloat16",), ndim=2, device=device, aligned=True)

@@ -451,7 +451,8 @@ class LowLatencyState:
 
     def check_dispatch(self, x, topk_idx, max_tokens, num_experts, stats, wait_stats, use_fp8, round_scale,
                        use_ue8m0, async_finish, return_recv_hook, check_values: bool):
-        """``(M, T, H, flags)`` of a dispatch after checking its arguments (see above for when it skips them)."""
+        """``(M, T, H, flags, routing)`` of a dispatch after checking its arguments (see above for when it skips
+        them; ``routing``: the digest of ``topk_idx`` with ``check_values``, else None)."""
         signature = None
         if not check_values:
             sig = interop.array_signature
@@ -529,13 +530,12 @@ class LowLatencyState:
                  round_scale, use_ue8m0, async_finish, return_recv_hook, check_values: bool):
         import cupy
         # plan
-        max_tokens, num_tokens, hidden, flags = self.check_dispatch(
+        # routing: the digest of topk_idx (check_values: from the host copy its value checks read, before launch)
+        max_tokens, num_tokens, hidden, flags, routing = self.check_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats, wait_stats, use_fp8, round_scale,
             use_ue8m0, async_finish, return_recv_hook, check_values)
         use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook = flags
         self.hooks.check_next_call("low_latency_dispatch")
-        # before the launch (a read of topk_idx on the host; check_values read it already)
-        routing = handles.routing_digest(topk_idx) if check_values else None
         self.prepare(max_tokens, hidden, num_experts)
         R = self.buf.num_ranks
         L, rows = num_experts // R, R * max_tokens

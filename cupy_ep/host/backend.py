@@ -562,7 +562,7 @@ class HostBackend(BackendBase):
         (see :meth:`_agree`); ``per_expert`` counts this rank's top-k slots per global expert."""
         self._require_low_latency_mode()
         num_ranks = self.num_ranks
-        max_tokens, num_tokens, hidden, flags = validate.check_low_latency_dispatch_args(
+        max_tokens, num_tokens, hidden, flags, routing = validate.check_low_latency_dispatch_args(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook, num_ranks,
             self.check_values)
@@ -578,7 +578,7 @@ class HostBackend(BackendBase):
                                max_tokens=max_tokens, num_experts=num_experts, num_local=num_local,
                                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                return_recv_hook=return_recv_hook, stats=stats,
-                               routing=handles.routing_digest(idx) if self.check_values else None)
+                               routing=routing)
         same = {"num_max_dispatch_tokens_per_rank": max_tokens, "num_experts": num_experts,
                 "x": f"bfloat16 [*, {hidden}]", "use_fp8": use_fp8,
                 "round_scale": round_scale if use_fp8 else None, "use_ue8m0": use_ue8m0 if use_fp8 else None}

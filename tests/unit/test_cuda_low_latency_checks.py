@@ -141,7 +141,7 @@ def test_a_repeated_dispatch_skips_the_checks():
     state = fresh_state()
     calls = _counting(state, "dispatch")
     first = state.check_dispatch(**dispatch_args())
-    assert first == (M, T, H, (True, False, False, False, False))
+    assert first == (M, T, H, (True, False, False, False, False), None)  # no routing digest without check_values
     again = state.check_dispatch(**dispatch_args())   # new arrays, same signature
     assert again == first and len(calls) == 1
     state.check_dispatch(**dispatch_args(use_fp8=False))

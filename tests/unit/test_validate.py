@@ -35,3 +35,26 @@ def test_check_x_fp8_and_topk():
         validate.check_topk_idx(np.array([[0, 8]], np.int64), 8)
     with pytest.raises(ValueError, match=r"^topk_idx: top-k"):
         validate.check_topk_idx(np.zeros((2, 33), np.int64), 64)
+
+
+def test_low_latency_dispatch_checks_read_topk_idx_once(monkeypatch):
+    """With check_values the value checks and the routing digest read one host copy of topk_idx (each copy from a
+    GPU is a sync); without, no copy and no digest."""
+    from cupy_ep import handles, interop
+    copies = []
+    real = interop.to_host
+
+    def counting(a):
+        copies.append(a.shape)
+        return real(a)
+    monkeypatch.setattr(interop, "to_host", counting)
+    x = np.zeros((4, 512), ml_dtypes.bfloat16)
+    idx = np.array([[0, 5], [7, -1], [2, 3], [1, 6]], np.int64)
+    args = (x, idx, 8, 8, None, None, True, False, False, False, False, 2)
+    *_, routing = validate.check_low_latency_dispatch_args(*args, True)
+    assert copies == [(4, 2)]
+    assert routing == handles.routing_digest(idx.astype(np.int32)) and routing != handles.routing_digest(idx[::-1])
+    copies.clear()
+    assert validate.check_low_latency_dispatch_args(*args, False)[-1] is None and copies == []
+    with pytest.raises(ValueError, match=r"^topk_idx: values must lie in \[-1, 8\)"):
+        validate.check_low_latency_dispatch_args(x, np.full((4, 2), 8, np.int64), *args[2:], True)
