@@ -19,8 +19,10 @@ and then its median over the repetitions, so that what drifts between repetition
 The ops: the layout, the cached dispatch (BF16, FP8, each also zero-copy) and the combine (also zero-copy) at
 4096 tokens per rank, DeepSeek-V3's shape (hidden 7168, top-8 of 256 experts), 24 SMs; the low-latency dispatch
 (FP8) and combine (24-bit, bf16 and LogFMT partials) at 128 tokens per rank. Every op is timed *graph* and
-*steady* (device time) and *host* (host time per call, ``check_values=False``; the low-latency pair also with
-``check_values=True``). The results go to ``DIR/ab_inprocess.json`` and ``.md``; :func:`summarize` makes the table.
+*steady* (device time) and by its host time per call (``check_values=False``): the low-latency pair as *host*,
+calls back to back (the benchmark's way; also with ``check_values=True``), the normal-mode ops as *host (alone)*,
+each call from an idle device (:func:`host_us_alone`). The results go to ``DIR/ab_inprocess.json`` and ``.md``;
+:func:`summarize` makes the table.
 """
 from __future__ import annotations
 
@@ -64,6 +66,21 @@ def tree_commit(root) -> str:
     return path.read_text().strip() if path.is_file() else "?"
 
 
+def host_us_alone(comm, fn, calls: int, sync) -> float:
+    """Host time of ``fn`` timed one call at a time, each from an idle device (``sync()``) and an MPI barrier: the
+    median over ``calls`` of the slowest rank's. For the normal-mode ops, whose device time exceeds their host
+    time: back to back, their calls would also wait for the device's queue."""
+    times = []
+    for _ in range(calls):
+        sync()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    sync()
+    return float(np.median(np.max(np.array(comm.allgather(times)), axis=0)))
+
+
 def summarize(samples: dict) -> list[dict]:
     """``samples[(op, timing)] = {"base": [us per repetition], "head": [...]}`` -> one row per figure: the median
     of each tree over its repetitions, ``ratio`` = the median over repetitions of head/base (the two measured in
@@ -100,7 +117,7 @@ def markdown(rows: list[dict], about: dict) -> str:
 
 
 class Tree:
-    """One tree's Buffers, inputs on the device and ops: ``ops[name] = (fn, per_replay, host_timed)``."""
+    """One tree's Buffers, inputs on the device and ops: ``ops[name] = (fn, per_replay)`` (2: a low-latency op)."""
 
     def __init__(self, ep, comm, inputs_np: dict, to_device):
         import cupy
@@ -132,20 +149,20 @@ class Tree:
             _, _, ll_handle, _, _ = ll.low_latency_dispatch(lx, lidx, M, E, use_fp8=True)
             cupy.cuda.runtime.deviceSynchronize()
         self.ops = {
-            "layout": (lambda: buf.get_dispatch_layout(idx, E), 1, True),
-            "cached_dispatch bf16": (lambda: buf.dispatch(x, handle=handle, config=dcfg), 1, True),
+            "layout": (lambda: buf.get_dispatch_layout(idx, E), 1),
+            "cached_dispatch bf16": (lambda: buf.dispatch(x, handle=handle, config=dcfg), 1),
             "cached_dispatch bf16 zero-copy": (lambda: buf.dispatch(x, handle=handle, config=dcfg, zero_copy=True),
-                                               1, True),
-            "cached_dispatch fp8": (lambda: buf.dispatch(x8, handle=fp8_handle, config=dcfg), 1, True),
+                                               1),
+            "cached_dispatch fp8": (lambda: buf.dispatch(x8, handle=fp8_handle, config=dcfg), 1),
             "cached_dispatch fp8 zero-copy": (lambda: buf.dispatch(x8, handle=fp8_handle, config=dcfg,
-                                                                   zero_copy=True), 1, True),
-            "combine bf16": (lambda: buf.combine(recv_x, handle, config=ccfg), 1, True),
-            "combine bf16 zero-copy": (lambda: buf.combine(recv_x, handle, config=ccfg, zero_copy=True), 1, True),
-            "ll_dispatch fp8": (lambda: ll.low_latency_dispatch(lx, lidx, M, E, use_fp8=True), 2, True),
-            "ll_combine 24-bit": (lambda: ll.low_latency_combine(ly, lidx, lw, ll_handle), 2, True),
+                                                                   zero_copy=True), 1),
+            "combine bf16": (lambda: buf.combine(recv_x, handle, config=ccfg), 1),
+            "combine bf16 zero-copy": (lambda: buf.combine(recv_x, handle, config=ccfg, zero_copy=True), 1),
+            "ll_dispatch fp8": (lambda: ll.low_latency_dispatch(lx, lidx, M, E, use_fp8=True), 2),
+            "ll_combine 24-bit": (lambda: ll.low_latency_combine(ly, lidx, lw, ll_handle), 2),
             "ll_combine bf16 partials": (lambda: ll.low_latency_combine(ly, lidx, lw, ll_handle,
-                                                                        bf16_partials=True), 2, True),
-            "ll_combine logfmt": (lambda: ll.low_latency_combine(ly, lidx, lw, ll_handle, use_logfmt=True), 2, True),
+                                                                        bf16_partials=True), 2),
+            "ll_combine logfmt": (lambda: ll.low_latency_combine(ly, lidx, lw, ll_handle, use_logfmt=True), 2),
         }
         self.checked_ops = ("ll_dispatch fp8", "ll_combine 24-bit")  # also timed with check_values=True
 
@@ -239,12 +256,16 @@ def main(argv=None) -> int:
             order = ("base", "head") if rep % 2 == 0 else ("head", "base")
             for label in order:
                 tree = trees[label]
-                for op, (fn, per_replay, host_timed) in tree.ops.items():
+                for op, (fn, per_replay) in tree.ops.items():
                     add(op, "graph", label, timer.graph(fn, per_replay=per_replay).median_us)
-                    steady = harness.resolved(timer.steady(fn, a.steady_n))
-                    add(op, "steady", label, None if steady is None else steady.median_us)
-                    if host_timed:
+                    # the low-latency ops' steady time is not resolved on a shared GPU (the benchmark reports none)
+                    if not (shared and per_replay == 2):
+                        steady = harness.resolved(timer.steady(fn, a.steady_n))
+                        add(op, "steady", label, None if steady is None else steady.median_us)
+                    if per_replay == 2:  # the low-latency pair: calls back to back, as the benchmark times them
                         add(op, "host", label, host_us_per_call(comm, fn, HOST_CALLS, sync)[0])
+                    else:
+                        add(op, "host (alone)", label, host_us_alone(comm, fn, HOST_CALLS // 2, sync))
                 for op in tree.checked_ops:
                     for b in (tree.buf, tree.ll):
                         b.check_values = True
