@@ -106,6 +106,7 @@ def markdown(rows: list[dict], about: dict) -> str:
     lines = [f"Base `{about['base_commit']}`, head `{about['head_commit']}`; {about['gpu']}, {about['ranks']} ranks"
              f"{' as MPS clients of one GPU' if about.get('shared_gpu') else ''}; {about['reps']} repetitions "
              f"(order base, head / head, base alternating), {about['iters']} iterations per timing; "
+             f"{about.get('first', 'base')}'s memory allocated first; "
              f"{about['date']}.", "",
              "| op | timing | base us | head us | head/base (median of pairs) | pairs min-max | base spread |",
              "|---|---|---|---|---|---|---|"]
@@ -188,6 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=8, help="repetitions, each timing both trees (default 8)")
     p.add_argument("--iters", type=int, default=50, help="iterations per device timing (default 50)")
     p.add_argument("--steady-n", type=int, default=10, help="ops per graph of the steady timing (even; default 10)")
+    p.add_argument("--first", choices=("base", "head"), default="base",
+                   help="the tree whose Buffers and inputs are allocated first (default base): where the memory lies "
+                        "may favour one tree by a few percent, so a comparison is worth running both ways")
     p.add_argument("--budget-s", type=float, default=None,
                    help="no new pair of repetitions after this many seconds of timing (default: all --reps)")
     p.add_argument("--out", default=None, help="folder of ab_inprocess.json and .md (default: none written)")
@@ -208,7 +212,8 @@ def main(argv=None) -> int:
             print(*args, flush=True)
     inputs_np = make_inputs(comm)
     trees = {}
-    for label, ep in (("base", base_ep), ("head", head_ep)):
+    order = (("base", base_ep), ("head", head_ep))
+    for label, ep in order if a.first == "base" else order[::-1]:
         t0 = time.perf_counter()
         trees[label] = Tree(ep, comm, inputs_np, harness.to_device)
         log(f"[{label}] {ep.__file__}: buffers, first calls and kernels in {time.perf_counter() - t0:.1f} s")
@@ -217,7 +222,7 @@ def main(argv=None) -> int:
         shared = harness.shared_gpus(comm)
     about = {"base_commit": tree_commit(a.base_tree), "head_commit": harness.git_commit(), "gpu": harness.gpu_name(),
              "ranks": comm.Get_size(), "shared_gpu": bool(shared), "reps": 0, "iters": a.iters,
-             "steady_n": a.steady_n, "date": time.strftime("%Y-%m-%d"),
+             "steady_n": a.steady_n, "first": a.first, "date": time.strftime("%Y-%m-%d"),
              "mps_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}
     samples: dict = {}
 

@@ -13,7 +13,8 @@
 # rounds needs more than one 10-minute device call on one GPU; "host": benchmarks/host_overhead.py, the host time
 # per call of the normal-mode calls and the low-latency pair, run over each tree; "inprocess":
 # benchmarks/ab_inprocess.py, both trees in one process per rank, their calls interleaved, AB_REPS repetitions
-# (default 8) of AB_INPROCESS_ITERS iterations per timing (default 50), none begun after AB_BUDGET_S seconds of timing, killed after AB_INPROCESS_TIMEOUT_S (default 540),
+# (default 8) of AB_INPROCESS_ITERS iterations per timing (default 50), AB_INPROCESS_FIRST's memory allocated first
+# (default base), none begun after AB_BUDGET_S seconds of timing, killed after AB_INPROCESS_TIMEOUT_S (default 540),
 # results under $OUT/ab/inprocess/; it runs once, after the rounds). AB_ROUNDS rounds (default 2:
 # base, head, base, head), numbered from AB_FIRST_ROUND (default 1; a later device call that continues a comparison
 # starts where the last one ended, so that all its runs fit one ab_table.py table), each run killed after
@@ -112,7 +113,7 @@ for round in $(seq "$first_round" $((first_round + ${AB_ROUNDS:-2} - 1))); do
 done
 if [[ " $modes " == *" inprocess "* ]]; then
     ep_mpirun_argv 2 "$EP_PYTHON" "$PWD/benchmarks/ab_inprocess.py" "$BASE_DIR" --reps "${AB_REPS:-8}" \
-        --iters "${AB_INPROCESS_ITERS:-50}" --out "$OUT_DIR/inprocess" ${AB_BUDGET_S:+--budget-s "$AB_BUDGET_S"} || exit 1
+        --iters "${AB_INPROCESS_ITERS:-50}" --first "${AB_INPROCESS_FIRST:-base}" --out "$OUT_DIR/inprocess" ${AB_BUDGET_S:+--budget-s "$AB_BUDGET_S"} || exit 1
     start=$SECONDS
     PYTHONPATH="$PWD" CUPY_EP_COMMIT="$head_commit" timeout -k 5 "${AB_INPROCESS_TIMEOUT_S:-540}" "${EP_ARGV[@]}" \
         > "$OUT_DIR/inprocess.log" 2>&1

@@ -49,5 +49,5 @@ def test_summarize_pairs_each_repetition():
     assert r["reps"] == 1 and r["ratio"] == pytest.approx(1.1) and r["base_us"] == 20.0
     text = ab_inprocess.markdown(list(rows.values()), {"base_commit": "aaa", "head_commit": "bbb", "gpu": "G",
                                                        "ranks": 2, "shared_gpu": True, "reps": 4, "iters": 50,
-                                                       "date": "2026-12-06"})
+                                                       "first": "base", "date": "2026-12-06"})
     assert "| combine bf16 | steady | 100.0 | 100.0 | 1.015 | 0.900-1.040 | 22.2 % |" in text
